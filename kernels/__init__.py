@@ -1,0 +1,41 @@
+"""Kernels: flat token buffers in, labels (or 0/1 masks) and per-row statistics out.
+
+Every backend module exposes one function with the same contract::
+
+    label_rows(values, starts, ends, markers, *, last_turn_only, ignore_index, out, write_mask)
+        -> (trained_tokens int64[n_rows], outcomes int8[n_rows], first_bad int64[n_rows])
+
+- ``values``: 1-D integer array of token ids; row ``r`` is ``values[starts[r]:ends[r]]``.
+- ``out``: array shaped like ``values``, written at every position of every row: the label
+  (the token id, or ``ignore_index``) or, with ``write_mask``, 1/0. Positions outside rows are left alone.
+- ``outcomes``: ``lossmask.Outcome`` codes; ``first_bad``: index into ``values`` of the row's first
+  negative id, or -1. Kernels never raise on data; the caller turns these into errors.
+
+Backends are imported lazily, by name, in this one place.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# name -> (module inside lossmask.kernels, pip extra that brings its dependency)
+BACKENDS: dict[str, tuple[str, str | None]] = {
+    "numba": ("numba_kernel", None),
+    "numpy": ("reference", None),
+}
+
+DEFAULT_BACKEND = "numba"
+
+
+def get_backend(name: str | None) -> ModuleType:
+    """The kernel module of a backend, importing it (and its library) on first use."""
+    name = DEFAULT_BACKEND if name is None else name
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; pass one of {sorted(BACKENDS)} (or None for {DEFAULT_BACKEND!r})")
+    module, extra = BACKENDS[name]
+    try:
+        return importlib.import_module(f"{__name__}.{module}")
+    except ImportError as exc:
+        hint = f"pip install 'lossmask[{extra}]'" if extra else "pip install lossmask"
+        raise ImportError(f"backend {name!r} needs {exc.name or 'a missing package'}: {hint}") from exc

@@ -1,0 +1,138 @@
+"""The CPU engine: one pass per row, rows in parallel (``prange``), over flat Arrow buffers.
+
+Equal to ``reference.py`` bit for bit. The scan keeps three positions per row instead of the sets
+of SPEC.md: the latest open, the latest close and the end of the latest mask_out match. At token
+``i`` the events that land on ``i`` are exactly
+
+- a response or instruction pattern that *starts* at ``i`` (close at ``i``), and a mask_out pattern
+  that starts at ``i`` (covers ``[i, i+len)``): checked forwards from ``t[i]``;
+- a response pattern that *ends* at ``i-1`` (open at ``i``) and an end pattern that ends at ``i-1``
+  (close at ``i``): checked backwards from ``t[i-1]``.
+
+So one forward scan sees every event in order. A per-token-id flag table (``flags``) keeps the
+pattern loops off the common path: most tokens neither start nor end any pattern.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ..markers import END, ENDS_PATTERN, INSTRUCTION, MASK_OUT, RESPONSE, STARTS_PATTERN, Markers
+from ..outcomes import Outcome
+
+_TRAINED = np.int8(Outcome.TRAINED)
+_NO_RESPONSE = np.int8(Outcome.NO_RESPONSE)
+_EMPTY_RESPONSE = np.int8(Outcome.EMPTY_RESPONSE)
+_EMPTY = np.int8(Outcome.EMPTY)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _matches(values, at, lo, hi, tokens, p_lo, p_hi):
+    """Does the pattern ``tokens[p_lo:p_hi]`` occur at ``values[at:]`` within the row ``[lo, hi)``?"""
+    if at < lo or at + (p_hi - p_lo) > hi:
+        return False
+    for k in range(p_hi - p_lo):
+        if values[at + k] != tokens[p_lo + k]:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _last_open(values, lo, hi, tokens, offsets, kinds, flags):
+    """max(OPEN) for the row, scanning backwards from its end; -1 when no response pattern occurs."""
+    n_flags = flags.shape[0]
+    for i in range(hi, lo, -1):  # an open at i comes from a response pattern ending at i-1
+        v = values[i - 1]
+        if v < 0 or v >= n_flags or not (flags[v] & ENDS_PATTERN):
+            continue
+        for k in range(kinds.shape[0]):
+            if kinds[k] == RESPONSE:
+                length = offsets[k + 1] - offsets[k]
+                if _matches(values, i - length, lo, hi, tokens, offsets[k], offsets[k + 1]):
+                    return i
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _label_row(values, lo, hi, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask):
+    """Label one row in place; return (trained tokens, outcome code, first negative index or -1)."""
+    if hi <= lo:
+        return 0, _EMPTY, -1
+    n_flags = flags.shape[0]
+    n_patterns = kinds.shape[0]
+    only_open = _last_open(values, lo, hi, tokens, offsets, kinds, flags) if last_turn_only else -2
+    last_open = -1
+    last_close = -1
+    masked_until = -1
+    saw_response = False
+    first_bad = -1
+    n_trained = 0
+    prev_flag = 0
+    for i in range(lo, hi + 1):  # i == hi only settles a response pattern ending the row
+        if prev_flag & ENDS_PATTERN:
+            for k in range(n_patterns):
+                kind = kinds[k]
+                if kind == RESPONSE or kind == END:
+                    length = offsets[k + 1] - offsets[k]
+                    if _matches(values, i - length, lo, hi, tokens, offsets[k], offsets[k + 1]):
+                        if kind == RESPONSE:
+                            last_open = i
+                            saw_response = True
+                        else:
+                            last_close = i
+        if i == hi:
+            break
+        v = values[i]
+        flag = 0
+        if v < 0:
+            if first_bad < 0:
+                first_bad = i
+        elif v < n_flags:
+            flag = flags[v]
+        if flag & STARTS_PATTERN:
+            for k in range(n_patterns):
+                kind = kinds[k]
+                if kind != END and _matches(values, i, lo, hi, tokens, offsets[k], offsets[k + 1]):
+                    if kind == MASK_OUT:
+                        masked_until = max(masked_until, i + offsets[k + 1] - offsets[k])
+                    else:
+                        last_close = i
+        trained = last_open > last_close and i >= masked_until
+        if last_turn_only:
+            trained = trained and last_open == only_open
+        if trained:
+            n_trained += 1
+        if write_mask:
+            out[i] = 1 if trained else 0
+        else:
+            out[i] = v if trained else ignore_index
+        prev_flag = flag
+    if n_trained:
+        return n_trained, _TRAINED, first_bad
+    return 0, (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE), first_bad
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def _label_rows(values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask):
+    n_rows = starts.shape[0]
+    trained_tokens = np.zeros(n_rows, dtype=np.int64)
+    outcomes = np.zeros(n_rows, dtype=np.int8)
+    first_bad = np.full(n_rows, -1, dtype=np.int64)
+    for r in prange(n_rows):
+        n, code, bad = _label_row(
+            values, starts[r], ends[r], tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask
+        )
+        trained_tokens[r] = n
+        outcomes[r] = code
+        first_bad[r] = bad
+    return trained_tokens, outcomes, first_bad
+
+
+def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
+    """Backend entry point (see ``lossmask.kernels``)."""
+    c = markers.compiled()
+    return _label_rows(
+        values, starts, ends, c.tokens, c.offsets, c.kinds, c.flags,
+        bool(last_turn_only), out.dtype.type(ignore_index), out, bool(write_mask),
+    )

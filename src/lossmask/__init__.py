@@ -1,0 +1,28 @@
+"""lossmask: which tokens of a chat training row count in the loss, exactly and fast.
+
+    >>> import lossmask
+    >>> markers = lossmask.Markers(response=[[1, 2]], instruction=[[1, 3]], end=[[4]])
+    >>> lossmask.make_labels([[1, 3, 9, 4, 1, 2, 7, 8, 4]], markers)
+    [[-100, -100, -100, -100, -100, -100, 7, 8, 4]]
+
+``import lossmask`` loads numpy and pyarrow only; numba, torch, MLX, transformers and Ray load
+when a function that needs them is first called.
+"""
+
+from __future__ import annotations
+
+from .labels import LabelledBatch, label_batch, make_labels, trainable_mask
+from .markers import Markers
+from .outcomes import Outcome, OutcomeCounts
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LabelledBatch",
+    "Markers",
+    "Outcome",
+    "OutcomeCounts",
+    "label_batch",
+    "make_labels",
+    "trainable_mask",
+]

@@ -1,0 +1,149 @@
+"""Token batches in: every accepted input shape as flat buffers ``(values, starts, ends)``, and back.
+
+Accepted: ``pyarrow.ListArray`` / ``LargeListArray`` of any integer type (sliced, with null rows),
+``pyarrow.ChunkedArray`` of those, Python lists of lists, and a NumPy 2-D array with ``lengths``.
+Arrow inputs are read zero-copy: ``starts``/``ends`` are views of the offsets buffer and ``values``
+a view of the child buffer; the output list array reuses the input's offsets and validity buffers.
+All checks that need a pass over the data are done here once, or by the kernel (negative ids),
+never per row in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """Rows as the kernels see them: row ``r`` is ``values[starts[r]:ends[r]]``.
+
+    ``first_row`` is the index of row 0 in the caller's whole input (chunks of a ChunkedArray
+    start further on), so that errors name the row the user knows.
+    """
+
+    values: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    first_row: int = 0
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.ends - self.starts
+
+    def __len__(self) -> int:
+        return self.starts.shape[0]
+
+
+LABEL_DTYPES = {"int64": np.dtype(np.int64), "int32": np.dtype(np.int32)}
+
+
+def resolve_label_dtype(dtype: Any) -> np.dtype:
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in LABEL_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not a label dtype; pass 'int64' (the Hugging Face convention) or 'int32'")
+    return resolved
+
+
+def _integer_list_type(arr_type: pa.DataType, what: str) -> None:
+    if not (pa.types.is_list(arr_type) or pa.types.is_large_list(arr_type)):
+        raise TypeError(
+            f"{what} must be a list array of token ids (list<int32>, list<int64>, large_list<...>), got {arr_type}"
+        )
+    if not pa.types.is_integer(arr_type.value_type):
+        raise TypeError(
+            f"{what} holds {arr_type.value_type} values; token ids must be integers "
+            f"(cast first, e.g. pyarrow.compute.cast(arr, pa.list_(pa.int32())))"
+        )
+
+
+def rows_from_arrow(arr: pa.Array, *, first_row: int = 0) -> TokenRows:
+    """Zero-copy views of a List/LargeList array of integers. Raises on nulls inside a row."""
+    _integer_list_type(arr.type, "input_ids")
+    offsets_type = np.int32 if pa.types.is_list(arr.type) else np.int64
+    offsets_buffer = arr.buffers()[1]
+    if offsets_buffer is None:  # an array of length 0 may carry no buffers at all
+        empty = np.zeros(0, np.int64)
+        return TokenRows(np.zeros(0, np.int64), empty, empty, first_row)
+    offsets = np.frombuffer(offsets_buffer, dtype=offsets_type)[arr.offset : arr.offset + len(arr) + 1]
+    child = arr.values
+    starts, ends = offsets[:-1], offsets[1:]
+    if arr.null_count:
+        # A null row may still span values; it is treated as a row with no tokens.
+        ends = np.where(np.asarray(arr.is_valid()), ends, starts)
+    if child.null_count:
+        _raise_on_null_inside_row(child, starts, ends, first_row)
+    values = child.to_numpy(zero_copy_only=True)
+    return TokenRows(values, starts, ends, first_row)
+
+
+def _raise_on_null_inside_row(child: pa.Array, starts: np.ndarray, ends: np.ndarray, first_row: int) -> None:
+    null_positions = np.flatnonzero(np.asarray(child.is_null()))
+    rows = np.searchsorted(starts, null_positions, side="right") - 1
+    inside = (rows >= 0) & (null_positions < ends[np.maximum(rows, 0)])
+    if inside.any():
+        k = int(np.argmax(inside))
+        row = int(rows[k])
+        raise ValueError(
+            f"row {first_row + row} has a null token at position {int(null_positions[k] - starts[row])}; "
+            "token ids cannot be null (fill or drop such rows before labelling)"
+        )
+
+
+def labels_to_arrow(arr: pa.Array, out: np.ndarray) -> pa.Array:
+    """A list array shaped like ``arr`` (same offsets and validity buffers, no copy) holding ``out``."""
+    list_type = pa.list_(pa.from_numpy_dtype(out.dtype)) if pa.types.is_list(arr.type) else pa.large_list(
+        pa.from_numpy_dtype(out.dtype)
+    )
+    buffers = arr.buffers()
+    if buffers[1] is None:
+        return pa.array([], type=list_type)
+    return pa.Array.from_buffers(
+        list_type, len(arr), [buffers[0], buffers[1]], null_count=arr.null_count, offset=arr.offset,
+        children=[pa.array(out)],
+    )
+
+
+def rows_from_pylist(rows: list, *, first_row: int = 0) -> pa.Array:
+    """Python lists of token ids as a LargeList<int64> array, with the row of a bad value named."""
+    try:
+        return pa.array(rows, type=pa.large_list(pa.int64()))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
+        for r, row in enumerate(rows):
+            if row is None:
+                continue
+            if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+                raise TypeError(f"row {first_row + r} is {type(row).__name__}, not a list of token ids") from None
+            for position, token in enumerate(row):
+                if token is None:
+                    raise ValueError(f"row {first_row + r} has a null token at position {position}") from None
+                if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+                    raise TypeError(
+                        f"row {first_row + r} holds {token!r} at position {position}; token ids must be integers"
+                    ) from None
+        raise TypeError(f"input_ids could not be read as lists of token ids: {exc}") from None
+
+
+def rows_from_padded(input_ids: np.ndarray, lengths: Any) -> TokenRows:
+    """A [rows, width] array whose row ``r`` holds ``lengths[r]`` real tokens from the left."""
+    if input_ids.ndim != 2:
+        raise ValueError(f"a NumPy input must be 2-D [rows, width] with a lengths argument, got shape {input_ids.shape}")
+    if input_ids.dtype.kind not in "iu":
+        raise TypeError(f"input_ids has dtype {input_ids.dtype}; token ids must be integers")
+    n_rows, width = input_ids.shape
+    lengths = np.asarray(lengths)
+    if lengths.shape != (n_rows,) or lengths.dtype.kind not in "iu":
+        raise ValueError(f"lengths must be {n_rows} integers (one per row), got shape {lengths.shape} of {lengths.dtype}")
+    bad = np.flatnonzero((lengths < 0) | (lengths > width))
+    if bad.size:
+        r = int(bad[0])
+        raise ValueError(f"lengths[{r}] = {int(lengths[r])} is outside [0, {width}], the width of input_ids")
+    values = np.ascontiguousarray(input_ids).reshape(-1)
+    starts = np.arange(n_rows, dtype=np.int64) * width
+    return TokenRows(values, starts, starts + lengths.astype(np.int64))

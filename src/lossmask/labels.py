@@ -1,0 +1,167 @@
+"""The public labelling operations: ``make_labels``, ``trainable_mask`` and ``label_batch``.
+
+Each call validates once, turns its input into flat buffers (``batches.py``), makes one call into
+the chosen kernel per Arrow chunk, raises on what the kernel reported, and gives back the same row
+structure it was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from . import batches
+from .batches import TokenRows
+from .kernels import get_backend
+from .markers import Markers
+from .outcomes import Outcome, OutcomeCounts
+
+
+@dataclass(frozen=True)
+class LabelledBatch:
+    """Labels for a batch, with what each row ended as, from the same kernel pass.
+
+    ``labels`` has the structure of the input (a list array for a list array, ...).
+    ``trained_tokens[r]`` and ``outcomes[r]`` (``Outcome`` codes) describe row ``r``;
+    ``counts`` adds them up.
+    """
+
+    labels: Any
+    trained_tokens: np.ndarray
+    outcomes: np.ndarray
+    counts: OutcomeCounts
+
+    @property
+    def keep(self) -> np.ndarray:
+        """A boolean per row: does it train at least one token?"""
+        return self.outcomes == Outcome.TRAINED
+
+
+def make_labels(
+    input_ids: Any,
+    markers: Markers,
+    *,
+    backend: str | None = None,
+    last_turn_only: bool = False,
+    ignore_index: int = -100,
+    dtype: Any = "int64",
+    lengths: Any = None,
+) -> Any:
+    """Labels per SPEC.md: the token id where it is trained, ``ignore_index`` elsewhere.
+
+    ``input_ids``: a ``pyarrow`` List/LargeList array of integers (sliced arrays and null rows
+    welcome) or a ChunkedArray of them, Python lists of lists, or a 2-D NumPy array with
+    ``lengths`` (real tokens per row; the rest is padding, labelled ``ignore_index``).
+    Returns the same structure; Arrow outputs reuse the input's offsets buffer.
+    """
+    return label_batch(
+        input_ids, markers, backend=backend, last_turn_only=last_turn_only,
+        ignore_index=ignore_index, dtype=dtype, lengths=lengths,
+    ).labels
+
+
+def trainable_mask(
+    input_ids: Any,
+    markers: Markers,
+    *,
+    backend: str | None = None,
+    last_turn_only: bool = False,
+    lengths: Any = None,
+) -> Any:
+    """The same decision as ``make_labels``, as 0/1 ``int8`` (TRL's ``completion_mask``)."""
+    return _label(input_ids, markers, backend, last_turn_only, 0, np.dtype(np.int8), lengths, write_mask=True).labels
+
+
+def label_batch(
+    input_ids: Any,
+    markers: Markers,
+    *,
+    backend: str | None = None,
+    last_turn_only: bool = False,
+    ignore_index: int = -100,
+    dtype: Any = "int64",
+    lengths: Any = None,
+) -> LabelledBatch:
+    """``make_labels`` plus per-row trained-token counts and outcomes, in one pass."""
+    label_dtype = batches.resolve_label_dtype(dtype)
+    info = np.iinfo(label_dtype)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)) or not (
+        info.min <= ignore_index <= info.max
+    ):
+        raise ValueError(f"ignore_index={ignore_index!r} must be an integer that fits {label_dtype.name}")
+    return _label(input_ids, markers, backend, last_turn_only, int(ignore_index), label_dtype, lengths, write_mask=False)
+
+
+def _label(input_ids, markers, backend, last_turn_only, ignore_index, out_dtype, lengths, *, write_mask) -> LabelledBatch:
+    if not isinstance(markers, Markers):
+        raise TypeError(
+            f"markers must be a lossmask.Markers, got {type(markers).__name__}; "
+            "build one with Markers(response=[[...]], ...) or Markers.from_json(path)"
+        )
+    kernel = get_backend(backend)
+
+    def run(rows: TokenRows, out: np.ndarray):
+        trained, outcomes, first_bad = kernel.label_rows(
+            rows.values, rows.starts, rows.ends, markers,
+            last_turn_only=last_turn_only, ignore_index=ignore_index, out=out, write_mask=write_mask,
+        )
+        _raise_on_negative_ids(rows, first_bad)
+        return trained, outcomes, rows.lengths
+
+    if lengths is not None or isinstance(input_ids, np.ndarray):
+        if not isinstance(input_ids, np.ndarray) or lengths is None:
+            raise TypeError("lengths goes with a 2-D NumPy input_ids (rows padded to one width); pass both or neither")
+        rows = batches.rows_from_padded(input_ids, lengths)
+        out = np.full(input_ids.shape, 0 if write_mask else ignore_index, dtype=out_dtype)
+        return _assemble(out, [run(rows, out.reshape(-1))])
+
+    if isinstance(input_ids, (list, tuple)):
+        array = batches.rows_from_pylist(list(input_ids))
+        result = _label_arrow_chunks([array], run, out_dtype)
+        return LabelledBatch(result.labels.to_pylist(), result.trained_tokens, result.outcomes, result.counts)
+
+    if isinstance(input_ids, pa.ChunkedArray):
+        return _label_arrow_chunks(input_ids.chunks, run, out_dtype, chunked_type=input_ids.type)
+    if isinstance(input_ids, pa.Array):
+        return _label_arrow_chunks([input_ids], run, out_dtype)
+    raise TypeError(
+        f"input_ids of type {type(input_ids).__name__} is not supported; pass a pyarrow List/LargeList array "
+        "(or ChunkedArray), a list of lists of ints, or a 2-D NumPy array with lengths="
+    )
+
+
+def _label_arrow_chunks(chunks, run, out_dtype, *, chunked_type=None) -> LabelledBatch:
+    labels, per_row, first_row = [], [], 0
+    for chunk in chunks:
+        rows = batches.rows_from_arrow(chunk, first_row=first_row)
+        out = np.zeros(rows.values.shape[0], dtype=out_dtype)
+        per_row.append(run(rows, out))
+        labels.append(batches.labels_to_arrow(chunk, out))
+        first_row += len(chunk)
+    if chunked_type is None:
+        return _assemble(labels[0], per_row)
+    value_type = pa.from_numpy_dtype(out_dtype)
+    out_type = pa.list_(value_type) if pa.types.is_list(chunked_type) else pa.large_list(value_type)
+    return _assemble(pa.chunked_array(labels, type=out_type), per_row)
+
+
+def _assemble(labels, per_row) -> LabelledBatch:
+    if per_row:
+        trained, outcomes, lengths = (np.concatenate(parts) for parts in zip(*per_row))
+    else:
+        trained, outcomes, lengths = np.zeros(0, np.int64), np.zeros(0, np.int8), np.zeros(0, np.int64)
+    return LabelledBatch(labels, trained, outcomes, OutcomeCounts.from_rows(outcomes, trained, lengths))
+
+
+def _raise_on_negative_ids(rows: TokenRows, first_bad: np.ndarray) -> None:
+    bad_rows = np.flatnonzero(first_bad >= 0)
+    if bad_rows.size:
+        r = int(bad_rows[0])
+        index = int(first_bad[r])
+        raise ValueError(
+            f"row {rows.first_row + r} holds the negative token id {int(rows.values[index])} at position "
+            f"{index - int(rows.starts[r])}; token ids must be >= 0 (is padding marked with -100 or -1?)"
+        )
