@@ -1,0 +1,34 @@
+"""Shared fixtures. The real tokenizers live outside the repo, in ``$LOSSMASK_TOKENIZERS``
+(default ``../shared/tokenizers`` beside the repo root); tests that need them skip when absent."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKENIZERS_DIR = Path(os.environ.get("LOSSMASK_TOKENIZERS", REPO_ROOT.parent / "shared" / "tokenizers"))
+
+
+def tokenizer_families() -> list[str]:
+    """Every tokenizer folder in TOKENIZERS_DIR (empty when the folder is absent)."""
+    if not TOKENIZERS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in TOKENIZERS_DIR.iterdir() if (p / "tokenizer_config.json").is_file())
+
+
+def tokenizer_path(family: str) -> Path:
+    """The folder of one family's tokenizer, or a skip naming what is missing."""
+    path = TOKENIZERS_DIR / family
+    if not path.is_dir():
+        pytest.skip(f"tokenizer {family!r} not found in {TOKENIZERS_DIR} (set LOSSMASK_TOKENIZERS to the shared tokenizers folder)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizers_dir() -> Path:
+    if not TOKENIZERS_DIR.is_dir():
+        pytest.skip(f"shared tokenizers not found at {TOKENIZERS_DIR} (set LOSSMASK_TOKENIZERS)")
+    return TOKENIZERS_DIR
