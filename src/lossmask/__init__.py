@@ -14,6 +14,7 @@ from __future__ import annotations
 from .labels import LabelledBatch, label_batch, make_labels, trainable_mask
 from .markers import Markers
 from .outcomes import Outcome, OutcomeCounts
+from .safety import TooManyDroppedRows, check_drop_fraction
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,8 @@ __all__ = [
     "Markers",
     "Outcome",
     "OutcomeCounts",
+    "TooManyDroppedRows",
+    "check_drop_fraction",
     "label_batch",
     "make_labels",
     "trainable_mask",

@@ -45,14 +45,16 @@ def build_sample() -> tuple[pa.Array, Markers, list[str]]:
     return pa.array(rows, type=pa.list_(pa.int32())), markers, list(vocab)
 
 
+def render_tokens(texts: list[str], trained, *, colour: bool) -> str:
+    """Token texts joined by spaces, trained ones highlighted (ANSI colour) or [bracketed]."""
+    return " ".join(
+        (f"\x1b[1;30;42m{text}\x1b[0m" if colour else f"[{text}]") if is_trained else text
+        for text, is_trained in zip(texts, trained)
+    )
+
+
 def render_row(row: np.ndarray, labels: np.ndarray, vocab: list[str], *, colour: bool) -> str:
-    words = []
-    for token, label in zip(row.tolist(), labels.tolist()):
-        text = vocab[token]
-        if label != -100:
-            text = f"\x1b[1;30;42m{text}\x1b[0m" if colour else f"[{text}]"
-        words.append(text)
-    return " ".join(words)
+    return render_tokens([vocab[t] for t in row.tolist()], (labels != -100).tolist(), colour=colour)
 
 
 def run_example(out=None) -> int:
