@@ -23,6 +23,7 @@ from types import ModuleType
 BACKENDS: dict[str, tuple[str, str | None]] = {
     "numba": ("numba_kernel", None),
     "numpy": ("reference", None),
+    "torch": ("torch_kernel", "torch"),
 }
 
 DEFAULT_BACKEND = "numba"

@@ -1,0 +1,305 @@
+"""The torch engine: SPEC.md as a few whole-tensor operations, on whatever device the tokens live.
+
+Equal to ``reference.py`` bit for bit. There is no loop over rows or tokens, only over the
+patterns. The tokens are one flat buffer cut into *segments* (rows, or the sequences of a packed
+row); positions outside every segment (padding) take part in nothing. For each pattern, shifted
+comparisons give its match starts, kept only where the whole match lies inside one segment. Match
+starts and ends become OPEN / CLOSE / mask_out events that carry their own absolute position, so
+"the latest event at or before ``i``" of SPEC.md is a running maximum (``cummax``) over the whole
+buffer: an event of an earlier segment is below the segment's first position and reads as "none".
+An event one past a segment's last token (a response header that ends the row) would land on the
+next segment's first position, so it is kept out of the running maxima; it still counts for
+"a response pattern occurs" and for ``max(OPEN)``, which are per-segment reductions (``scatter``).
+
+Three entry points:
+
+- ``label_rows``: the kernel contract of ``lossmask.kernels`` (NumPy in and out, on the CPU);
+- ``label_padded``: a ``[B, T]`` tensor with ``lengths`` or an ``attention_mask`` (right or left
+  padding), on the tensor's device: what the collator calls;
+- ``label_segments``: a flat tensor cut by ``cu_seq_lens``, for padding-free and packed batches.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..markers import END, INSTRUCTION, MASK_OUT, RESPONSE, Markers
+from ..outcomes import Outcome
+
+
+@dataclass(frozen=True)
+class SegmentLabels:
+    """What one pass over a flat buffer found: a decision per position and counts per segment."""
+
+    trained: torch.Tensor  # bool [N]; False outside every segment
+    inside: torch.Tensor  # bool [N]; is the position in a segment?
+    trained_tokens: torch.Tensor  # int64 [S]
+    has_response: torch.Tensor  # bool [S]
+    first_bad: torch.Tensor  # int64 [S]: position of the segment's first negative id, or -1
+
+
+def _patterns(markers: Markers) -> list[tuple[int, tuple[int, ...]]]:
+    c = markers.compiled()
+    offsets = c.offsets.tolist()
+    tokens = c.tokens.tolist()
+    return [(int(c.kinds[k]), tuple(tokens[offsets[k] : offsets[k + 1]])) for k in range(len(c.kinds))]
+
+
+def _match_starts(values: torch.Tensor, pattern: tuple[int, ...], fits: torch.Tensor) -> torch.Tensor:
+    """Bool [N]: does ``pattern`` start at ``s`` and end inside the segment of ``s``? (``fits``: s + len <= hi)"""
+    n, length = values.shape[0], len(pattern)
+    found = torch.zeros(n, dtype=torch.bool, device=values.device)
+    if length > n:
+        return found
+    width = n - length + 1
+    window = values[:width] == pattern[0]
+    for k in range(1, length):
+        window &= values[k : k + width] == pattern[k]
+    found[:width] = window
+    return found & fits
+
+
+def _shift_right(marks: torch.Tensor, by: int) -> torch.Tensor:
+    """``out[i] = marks[i - by]`` (False where ``i < by``)."""
+    out = torch.zeros_like(marks)
+    if by < marks.shape[0]:
+        out[by:] = marks[: marks.shape[0] - by]
+    return out
+
+
+def label_flat(
+    values: torch.Tensor,
+    seg: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    markers: Markers,
+    *,
+    last_turn_only: bool = False,
+) -> SegmentLabels:
+    """The engine on a flat buffer: ``seg[i]`` is the segment of position ``i`` (``S`` = none).
+
+    ``lo``/``hi`` (int64, ``S + 1`` values, the last one a dummy) bound each segment:
+    segment ``g`` is ``values[lo[g]:hi[g]]``, and every ``i`` with ``seg[i] == g`` lies there.
+    """
+    n_segs = lo.shape[0] - 1
+    device = values.device
+    n = values.shape[0]
+    pos = torch.arange(n, device=device, dtype=torch.int64)
+    inside = seg < n_segs
+    hi = hi.clone()
+    hi[n_segs] = -1  # nothing matches in the dummy segment
+    hi_at, lo_at = hi[seg], lo[seg]
+    minus_one = torch.full((n,), -1, dtype=torch.int64, device=device)
+
+    open_mark = torch.zeros(n, dtype=torch.bool, device=device)
+    close_mark = torch.zeros(n, dtype=torch.bool, device=device)
+    response_at = torch.zeros(n, dtype=torch.bool, device=device)
+    last_open = minus_one  # per start s: s + len(P) of the longest response P matching there
+    cover = minus_one  # per start s: end of a mask_out match starting at s
+    fits_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for kind, pattern in _patterns(markers):
+        length = len(pattern)
+        if length not in fits_cache:
+            end = pos + length
+            fits_cache[length] = (end <= hi_at, end < hi_at)
+        fits, ends_before_hi = fits_cache[length]
+        found = _match_starts(values, pattern, fits)
+        if kind == RESPONSE:
+            open_mark |= _shift_right(found & ends_before_hi, length)
+            close_mark |= found
+            response_at |= found
+            if last_turn_only:
+                last_open = torch.where(found, torch.maximum(last_open, pos + length), last_open)
+        elif kind == INSTRUCTION:
+            close_mark |= found
+        elif kind == END:
+            close_mark |= _shift_right(found & ends_before_hi, length)
+        elif kind == MASK_OUT:
+            cover = torch.where(found, torch.maximum(cover, pos + length), cover)
+
+    open_at = torch.cummax(torch.where(open_mark, pos, minus_one), dim=0).values
+    close_at = torch.cummax(torch.where(close_mark, pos, minus_one), dim=0).values
+    trained = inside & (open_at >= lo_at) & (open_at > close_at)
+    if markers.mask_out:
+        trained &= torch.cummax(cover, dim=0).values <= pos
+    if last_turn_only:
+        row_last = torch.full((n_segs + 1,), -1, dtype=torch.int64, device=device)
+        row_last.scatter_reduce_(0, seg, last_open, reduce="amax")
+        trained &= open_at == row_last[seg]
+
+    trained_tokens = torch.zeros(n_segs + 1, dtype=torch.int64, device=device)
+    trained_tokens.scatter_add_(0, seg, trained.to(torch.int64))
+    responses = torch.zeros(n_segs + 1, dtype=torch.int64, device=device)
+    responses.scatter_add_(0, seg, response_at.to(torch.int64))
+    bad = torch.full((n_segs + 1,), n, dtype=torch.int64, device=device)
+    bad.scatter_reduce_(0, seg, torch.where(values < 0, pos, n), reduce="amin")
+    first_bad = torch.where(bad < n, bad, -1)
+    return SegmentLabels(trained, inside, trained_tokens[:n_segs], responses[:n_segs] > 0, first_bad[:n_segs])
+
+
+def segments_of(n: int, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``seg`` for ``label_flat`` from sorted, non-overlapping ``[starts[g], ends[g])`` over ``n`` positions."""
+    pos = torch.arange(n, device=starts.device, dtype=torch.int64)
+    seg = torch.searchsorted(starts, pos, right=True) - 1
+    n_segs = starts.shape[0]
+    if n_segs == 0:
+        return torch.zeros(n, dtype=torch.int64, device=starts.device)
+    inside = (seg >= 0) & (pos < ends[seg.clamp(min=0)])
+    return torch.where(inside, seg, n_segs)
+
+
+def outcomes_of(lengths: torch.Tensor, result: SegmentLabels) -> torch.Tensor:
+    """``Outcome`` codes per segment (int8)."""
+    codes = torch.where(result.has_response, int(Outcome.EMPTY_RESPONSE), int(Outcome.NO_RESPONSE))
+    codes = torch.where(result.trained_tokens > 0, int(Outcome.TRAINED), codes)
+    codes = torch.where(lengths == 0, int(Outcome.EMPTY), codes)
+    return codes.to(torch.int8)
+
+
+def label_segments(
+    values: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    markers: Markers,
+    *,
+    last_turn_only: bool = False,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Labels for a flat ``values`` [N] cut into sequences by ``cu_seq_lens`` ([S + 1], from 0), on its device.
+
+    Positions past ``cu_seq_lens[-1]`` (padding) get ``ignore_index``. Returns int64 [N].
+    """
+    if values.ndim != 1:
+        raise ValueError(f"values must be 1-D (a flattened batch), got shape {tuple(values.shape)}; flatten it first")
+    cu = cu_seq_lens.to(device=values.device, dtype=torch.int64)
+    starts, ends = cu[:-1], cu[1:]
+    result = label_flat(
+        values, segments_of(values.shape[0], starts, ends), _bounds(starts), _bounds(ends), markers,
+        last_turn_only=last_turn_only,
+    )
+    return torch.where(result.trained, values.to(torch.int64), ignore_index)
+
+
+def _bounds(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x.to(torch.int64), x.new_zeros(1, dtype=torch.int64)])
+
+
+def padded_bounds(
+    input_ids: torch.Tensor, *, lengths: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+    padding_side: str = "right",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and one-past-last real position of each row of a ``[B, T]`` batch (int64 [B] each)."""
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, width], got shape {tuple(input_ids.shape)}")
+    batch, width = input_ids.shape
+    if (lengths is None) == (attention_mask is None):
+        raise TypeError("pass exactly one of lengths= (real tokens per row) or attention_mask= (1 on real tokens)")
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (batch, width):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(batch, width)}")
+        mask = attention_mask.to(device=input_ids.device).bool()
+        lengths = mask.sum(dim=1)
+        # the first real position: right padding starts at 0, left padding ends at the width
+        lo = torch.where(lengths > 0, mask.to(torch.int8).argmax(dim=1), 0).to(torch.int64)
+        span = torch.arange(width, device=input_ids.device)
+        expected = (span >= lo[:, None]) & (span < (lo + lengths)[:, None])
+        if not torch.equal(expected, mask):
+            raise ValueError(
+                "attention_mask has holes (a row's real tokens are not one contiguous run); lossmask labels "
+                "one sequence per row: pass packed rows through the collator with seq_lengths, or cu_seq_lens "
+                "to label_segments"
+            )
+        return lo, lo + lengths.to(torch.int64)
+    lengths = torch.as_tensor(lengths, device=input_ids.device).to(torch.int64)
+    if tuple(lengths.shape) != (batch,):
+        raise ValueError(f"lengths must hold {batch} values (one per row), got shape {tuple(lengths.shape)}")
+    if bool(((lengths < 0) | (lengths > width)).any()):
+        r = int(torch.nonzero((lengths < 0) | (lengths > width))[0, 0])
+        raise ValueError(f"lengths[{r}] = {int(lengths[r])} is outside [0, {width}], the width of input_ids")
+    if padding_side == "right":
+        return torch.zeros_like(lengths), lengths
+    if padding_side == "left":
+        return width - lengths, torch.full_like(lengths, width)
+    raise ValueError(f"padding_side={padding_side!r}; pass 'right' or 'left'")
+
+
+def label_padded(
+    input_ids: torch.Tensor,
+    markers: Markers,
+    *,
+    lengths: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    padding_side: str = "right",
+    last_turn_only: bool = False,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Labels (int64 ``[B, T]``) for a padded batch, computed on ``input_ids.device``.
+
+    Real tokens are told from padding by position, from ``lengths`` (with ``padding_side``) or from
+    ``attention_mask``, never by the pad id: a pad id equal to EOS leaves the real EOS trained.
+    """
+    if not isinstance(markers, Markers):
+        raise TypeError(f"markers must be a lossmask.Markers, got {type(markers).__name__}")
+    lo, hi = padded_bounds(input_ids, lengths=lengths, attention_mask=attention_mask, padding_side=padding_side)
+    batch, width = input_ids.shape
+    values = input_ids.reshape(-1)
+    row_start = torch.arange(batch, device=input_ids.device, dtype=torch.int64) * width
+    pos = torch.arange(batch * width, device=input_ids.device, dtype=torch.int64)
+    row = pos // width if width else pos
+    col = pos - row * width
+    seg = torch.where((col >= lo[row]) & (col < hi[row]), row, batch) if batch else row
+    result = label_flat(values, seg, _bounds(row_start + lo), _bounds(row_start + hi), markers, last_turn_only=last_turn_only)
+    first_bad = result.first_bad
+    if bool((first_bad >= 0).any()):
+        r = int(torch.nonzero(first_bad >= 0)[0, 0])
+        index = int(first_bad[r])
+        raise ValueError(
+            f"row {r} holds the negative token id {int(values[index])} at position {index - r * width}; token ids "
+            "must be >= 0 (is padding marked with -100? pad with a real id and pass lengths or attention_mask)"
+        )
+    return torch.where(result.trained, values.to(torch.int64), ignore_index).reshape(batch, width)
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    if array.dtype.kind == "u" and array.dtype.itemsize > 1:  # torch reads few unsigned types
+        array = array.astype(np.int64)
+    with warnings.catch_warnings():  # Arrow buffers are read-only; they are only read here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
+    """Backend entry point (see ``lossmask.kernels``): one pass over the whole buffer, on the CPU."""
+    n_rows = len(starts)
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.maximum(np.asarray(ends, dtype=np.int64), starts)
+    ordered = n_rows < 2 or bool((starts[1:] >= ends[:-1]).all())
+    if ordered:
+        flat, index = _as_tensor(values), None
+        starts_t, ends_t = torch.from_numpy(starts), torch.from_numpy(ends)
+    else:  # rows out of order or overlapping: label a compact copy, then write back
+        lengths = ends - starts
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        index = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - starts, lengths)
+        flat = _as_tensor(np.asarray(values)[index])
+        starts_t, ends_t = torch.from_numpy(cu[:-1].copy()), torch.from_numpy(cu[1:].copy())
+    seg = segments_of(flat.shape[0], starts_t, ends_t)
+    result = label_flat(flat, seg, _bounds(starts_t), _bounds(ends_t), markers, last_turn_only=bool(last_turn_only))
+    first_bad = result.first_bad.numpy()
+    if index is not None:
+        first_bad = np.where(first_bad >= 0, index[np.maximum(first_bad, 0)], -1)
+    if write_mask:
+        labels = result.trained
+    else:
+        labels = torch.where(result.trained, flat.to(torch.int64), ignore_index)
+    labels = labels.numpy().astype(out.dtype, copy=False)
+    if index is not None:
+        out[index] = labels
+    else:
+        inside = result.inside.numpy()
+        np.copyto(out, labels, where=inside)
+    outcomes = outcomes_of(torch.from_numpy(ends - starts), result).numpy()
+    return result.trained_tokens.numpy(), outcomes, first_bad
