@@ -79,7 +79,9 @@ def rows_from_arrow(arr: pa.Array, *, first_row: int = 0) -> TokenRows:
         ends = np.where(np.asarray(arr.is_valid()), ends, starts)
     if child.null_count:
         _raise_on_null_inside_row(child, starts, ends, first_row)
-    values = child.to_numpy(zero_copy_only=True)
+    # The data buffer itself, not child.to_numpy(): a null outside every row must not force a copy.
+    dtype = np.dtype(child.type.to_pandas_dtype())
+    values = np.frombuffer(child.buffers()[1], dtype=dtype)[child.offset : child.offset + len(child)]
     return TokenRows(values, starts, ends, first_row)
 
 
@@ -111,23 +113,30 @@ def labels_to_arrow(arr: pa.Array, out: np.ndarray) -> pa.Array:
 
 
 def rows_from_pylist(rows: list, *, first_row: int = 0) -> pa.Array:
-    """Python lists of token ids as a LargeList<int64> array, with the row of a bad value named."""
+    """Python lists of token ids as a LargeList<int64> array, with the row of a bad value named.
+
+    The type is inferred, never forced: forcing int64 would silently truncate 2.5 to 2.
+    """
     try:
-        return pa.array(rows, type=pa.large_list(pa.int64()))
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
-        for r, row in enumerate(rows):
-            if row is None:
-                continue
-            if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
-                raise TypeError(f"row {first_row + r} is {type(row).__name__}, not a list of token ids") from None
-            for position, token in enumerate(row):
-                if token is None:
-                    raise ValueError(f"row {first_row + r} has a null token at position {position}") from None
-                if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
-                    raise TypeError(
-                        f"row {first_row + r} holds {token!r} at position {position}; token ids must be integers"
-                    ) from None
-        raise TypeError(f"input_ids could not be read as lists of token ids: {exc}") from None
+        array = pa.array(rows, type=None) if rows else pa.array([], type=pa.large_list(pa.int64()))
+        value_type = getattr(array.type, "value_type", None)
+        if value_type is not None and (pa.types.is_integer(value_type) or pa.types.is_null(value_type)):
+            return array.cast(pa.large_list(pa.int64()))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+        pass
+    for r, row in enumerate(rows):
+        if row is None:
+            continue
+        if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+            raise TypeError(f"row {first_row + r} is {type(row).__name__}, not a list of token ids")
+        for position, token in enumerate(row):
+            if token is None:
+                raise ValueError(f"row {first_row + r} has a null token at position {position}")
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+                raise TypeError(f"row {first_row + r} holds {token!r} at position {position}; token ids must be integers")
+            if not -(2**63) <= token < 2**63:
+                raise ValueError(f"row {first_row + r} holds {token} at position {position}, beyond 64-bit token ids")
+    raise TypeError("input_ids could not be read as lists of token ids")  # pragma: no cover - all cases named above
 
 
 def rows_from_padded(input_ids: np.ndarray, lengths: Any) -> TokenRows:

@@ -1,0 +1,72 @@
+import json
+
+import pytest
+
+from lossmask import Markers
+
+
+def test_patterns_are_normalised_to_tuples_and_deduplicated():
+    m = Markers(response=[[1, 2], (1, 2)], instruction=[[3]], end=[[4]])
+    assert m.response == ((1, 2),)
+    assert m.instruction == ((3,),)
+    assert m.mask_out == ()
+
+
+def test_immutable_hashable_and_equal_by_value():
+    a = Markers(response=[[1, 2]], end=[[4]])
+    b = Markers(response=((1, 2),), end=((4,),))
+    assert a == b and hash(a) == hash(b)
+    a.compiled()  # the cached kernel form does not take part in equality
+    assert a == b and hash(a) == hash(b)
+    with pytest.raises(AttributeError):
+        a.response = ((9,),)
+
+
+def test_repr_is_readable():
+    assert repr(Markers(response=[[1, 2]], end=[[4]])) == "Markers(response=[[1, 2]], end=[[4]])"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(response=[]), ValueError, "at least one response pattern"),
+        (dict(response=[[1], []]), ValueError, "response[1] is an empty pattern"),
+        (dict(response=[[1, -2]]), ValueError, "negative id -2"),
+        (dict(response=[[1]], end=[[1.5]]), TypeError, "must be integers"),
+        (dict(response=[[1]], end=[[True]]), TypeError, "must be integers"),
+        (dict(response="<|im_start|>"), TypeError, "list of token-id sequences"),
+        (dict(response=[1, 2]), TypeError, "wrap a single pattern"),
+    ],
+)
+def test_bad_markers_are_refused_with_a_clear_message(kwargs, error, words):
+    with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
+        Markers(**kwargs)
+
+
+def test_json_round_trip_string_and_file(tmp_path):
+    m = Markers(response=[[1, 2], [1, 5]], instruction=[[1]], end=[[4]], mask_out=[[7, 8]])
+    assert Markers.from_json(m.to_json()) == m
+    path = tmp_path / "markers.json"
+    m.to_json(path)
+    assert json.loads(path.read_text()) == {
+        "response": [[1, 2], [1, 5]], "instruction": [[1]], "end": [[4]], "mask_out": [[7, 8]],
+    }
+    assert Markers.from_json(path) == m
+    assert Markers.from_json(str(path)) == m
+
+
+def test_json_missing_kinds_default_to_empty_and_unknown_keys_are_refused():
+    assert Markers.from_json('{"response": [[3]]}') == Markers(response=[[3]])
+    with pytest.raises(ValueError, match="unknown keys"):
+        Markers.from_json('{"response": [[3]], "ends": [[4]]}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Markers.from_json("{response")
+
+
+def test_compiled_form_flags_first_and_last_tokens():
+    c = Markers(response=[[1, 2]], instruction=[[3]], end=[[4, 5]], mask_out=[[6]]).compiled()
+    assert c.tokens.tolist() == [1, 2, 3, 4, 5, 6]
+    assert c.offsets.tolist() == [0, 2, 3, 5, 6]
+    assert c.kinds.tolist() == [0, 1, 2, 3]
+    # starts: 1 (response), 3 (instruction), 6 (mask_out); ends: 2 (response), 5 (end)
+    assert [int(f) for f in c.flags] == [0, 1, 2, 1, 0, 2, 1]

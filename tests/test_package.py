@@ -1,0 +1,46 @@
+"""The package as a user meets it: import cost, the command line, the bundled example."""
+
+import subprocess
+import sys
+
+import lossmask
+from lossmask.example import run_example
+
+HEAVY = ["numba", "torch", "mlx", "transformers", "tokenizers", "datasets", "ray", "trl", "jinja2"]
+
+
+def test_import_pulls_no_heavy_dependency():
+    code = "import sys, lossmask; print(','.join(m for m in %r if m in sys.modules))" % HEAVY
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "", f"import lossmask loaded {loaded}"
+
+
+def test_numba_loads_only_when_labelling():
+    code = (
+        "import sys, lossmask; assert 'numba' not in sys.modules; "
+        "lossmask.make_labels([[1, 2, 3]], lossmask.Markers(response=[[1]])); assert 'numba' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_python_dash_m_and_version():
+    out = subprocess.run([sys.executable, "-m", "lossmask", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"lossmask {lossmask.__version__}"
+
+
+def test_example_prints_highlighted_rows_and_counts(capsys):
+    assert run_example() == 0
+    text = capsys.readouterr().out
+    assert "[Paris.] [<|im_end|>]" in text  # the answer and its stop token train
+    assert "<|im_start|> tool \\n -3C, snow <|im_end|>" in text  # the tool result does not
+    assert "dropped: 2 {'no_response': 1, 'empty_response': 1, 'empty': 0}" in text
+
+
+def test_readme_usage_example_runs():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert "lossmask.make_labels" in block
+    exec(compile(block, "README.md", "exec"), {})
