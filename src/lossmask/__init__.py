@@ -14,12 +14,15 @@ from __future__ import annotations
 from .labels import LabelledBatch, label_batch, make_labels, trainable_mask
 from .markers import Markers
 from .outcomes import Outcome, OutcomeCounts
+from .report import MaskReport
 from .safety import TooManyDroppedRows, check_drop_fraction
+from .stream import mask_files
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LabelledBatch",
+    "MaskReport",
     "Markers",
     "Outcome",
     "OutcomeCounts",
@@ -27,5 +30,6 @@ __all__ = [
     "check_drop_fraction",
     "label_batch",
     "make_labels",
+    "mask_files",
     "trainable_mask",
 ]

@@ -12,6 +12,71 @@ def _example(args: argparse.Namespace) -> int:
     return run_example()
 
 
+def _mask(args: argparse.Namespace) -> int:
+    from .stream import mask_files, preview_rows
+
+    try:
+        report = mask_files(
+            args.input, args.output, tokenizer=args.tokenizer, chat_template=args.chat_template,
+            model_name=args.model_name, markers=args.markers, strict=args.strict, input_format=args.input_format,
+            input_ids_column=args.input_ids_column, messages_column=args.messages_column,
+            prompt_column=args.prompt_column, completion_column=args.completion_column,
+            labels_column=args.labels_column, completion_mask=args.completion_mask, max_length=args.max_length,
+            keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
+            last_turn_only=args.last_turn_only, batch_size=args.batch_size,
+            progress=False if args.no_progress else None, report=args.report,
+        )
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+        print(f"lossmask mask: error: {exc}", file=sys.stderr)
+        return 1
+    print(report.summary())
+    if args.show:
+        from .stream import load_chat_tokenizer
+
+        tokenizer = load_chat_tokenizer(args.tokenizer, chat_template=args.chat_template) if args.tokenizer else None
+        colour = sys.stdout.isatty()
+        legend = "trained tokens highlighted" if colour else "trained tokens in [brackets]"
+        print(f"\nfirst {args.show} rows of {args.output} ({legend}):")
+        print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
+                           labels_column=args.labels_column, colour=colour))
+    return 0
+
+
+def _add_mask_command(commands) -> None:
+    mask = commands.add_parser(
+        "mask", help="label a dataset file by file, batch by batch, and write Parquet with labels",
+        description="Label INPUT (Parquet file, folder or glob; Arrow IPC; JSONL) and write OUTPUT (Parquet), "
+        "dropping rows that train nothing (counted per reason). Markers come from --markers or from --tokenizer.",
+    )
+    mask.add_argument("input", metavar="INPUT")
+    mask.add_argument("output", metavar="OUTPUT")
+    source = mask.add_argument_group("markers (one of)")
+    source.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder: markers from its chat template; "
+                        "also renders and tokenises messages / prompt+completion rows")
+    source.add_argument("--markers", metavar="FILE.json", help="Markers JSON, for data tokenised elsewhere")
+    mask.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
+    mask.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the tokenizer's own")
+    mask.add_argument("--strict", action="store_true", help="fail instead of training full sequences when no markers are found")
+    mask.add_argument("--input-format", choices=("parquet", "ipc", "json"), help="default: from the file suffix")
+    mask.add_argument("--input-ids-column", default="input_ids", metavar="NAME")
+    mask.add_argument("--messages-column", default="messages", metavar="NAME")
+    mask.add_argument("--prompt-column", default="prompt", metavar="NAME")
+    mask.add_argument("--completion-column", default="completion", metavar="NAME")
+    mask.add_argument("--labels-column", default="labels", metavar="NAME")
+    mask.add_argument("--completion-mask", nargs="?", const=True, default=None, metavar="NAME",
+                      help="also write TRL's 0/1 completion_mask (under NAME, default completion_mask)")
+    mask.add_argument("--max-length", type=int, metavar="N", help="truncate tokenised rows to N tokens")
+    mask.add_argument("--keep-dropped", action="store_true", help="keep rows that train nothing (still counted)")
+    mask.add_argument("--max-drop-fraction", type=float, default=0.30, metavar="F",
+                      help="abort, writing nothing, when more than F of the rows train nothing (default 0.30)")
+    mask.add_argument("--last-turn-only", action="store_true", help="train only the last assistant turn of each row")
+    mask.add_argument("--batch-size", type=int, default=16_384, metavar="ROWS", help="rows per batch (bounds memory)")
+    mask.add_argument("--report", metavar="FILE.json", help="write the report as JSON")
+    mask.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+    mask.add_argument("--show", type=int, default=0, metavar="N", help="print the first N output rows, trained tokens marked")
+    mask.set_defaults(run=_mask)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lossmask", description="Decide, for every token of every training row, whether it counts in the loss."
@@ -22,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     example = commands.add_parser("example", help="label a bundled ChatML-like sample and show what trains")
     example.set_defaults(run=_example)
+    _add_mask_command(commands)
     return parser
 
 

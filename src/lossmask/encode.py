@@ -1,0 +1,136 @@
+"""Token ids for a batch of chat or prompt/completion rows, through ``lossmask.load_tokenizer``'s adapter.
+
+This is the only per-row Python of a masking job, and it is the chat template's: Jinja renders one
+conversation at a time. Tokenisation is one batch call into the Rust tokenizer; everything after
+works on Arrow buffers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """``input_ids`` (list<int32>) for the rows that rendered; ``valid`` marks them among the batch's rows.
+
+    ``errors``: ``(row in the whole input, message)`` for each rejected row. ``prompt_lengths``: for
+    plain-text prompt/completion rows, how many leading tokens of each valid row are prompt.
+    """
+
+    input_ids: pa.Array
+    valid: np.ndarray
+    errors: list[tuple[int, str]]
+    prompt_lengths: np.ndarray | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def chat_tokenizer(tokenizer: Any):
+    """The ``ChatTokenizer`` adapter for anything ``lossmask.load_tokenizer`` accepts (built once per job)."""
+    from .tokenizer import ChatTokenizer, load_tokenizer
+
+    return tokenizer if isinstance(tokenizer, ChatTokenizer) else load_tokenizer(tokenizer)
+
+
+def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0) -> EncodedBatch:
+    """Render and tokenise the chat (``kind="messages"``) or prompt/completion rows of ``table``."""
+    from .table import messages_from_arrow
+
+    tok = chat_tokenizer(tokenizer)
+    started = time.perf_counter()
+    if kind == "messages":
+        conversations = messages_from_arrow(table.column(options.messages_column))
+        where = options.messages_column
+    else:
+        prompts = table.column(options.prompt_column)
+        completions = table.column(options.completion_column)
+        if pa.types.is_string(prompts.type) or pa.types.is_large_string(prompts.type):
+            return _encode_text_pairs(tok, prompts, completions, options, first_row=first_row)
+        conversations = [
+            None if p is None or c is None else p + c
+            for p, c in zip(messages_from_arrow(prompts), messages_from_arrow(completions))
+        ]
+        where = f"{options.prompt_column}+{options.completion_column}"
+    tools = table.column("tools").to_pylist() if "tools" in table.column_names else None
+    errors: list[tuple[int, str]] = []
+    chats, rows = [], []
+    for r, messages in enumerate(conversations):
+        if not messages:
+            errors.append((first_row + r, f"column {where!r} is {'null' if messages is None else 'empty'}"))
+            continue
+        chats.append(messages if tools is None or not tools[r] else {"messages": messages, "tools": tools[r]})
+        rows.append(r)
+    convert = time.perf_counter()
+    encoded = tok.encode_chats(chats, max_length=options.max_length)
+    done = time.perf_counter()
+    valid = np.zeros(table.num_rows, dtype=bool)
+    rows = np.asarray(rows, dtype=np.int64)
+    ok = encoded.ok
+    valid[rows[ok]] = True
+    for local, message in encoded.errors:
+        prefix = f"row {local}: "
+        errors.append((first_row + int(rows[local]), message[len(prefix):] if message.startswith(prefix) else message))
+    errors.sort()
+    input_ids = encoded.input_ids.filter(pa.array(ok)) if not ok.all() else encoded.input_ids
+    return EncodedBatch(
+        _as_list32(input_ids), valid, errors,
+        seconds={"read_messages": convert - started, "render_and_tokenize": done - convert},
+    )
+
+
+def _encode_text_pairs(tok, prompts, completions, options, *, first_row: int) -> EncodedBatch:
+    """Plain-text prompt/completion: prompt ids, completion ids, then EOS unless the completion ends with it."""
+    p_text, c_text = prompts.to_pylist(), completions.to_pylist()
+    valid = np.array([p is not None and c is not None for p, c in zip(p_text, c_text)], dtype=bool)
+    errors = [
+        (first_row + r, f"column {options.prompt_column if p_text[r] is None else options.completion_column!r} is null")
+        for r in np.flatnonzero(~valid)
+    ]
+    keep = np.flatnonzero(valid)
+    p_ids = tok.encode_texts([p_text[r] for r in keep])
+    c_ids = tok.encode_texts([c_text[r] for r in keep])
+    eos = tok.eos_token_id
+    p_len = np.diff(p_ids.offsets.to_numpy()).astype(np.int64)
+    c_len = np.diff(c_ids.offsets.to_numpy()).astype(np.int64)
+    c_vals = c_ids.values.to_numpy()
+    c_ends = c_ids.offsets.to_numpy()[1:]
+    needs_eos = np.zeros(len(keep), dtype=np.int64)
+    if eos is not None:
+        last = np.where(c_len > 0, c_vals[np.maximum(c_ends - 1, 0)] if c_vals.size else -1, -1)
+        needs_eos = (last != eos).astype(np.int64)
+    lengths = p_len + c_len + needs_eos
+    offsets = np.zeros(len(keep) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), dtype=np.int32)
+    starts = offsets[:-1]
+    # scatter prompt, completion and EOS into place, by position, with no loop over rows
+    within = np.arange(values.size, dtype=np.int64) - np.repeat(starts, lengths)
+    row_of = np.repeat(np.arange(len(keep)), lengths)
+    in_prompt = within < p_len[row_of]
+    in_completion = ~in_prompt & (within < (p_len + c_len)[row_of])
+    values[in_prompt] = p_ids.values.to_numpy()
+    values[in_completion] = c_vals
+    if eos is not None:
+        values[~in_prompt & ~in_completion] = eos
+    arr = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+    prompt_lengths = p_len
+    if options.max_length is not None:
+        arr = _truncate(arr, options.max_length)
+    return EncodedBatch(_as_list32(arr), valid, errors, prompt_lengths=prompt_lengths)
+
+
+def _truncate(arr: pa.Array, max_length: int) -> pa.Array:
+    import pyarrow.compute as pc
+
+    return pc.list_slice(arr, 0, max_length)
+
+
+def _as_list32(arr: pa.Array) -> pa.Array:
+    """list<int32> (the Hugging Face ``Sequence(int32)`` layout); only the offsets are rewritten."""
+    target = pa.list_(pa.int32())
+    return arr if arr.type == target else arr.cast(target)

@@ -1,0 +1,209 @@
+"""The report of a masking job: what came in, what went out, and why every missing row is missing.
+
+One ``MaskReport`` describes a whole job (a file, a dataset, a Ray run). It is built from the
+engine's ``OutcomeCounts`` plus the rows rejected before labelling (``invalid``: the chat template
+refused them, or they could not be read as a chat), and it always adds up::
+
+    rows_in == rows_out + sum(dropped.values())
+
+``dropped`` counts the rows that were removed, by reason; with ``keep_dropped`` the rows that train
+nothing stay in the output and are counted under ``kept_untrained`` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .markers import Markers
+from .outcomes import DROP_REASONS, OutcomeCounts
+
+INVALID = "invalid"
+MAX_EXAMPLES = 5  # invalid rows quoted in a report (the count is always exact)
+
+
+@dataclass
+class Tally:
+    """Running totals of a job, added up batch by batch (and across workers with ``+``).
+
+    ``counts`` holds the engine's outcomes for the rows that were labelled; ``invalid`` the rows
+    rejected before labelling, with up to ``MAX_EXAMPLES`` of their messages; ``rows_out`` the rows
+    written (or returned).
+    """
+
+    counts: OutcomeCounts = field(default_factory=OutcomeCounts)
+    invalid: int = 0
+    invalid_examples: list[str] = field(default_factory=list)
+    rows_out: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    dropped_example: tuple[list[int], list[int]] | None = None  # (token ids, labels) of one row that trains nothing
+
+    def __add__(self, other: "Tally") -> "Tally":
+        seconds = dict(self.seconds)
+        for stage, value in other.seconds.items():
+            seconds[stage] = seconds.get(stage, 0.0) + value
+        return Tally(
+            counts=self.counts + other.counts,
+            invalid=self.invalid + other.invalid,
+            invalid_examples=(self.invalid_examples + other.invalid_examples)[:MAX_EXAMPLES],
+            rows_out=self.rows_out + other.rows_out,
+            seconds=seconds,
+            dropped_example=self.dropped_example or other.dropped_example,
+        )
+
+    def add_invalid(self, row: int, message: str) -> None:
+        self.invalid += 1
+        if len(self.invalid_examples) < MAX_EXAMPLES:
+            self.invalid_examples.append(f"row {row}: {message}")
+
+    def time(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    @property
+    def rows_in(self) -> int:
+        return self.counts.rows + self.invalid
+
+    def to_dict(self) -> dict:
+        """A plain-data form, for sending across processes (Ray workers)."""
+        return {
+            "counts": {"rows": self.counts.rows, "tokens": self.counts.tokens,
+                       "tokens_trained": self.counts.tokens_trained, "by_outcome": dict(self.counts.by_outcome)},
+            "invalid": self.invalid,
+            "invalid_examples": list(self.invalid_examples),
+            "rows_out": self.rows_out,
+            "seconds": dict(self.seconds),
+            "dropped_example": self.dropped_example,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Tally":
+        return cls(
+            counts=OutcomeCounts(**data["counts"]),
+            invalid=data["invalid"],
+            invalid_examples=list(data["invalid_examples"]),
+            rows_out=data["rows_out"],
+            seconds=dict(data["seconds"]),
+            dropped_example=data.get("dropped_example"),
+        )
+
+
+@dataclass(frozen=True)
+class MaskReport:
+    """What a masking job did. ``to_dict`` / ``to_json`` give the JSON of ``--report``."""
+
+    rows_in: int
+    rows_out: int
+    dropped: dict[str, int]
+    kept_untrained: dict[str, int]
+    tokens_in: int
+    tokens_trained: int
+    markers: dict[str, list[list[int]]] | None
+    markers_source: str
+    invalid_examples: tuple[str, ...] = ()
+    seconds: dict[str, float] = field(default_factory=dict)
+    input: str | None = None
+    output: str | None = None
+    messages: tuple[str, ...] = ()
+
+    @classmethod
+    def build(
+        cls,
+        tally: Tally,
+        *,
+        markers: Markers | None,
+        markers_source: str,
+        keep_dropped: bool,
+        input: str | None = None,
+        output: str | None = None,
+        messages: tuple[str, ...] | list[str] = (),
+    ) -> "MaskReport":
+        untrained = tally.counts.dropped
+        dropped = {reason: 0 for reason in DROP_REASONS} if keep_dropped else dict(untrained)
+        dropped[INVALID] = tally.invalid
+        report = cls(
+            rows_in=tally.rows_in,
+            rows_out=tally.rows_out,
+            dropped=dropped,
+            kept_untrained=dict(untrained) if keep_dropped else {reason: 0 for reason in DROP_REASONS},
+            tokens_in=tally.counts.tokens,
+            tokens_trained=tally.counts.tokens_trained,
+            markers=None if markers is None else markers.to_dict(),
+            markers_source=markers_source,
+            invalid_examples=tuple(tally.invalid_examples),
+            seconds=dict(tally.seconds),
+            input=input,
+            output=output,
+            messages=tuple(messages),
+        )
+        if report.rows_in != report.rows_out + report.rows_dropped:
+            raise AssertionError(  # a bug in lossmask, never the user's data
+                f"lossmask report does not add up: rows_in={report.rows_in}, rows_out={report.rows_out}, "
+                f"dropped={report.dropped}; please report this"
+            )
+        return report
+
+    @property
+    def rows_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    @property
+    def rows_untrained(self) -> int:
+        """Rows that train nothing: the removed ones (invalid included) plus any kept with ``keep_dropped``."""
+        return self.rows_dropped + sum(self.kept_untrained.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rows_in": self.rows_in,
+            "rows_out": self.rows_out,
+            "dropped": dict(self.dropped),
+            "kept_untrained": dict(self.kept_untrained),
+            "tokens_in": self.tokens_in,
+            "tokens_trained": self.tokens_trained,
+            "markers": self.markers,
+            "markers_source": self.markers_source,
+            "invalid_examples": list(self.invalid_examples),
+            "seconds": {stage: round(value, 6) for stage, value in self.seconds.items()},
+            "input": self.input,
+            "output": self.output,
+            "messages": list(self.messages),
+        }
+
+    def to_json(self, path: str | os.PathLike | None = None, *, indent: int | None = 2) -> str:
+        """The report as JSON; also written to ``path`` when one is given."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+        return text
+
+    def summary(self) -> str:
+        """A few lines for a terminal: rows, drops by reason, tokens, markers and their source."""
+        share = f" ({self.tokens_trained / self.tokens_in:.1%})" if self.tokens_in else ""
+        lines = [
+            f"rows in: {self.rows_in:,}   rows out: {self.rows_out:,}   dropped: {self.rows_dropped:,}"
+            + (f" ({self.rows_dropped / self.rows_in:.1%})" if self.rows_in else ""),
+        ]
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in self.dropped.items() if n)
+        if reasons:
+            lines.append(f"  dropped by reason: {reasons}")
+        kept = ", ".join(f"{reason} {n:,}" for reason, n in self.kept_untrained.items() if n)
+        if kept:
+            lines.append(f"  kept although nothing trains (keep_dropped): {kept}")
+        for example in self.invalid_examples:
+            lines.append(f"  invalid {example}")
+        lines.append(f"tokens trained: {self.tokens_trained:,} of {self.tokens_in:,}{share}")
+        lines.append(f"markers ({self.markers_source}): {_markers_text(self.markers)}")
+        total = self.seconds.get("total")
+        if total:
+            rate = f", {self.rows_in / total:,.0f} rows/s, {self.tokens_in / total:,.0f} tokens/s" if total > 0 else ""
+            lines.append(f"time: {total:.2f} s{rate}")
+        lines.extend(self.messages)
+        return "\n".join(lines)
+
+
+def _markers_text(markers: dict[str, list[list[int]]] | None) -> str:
+    if markers is None:
+        return "none, the full sequence trains"
+    return "; ".join(f"{kind} {patterns}" for kind, patterns in markers.items() if patterns)

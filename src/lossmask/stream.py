@@ -1,0 +1,329 @@
+"""``mask_files``: files in, one Parquet file out, batch by batch, with memory bounded by the batch size.
+
+Input: a Parquet file, a folder or glob of Parquet files, Arrow IPC (``.arrow`` / ``.feather`` /
+``.ipc``), or JSON Lines (``.jsonl`` / ``.json``), read with ``pyarrow.dataset`` one batch at a time.
+Output: Parquet written as the batches are labelled, to a hidden temporary name beside the target,
+renamed onto it only when the whole job (safety net included) succeeded; a failed job leaves no file
+that looks complete.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from .markers import Markers
+from .report import MaskReport, Tally
+from .safety import DEFAULT_MAX_DROP_FRACTION, TooManyDroppedRows, check_drop_fraction
+from .table import MaskOptions, input_kind, mask_batch, output_schema
+
+DEFAULT_BATCH_SIZE = 16_384
+
+FORMATS = {
+    ".parquet": "parquet", ".pq": "parquet",
+    ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc",
+    ".jsonl": "json", ".json": "json", ".ndjson": "json",
+}
+
+
+def mask_files(
+    input: str | os.PathLike | list,
+    output: str | os.PathLike,
+    *,
+    tokenizer: Any = None,
+    chat_template: str | os.PathLike | None = None,
+    model_name: str | None = None,
+    markers: Markers | dict | str | os.PathLike | None = None,
+    strict: bool = False,
+    input_format: str | None = None,
+    input_ids_column: str = "input_ids",
+    messages_column: str = "messages",
+    prompt_column: str = "prompt",
+    completion_column: str = "completion",
+    labels_column: str = "labels",
+    completion_mask: str | bool | None = None,
+    max_length: int | None = None,
+    keep_dropped: bool = False,
+    max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
+    last_turn_only: bool = False,
+    ignore_index: int = -100,
+    label_dtype: str = "int64",
+    backend: str | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    row_group_size: int | None = None,
+    progress: bool | None = None,
+    report: str | os.PathLike | None = None,
+) -> MaskReport:
+    """Label every row of ``input`` and write the rows that train something to the Parquet file ``output``.
+
+    Markers come from ``markers`` (a ``Markers``, its dict, or a JSON file) or, when not given, from
+    ``tokenizer`` through ``lossmask.resolve_markers`` (with ``model_name`` and ``strict``). A tokenizer
+    is also needed for ``messages`` and ``prompt``/``completion`` input; ``chat_template`` (a Jinja
+    file or string) replaces its template, for tokenizers that ship none. ``completion_mask=True`` (or a
+    column name) also writes TRL's 0/1 ``completion_mask``. ``progress`` shows a bar (default: when
+    stderr is a terminal). ``report``: a path to write the JSON report to. Returns the ``MaskReport``;
+    raises ``TooManyDroppedRows`` (and writes nothing) when more than ``max_drop_fraction`` of the rows
+    would train nothing.
+    """
+    options = MaskOptions(
+        input_ids_column=input_ids_column, messages_column=messages_column, prompt_column=prompt_column,
+        completion_column=completion_column, labels_column=labels_column,
+        completion_mask_column=_completion_mask_name(completion_mask), max_length=max_length,
+        keep_dropped=keep_dropped, last_turn_only=last_turn_only, ignore_index=ignore_index,
+        label_dtype=label_dtype, backend=backend,
+    )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive number of rows (e.g. {DEFAULT_BATCH_SIZE})")
+    if not 0.0 <= max_drop_fraction <= 1.0:
+        raise ValueError(f"max_drop_fraction={max_drop_fraction!r} must be a fraction in [0, 1] (e.g. 0.30)")
+    started = time.perf_counter()
+    dataset, source = open_dataset(input, input_format=input_format)
+    kind = input_kind(dataset.schema, options, source=source)
+    tokenizer = load_chat_tokenizer(tokenizer, chat_template=chat_template) if tokenizer is not None else None
+    resolved, markers_source, messages = resolve_job_markers(
+        markers, tokenizer=tokenizer, model_name=model_name, strict=strict
+    )
+    schema = output_schema(dataset.schema, options, kind)
+    output = os.fspath(output)
+    tally = Tally()
+    temporary = _temporary_name(output)
+    show = _progress_bar(progress, total=_count_rows(dataset))
+    try:
+        import pyarrow.parquet as pq
+
+        with pq.ParquetWriter(temporary, schema, compression="zstd") as writer:
+            first_row = 0
+            read_started = time.perf_counter()
+            for batch in _batches(dataset, batch_size, source):
+                tally.time("read", time.perf_counter() - read_started)
+                out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
+                                 first_row=first_row, source=source)
+                write_started = time.perf_counter()
+                if out.num_rows:
+                    writer.write_table(out.cast(schema) if out.schema != schema else out, row_group_size=row_group_size)
+                tally.time("write", time.perf_counter() - write_started)
+                first_row += batch.num_rows
+                show(batch.num_rows, tally)
+                read_started = time.perf_counter()
+        show(None, tally)
+        _check_drops(tally, max_drop_fraction, tokenizer, options)
+        tally.seconds["total"] = time.perf_counter() - started
+        os.replace(temporary, output)
+    except BaseException:
+        show(None, tally)
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    result = MaskReport.build(
+        tally, markers=resolved, markers_source=markers_source, keep_dropped=keep_dropped,
+        input=source, output=output, messages=messages,
+    )
+    if report is not None:
+        result.to_json(report)
+    return result
+
+
+def open_dataset(input: Any, *, input_format: str | None = None):
+    """A ``pyarrow.dataset.Dataset`` over a file, folder, glob or list of files, and a name for errors."""
+    import pyarrow.dataset as ds
+
+    if isinstance(input, (list, tuple)):
+        paths = [os.fspath(p) for p in input]
+        source = f"{len(paths)} files" if len(paths) != 1 else paths[0]
+    else:
+        source = os.fspath(input)
+        if any(ch in source for ch in "*?["):
+            paths = sorted(glob.glob(source, recursive=True))
+            if not paths:
+                raise FileNotFoundError(f"{source}: the pattern matches no file")
+        elif os.path.isdir(source):
+            paths = sorted(
+                os.path.join(root, name) for root, _, names in os.walk(source) for name in names
+                if not name.startswith((".", "_"))
+            )
+            if not paths:
+                raise FileNotFoundError(f"{source}: the folder holds no data file")
+        elif os.path.exists(source):
+            paths = [source]
+        else:
+            raise FileNotFoundError(f"{source}: no such file or folder")
+    for path in paths:
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            raise ValueError(f"{path}: the file is empty (0 bytes); remove it or regenerate it")
+    fmt = input_format or _format_of(paths, source)
+    if fmt not in ("parquet", "ipc", "json"):
+        raise ValueError(f"input_format={fmt!r} is not supported; pass 'parquet', 'ipc' (Arrow/Feather) or 'json' (JSON Lines)")
+    try:
+        dataset = ds.dataset(paths, format=fmt)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise ValueError(f"{source}: cannot be read as {fmt} ({exc}); is the file complete? "
+                         "(a truncated Parquet file has no footer)") from None
+    return dataset, source
+
+
+def _format_of(paths: list[str], source: str) -> str:
+    kinds = {FORMATS.get(os.path.splitext(p)[1].lower()) for p in paths}
+    if None in kinds or len(kinds) != 1:
+        suffixes = sorted({os.path.splitext(p)[1] or "(none)" for p in paths})
+        raise ValueError(
+            f"{source}: cannot tell the format from the file suffixes {suffixes}; name the files .parquet, .arrow or "
+            ".jsonl, or pass input_format= (--input-format parquet|ipc|json)"
+        )
+    return kinds.pop()
+
+
+def _batches(dataset, batch_size: int, source: str):
+    """Batches of at most ``batch_size`` rows, reading ahead little so that memory stays bounded."""
+    scanner = dataset.scanner(batch_size=batch_size, batch_readahead=1, fragment_readahead=1, use_threads=True)
+    iterator = iter(scanner.to_batches())
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ValueError(f"{source}: reading failed ({exc}); the file may be truncated or corrupt") from None
+        if batch.num_rows:
+            yield batch
+
+
+def _count_rows(dataset) -> int | None:
+    """Rows in the input when it is cheap to know (Parquet metadata); None otherwise."""
+    import pyarrow.dataset as ds
+
+    if isinstance(dataset.format, ds.ParquetFileFormat):
+        try:
+            return dataset.count_rows()
+        except (pa.ArrowInvalid, OSError):
+            return None
+    return None
+
+
+def resolve_job_markers(markers: Any, *, tokenizer: Any, model_name: str | None, strict: bool):
+    """``(Markers or None, where they came from, messages for the user)`` for a job."""
+    if markers is not None:
+        if isinstance(markers, Markers):
+            return markers, "given", ()
+        if isinstance(markers, dict):
+            return Markers.from_dict(markers), "given", ()
+        path = os.fspath(markers)
+        return Markers.from_json(path), f"file {path}", ()
+    if tokenizer is None:
+        raise ValueError("pass markers= (a Markers value or a JSON file, --markers FILE.json) or tokenizer= "
+                         "(--tokenizer DIR) to derive them from its chat template")
+    try:
+        from .policy import resolve_markers
+    except ImportError:  # pragma: no cover - the policy lands with issue 3
+        from .detect import detect_markers
+
+        return detect_markers(tokenizer), "detected", ()
+    resolution = resolve_markers(tokenizer, model_name=model_name, strict=strict)
+    return resolution.markers, resolution.source, tuple(resolution.messages)
+
+
+def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | None = None):
+    """The tokenizer adapter of a job, with its chat template replaced when ``chat_template`` is given."""
+    from .encode import chat_tokenizer
+
+    adapter = chat_tokenizer(tokenizer)
+    if chat_template is None:
+        return adapter
+    from .tokenizer import ChatTokenizer
+
+    text = os.fspath(chat_template)
+    if "{" not in text:  # a path, not a template
+        if not os.path.isfile(text):
+            raise FileNotFoundError(f"chat_template={text!r}: no such file (pass a Jinja template file or string)")
+        with open(text, encoding="utf-8") as fh:
+            text = fh.read()
+    return ChatTokenizer(adapter.tokenizer, chat_template=text, name=adapter.name)
+
+
+def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, input_ids_column: str = "input_ids",
+                 labels_column: str = "labels", ignore_index: int = -100, colour: bool = False) -> str:
+    """The first ``rows`` rows of a masked Parquet file as token text, trained tokens highlighted."""
+    import pyarrow.parquet as pq
+
+    from .example import render_tokens
+
+    table = pq.ParquetFile(path).iter_batches(batch_size=rows, columns=[input_ids_column, labels_column])
+    batch = next(table, None)
+    if batch is None:
+        return "(no rows)"
+    lines = []
+    for r, (ids, labels) in enumerate(zip(batch.column(0).to_pylist()[:rows], batch.column(1).to_pylist()[:rows])):
+        texts = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in ids]
+        texts = [repr(t)[1:-1] for t in texts]
+        trained = [label != ignore_index for label in labels]
+        lines.append(f"row {r} ({sum(trained)} of {len(ids)} tokens trained):\n  " + render_tokens(texts, trained, colour=colour))
+    return "\n".join(lines)
+
+
+def _check_drops(tally: Tally, max_drop_fraction: float, tokenizer: Any, options: MaskOptions) -> None:
+    """The safety net: the engine's outcomes first (its message names the cause), then rows rejected as invalid."""
+    example = None
+    if tally.dropped_example is not None:
+        from .safety import format_row
+
+        ids, labels = tally.dropped_example
+        decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
+        example = format_row(ids, labels, decode, ignore_index=options.ignore_index)
+    check_drop_fraction(tally.counts, max_drop_fraction=max_drop_fraction, example=example)
+    rows_in = tally.rows_in
+    untrained = tally.invalid + tally.counts.rows_dropped
+    if rows_in and untrained / rows_in > max_drop_fraction:
+        examples = "\n  ".join(tally.invalid_examples)
+        raise TooManyDroppedRows(
+            f"{untrained} of {rows_in} rows ({untrained / rows_in:.1%}) would train no token (allowed: "
+            f"{max_drop_fraction:.0%}), {tally.invalid} of them rejected before labelling (invalid), e.g.:\n  {examples}\n"
+            "Fix those rows (roles the chat template accepts, non-empty messages), or raise max_drop_fraction.",
+            tally.counts,
+        )
+
+
+def _completion_mask_name(completion_mask: str | bool | None) -> str | None:
+    if completion_mask is True:
+        return "completion_mask"
+    if completion_mask in (None, False):
+        return None
+    if isinstance(completion_mask, str) and completion_mask:
+        return completion_mask
+    raise TypeError(f"completion_mask={completion_mask!r}: pass True, False or a column name")
+
+
+def _temporary_name(output: str) -> str:
+    folder, name = os.path.split(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{output}: the folder {folder} does not exist")
+    return os.path.join(folder, f".{name}.{os.getpid()}.partial")
+
+
+def _progress_bar(progress: bool | None, *, total: int | None) -> Callable[[int | None, Tally], None]:
+    """A tqdm bar on stderr when it is a terminal (or ``progress=True``); a no-op otherwise.
+
+    Called with the rows just done and the tally; called with ``None`` to close.
+    """
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return lambda rows, tally: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit=" rows", unit_scale=True, dynamic_ncols=True, file=sys.stderr, desc="masking")
+    started = time.perf_counter()
+
+    def update(rows: int | None, tally: Tally) -> None:
+        if rows is None:
+            bar.close()
+            return
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        dropped = tally.invalid + tally.counts.rows_dropped
+        bar.set_postfix_str(f"{tally.counts.tokens / elapsed:,.0f} tok/s, dropped {dropped:,}", refresh=False)
+        bar.update(rows)
+
+    return update

@@ -1,0 +1,171 @@
+"""``lossmask.mask_files`` / ``lossmask mask``: files in, Parquet out, labels equal to the engine's, a report that adds up."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.feather as feather
+import pyarrow.parquet as pq
+import pytest
+
+import lossmask
+from lossmask.report import MaskReport
+from lossmask.stream import mask_files
+
+# ChatML-like ids: 1 = <im_start>, 2 = assistant, 3 = user, 4 = <im_end>
+MARKERS = lossmask.Markers(response=[[1, 2]], instruction=[[1, 3]], end=[[4]])
+
+
+def random_rows(n: int, seed: int = 0) -> list[list[int]]:
+    """Chats of random length and shape, with some rows that train nothing (no response, truncated, empty)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        kind = rng.integers(10)
+        if kind == 0:
+            rows.append([])
+        elif kind == 1:
+            rows.append([1, 3] + rng.integers(5, 50, 5).tolist() + [4])  # no assistant turn
+        elif kind == 2:
+            rows.append([1, 3, 9, 4, 1, 2])  # truncated after the header
+        else:
+            row = []
+            for _ in range(rng.integers(1, 4)):
+                row += [1, 3] + rng.integers(5, 50, rng.integers(1, 8)).tolist() + [4]
+                row += [1, 2] + rng.integers(5, 50, rng.integers(1, 8)).tolist() + [4]
+            rows.append(row)
+    return rows
+
+
+def write_input(path, rows, *, large=False, **extra):
+    list_type = pa.large_list(pa.int32()) if large else pa.list_(pa.int32())
+    table = pa.table({"id": np.arange(len(rows)), "input_ids": pa.array(rows, type=list_type), **extra})
+    pq.write_table(table, path, row_group_size=200)
+    return table
+
+
+def check_adds_up(report: MaskReport) -> None:
+    assert report.rows_in == report.rows_out + sum(report.dropped.values())
+
+
+def test_labels_equal_the_engine_and_the_report_adds_up(tmp_path):
+    rows = random_rows(1500)
+    table = write_input(tmp_path / "in.parquet", rows, note=pa.array([f"r{i}" for i in range(len(rows))]))
+    report = mask_files(tmp_path / "in.parquet", tmp_path / "out.parquet", markers=MARKERS, batch_size=256,
+                        max_drop_fraction=1.0, report=tmp_path / "report.json")
+    expected = lossmask.label_batch(table.column("input_ids"), MARKERS)
+    keep = expected.keep
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.column_names == ["id", "input_ids", "note", "labels"]  # input order kept, labels added
+    assert out.column("id").to_pylist() == np.flatnonzero(keep).tolist()  # row order kept
+    assert out.column("labels").to_pylist() == [r for r, k in zip(expected.labels.to_pylist(), keep) if k]
+    check_adds_up(report)
+    assert report.rows_out == int(keep.sum())
+    assert report.dropped == {**expected.counts.dropped, "invalid": 0}
+    assert report.tokens_in == expected.counts.tokens and report.tokens_trained == expected.counts.tokens_trained
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    for key in ("rows_in", "rows_out", "dropped", "tokens_in", "tokens_trained", "markers", "markers_source"):
+        assert key in on_disk
+    assert on_disk["markers"] == MARKERS.to_dict() and on_disk["markers_source"] == "given"
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".partial")]
+
+
+def test_keep_dropped_and_completion_mask(tmp_path):
+    rows = random_rows(300, seed=1)
+    write_input(tmp_path / "in.parquet", rows, large=True)
+    report = mask_files(tmp_path / "in.parquet", tmp_path / "out.parquet", markers=MARKERS, keep_dropped=True,
+                        completion_mask=True, max_drop_fraction=1.0)
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.num_rows == len(rows) == report.rows_out
+    assert sum(report.dropped.values()) == 0 and sum(report.kept_untrained.values()) > 0
+    check_adds_up(report)
+    assert out.schema.field("labels").type == pa.large_list(pa.int64())
+    labels = out.column("labels").to_pylist()
+    mask = out.column("completion_mask").to_pylist()
+    assert all([int(v != -100) for v in lab] == m for lab, m in zip(labels, mask))
+
+
+def test_folder_glob_ipc_and_jsonl_inputs(tmp_path):
+    rows = random_rows(200, seed=2)
+    (tmp_path / "parts").mkdir()
+    write_input(tmp_path / "parts" / "a.parquet", rows[:120])
+    write_input(tmp_path / "parts" / "b.parquet", rows[120:])
+    feather.write_feather(pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int32()))}), tmp_path / "in.arrow")
+    with open(tmp_path / "in.jsonl", "w") as fh:
+        for row in rows:
+            fh.write(json.dumps({"input_ids": row or [0]}) + "\n")
+    expected = lossmask.make_labels(pa.array(rows, type=pa.list_(pa.int32())), MARKERS).to_pylist()
+    expected = [e for e in expected if any(v != -100 for v in e)]
+    for source in (tmp_path / "parts", str(tmp_path / "parts" / "*.parquet"), tmp_path / "in.arrow"):
+        report = mask_files(source, tmp_path / "out.parquet", markers=MARKERS, max_drop_fraction=1.0)
+        assert pq.read_table(tmp_path / "out.parquet").column("labels").to_pylist() == expected, source
+        check_adds_up(report)
+    report = mask_files(tmp_path / "in.jsonl", tmp_path / "out.parquet", markers=MARKERS, max_drop_fraction=1.0)
+    assert report.rows_in == len(rows)
+    check_adds_up(report)
+
+
+def test_safety_net_aborts_and_leaves_no_output(tmp_path):
+    rows = [[5, 6, 7]] * 50 + [[1, 2, 9, 4]] * 10  # most rows have no response
+    write_input(tmp_path / "in.parquet", rows)
+    with pytest.raises(lossmask.TooManyDroppedRows, match="no_response"):
+        mask_files(tmp_path / "in.parquet", tmp_path / "out.parquet", markers=MARKERS)
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet"]  # neither the output nor its temporary
+    report = mask_files(tmp_path / "in.parquet", tmp_path / "out.parquet", markers=MARKERS, max_drop_fraction=0.9)
+    assert report.rows_out == 10 and report.dropped["no_response"] == 50
+
+
+def test_markers_json_file_and_no_markers_is_an_error(tmp_path):
+    write_input(tmp_path / "in.parquet", [[1, 2, 9, 4]])
+    MARKERS.to_json(tmp_path / "markers.json")
+    report = mask_files(tmp_path / "in.parquet", tmp_path / "out.parquet", markers=tmp_path / "markers.json")
+    assert report.markers_source.startswith("file ") and report.rows_out == 1
+    with pytest.raises(ValueError, match="markers="):
+        mask_files(tmp_path / "in.parquet", tmp_path / "out.parquet")
+
+
+def test_bad_inputs_name_file_column_and_row(tmp_path):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": ["a", "b"]}), src)
+    with pytest.raises(ValueError, match=r"in\.parquet.*no input column.*'input_ids'.*\['text'\]"):
+        mask_files(src, tmp_path / "out.parquet", markers=MARKERS)
+    pq.write_table(pa.table({"input_ids": ["1 2 3"]}), src)
+    with pytest.raises(TypeError, match=r"in\.parquet: column 'input_ids' has type string"):
+        mask_files(src, tmp_path / "out.parquet", markers=MARKERS)
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2, 4]] * 5 + [[1, 2, -100]], pa.list_(pa.int64()))}), src)
+    with pytest.raises(ValueError, match=r"in\.parquet: column 'input_ids': row 5 holds the negative token id -100"):
+        mask_files(src, tmp_path / "out.parquet", markers=MARKERS, batch_size=4)
+    empty = tmp_path / "empty.parquet"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.parquet: the file is empty"):
+        mask_files(empty, tmp_path / "out.parquet", markers=MARKERS)
+    write_input(src, random_rows(100))
+    data = src.read_bytes()
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"truncated\.parquet.*truncated"):
+        mask_files(truncated, tmp_path / "out.parquet", markers=MARKERS)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        mask_files(tmp_path / "missing.parquet", tmp_path / "out.parquet", markers=MARKERS)
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_cli_mask_writes_output_and_report(tmp_path, capsys):
+    from lossmask.cli import main
+
+    write_input(tmp_path / "in.parquet", random_rows(100, seed=3))
+    MARKERS.to_json(tmp_path / "markers.json")
+    code = main(["mask", str(tmp_path / "in.parquet"), str(tmp_path / "out.parquet"), "--markers",
+                 str(tmp_path / "markers.json"), "--report", str(tmp_path / "r.json"), "--max-drop-fraction", "1"])
+    assert code == 0
+    printed = capsys.readouterr()
+    assert "rows in: 100" in printed.out and "dropped" in printed.out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["rows_in"] == report["rows_out"] + sum(report["dropped"].values()) == 100
+    code = main(["mask", str(tmp_path / "in.parquet"), str(tmp_path / "out2.parquet"), "--markers",
+                 str(tmp_path / "markers.json"), "--max-drop-fraction", "0.01"])
+    assert code == 1 and "would train no token" in capsys.readouterr().err
+    assert not (tmp_path / "out2.parquet").exists()
