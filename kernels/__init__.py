@@ -24,6 +24,7 @@ BACKENDS: dict[str, tuple[str, str | None]] = {
     "numba": ("numba_kernel", None),
     "numpy": ("reference", None),
     "torch": ("torch_kernel", "torch"),
+    "mlx": ("mlx_kernel", "mlx"),
 }
 
 DEFAULT_BACKEND = "numba"
