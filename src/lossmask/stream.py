@@ -230,9 +230,8 @@ def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | No
     """The tokenizer adapter of a job, with its chat template replaced when ``chat_template`` is given."""
     from .encode import chat_tokenizer
 
-    adapter = chat_tokenizer(tokenizer)
     if chat_template is None:
-        return adapter
+        return chat_tokenizer(tokenizer)
     from .tokenizer import ChatTokenizer
 
     text = os.fspath(chat_template)
@@ -241,6 +240,16 @@ def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | No
             raise FileNotFoundError(f"chat_template={text!r}: no such file (pass a Jinja template file or string)")
         with open(text, encoding="utf-8") as fh:
             text = fh.read()
+    if isinstance(tokenizer, (str, os.PathLike)):  # its folder may hold no template at all: load it bare
+        from transformers import AutoTokenizer
+
+        path = os.fspath(tokenizer)
+        try:
+            hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:
+            raise ValueError(f"could not load a tokenizer from {path!r} offline ({type(exc).__name__}: {exc})") from exc
+        return ChatTokenizer(hf_tokenizer, chat_template=text, name=path)
+    adapter = chat_tokenizer(tokenizer)
     return ChatTokenizer(adapter.tokenizer, chat_template=text, name=adapter.name)
 
 
