@@ -11,25 +11,35 @@ when a function that needs them is first called.
 
 from __future__ import annotations
 
+from .detect import MarkerDetectionError, detect_markers, markers_from_strings
 from .labels import LabelledBatch, label_batch, make_labels, trainable_mask
 from .markers import Markers
 from .outcomes import Outcome, OutcomeCounts
 from .report import MaskReport
 from .safety import TooManyDroppedRows, check_drop_fraction
 from .stream import mask_files
+from .tokenizer import ChatTokenizer, load_tokenizer
+from .verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChatTokenizer",
     "LabelledBatch",
+    "MarkerDetectionError",
     "MaskReport",
     "Markers",
     "Outcome",
     "OutcomeCounts",
     "TooManyDroppedRows",
+    "VerifyReport",
     "check_drop_fraction",
+    "detect_markers",
     "label_batch",
+    "load_tokenizer",
     "make_labels",
+    "markers_from_strings",
     "mask_files",
     "trainable_mask",
+    "verify",
 ]

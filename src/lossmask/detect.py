@@ -1,0 +1,182 @@
+"""`detect_markers`: response, instruction and end patterns read off the tokenizer's own chat template.
+
+Detection renders the built-in probe conversations (``verify.probe_conversations``), builds their
+ground truth (``verify.ground_truth``: where each assistant turn starts and stops training), and
+reads the token ids around every turn boundary as they occur in context:
+
+* ``response``: the tokens of the assistant header, the text the generation prompt adds (e.g.
+  ``<|im_start|>assistant\\n``, Llama-2's `` [/INST]``), ending where training starts;
+* ``end``: the stop token of each turn (``<|im_end|>``, ``</s>``, gpt-oss ``<|end|>`` and
+  ``<|return|>`` and ``<|call|>``, GLM's next role token);
+* ``instruction``: only for turns with no stop token (Falcon's plain-text roles): the header of the
+  message that follows, which closes the span.
+
+Every variant that occurs is kept. The result is then checked with ``verify`` on the same probes,
+and ``MarkerDetectionError`` is raised instead of returning markers that do not reproduce the
+ground truth exactly.
+
+``markers_from_strings`` turns marker *text* (from a table, or a user) into token patterns the same
+way: by finding the text inside rendered probes and reading the ids there, never by tokenising the
+string on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .markers import Markers
+from .tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
+from .verify import GroundTruth, VerifyReport, build_truths, check, renderable_probes
+
+_HOW_TO_FIX = (
+    "pass markers yourself (lossmask.Markers(response=[[...]], end=[[...]]), or "
+    "lossmask.markers_from_strings(tokenizer, response='...', end='...')) and check them with "
+    "lossmask.verify(tokenizer, markers)"
+)
+
+
+class MarkerDetectionError(ValueError):
+    """The chat template could not be analysed, or the markers read off it do not verify."""
+
+
+def detect_markers(tokenizer: Any) -> Markers:
+    """Derive ``Markers`` from the tokenizer's chat template, verified on the built-in probes.
+
+    ``tokenizer``: a Hugging Face fast tokenizer, a processor, an mlx-lm ``TokenizerWrapper``, a
+    folder path, or a ``ChatTokenizer``. Raises ``MarkerDetectionError`` naming the template and
+    what failed when the template cannot be analysed or no markers reproduce its ground truth.
+    """
+    markers, _ = detect_markers_with_report(tokenizer)
+    return markers
+
+
+def detect_markers_with_report(tokenizer: Any) -> tuple[Markers, VerifyReport]:
+    """``detect_markers``, also returning the verification report of the probes."""
+    ct = _load(tokenizer)
+    probes = renderable_probes(ct)
+    if not probes:
+        raise MarkerDetectionError(
+            f"the chat template of {ct.name!r} renders none of the probe conversations (it raised on every one); "
+            f"{_HOW_TO_FIX}"
+        )
+    truths = build_truths(ct, probes)
+    failed = [t for t in truths if not isinstance(t, GroundTruth)]
+    truths = [t for t in truths if isinstance(t, GroundTruth)]
+    if failed and (not truths or failed[0][0] == "plain"):
+        name, error = failed[0]
+        raise MarkerDetectionError(f"cannot analyse the chat template of {ct.name!r}: {error}; {_HOW_TO_FIX}")
+    markers = markers_from_truths(ct, truths)
+    report = check(ct, markers, truths)
+    if not report.ok:
+        raise MarkerDetectionError(
+            f"the markers read off the chat template of {ct.name!r} do not reproduce its ground truth, so lossmask "
+            f"will not use them: {markers}\n{report}\n{_HOW_TO_FIX}"
+        )
+    return markers, report
+
+
+def _load(tokenizer: Any) -> ChatTokenizer:
+    try:
+        return load_tokenizer(tokenizer)
+    except ChatTemplateError as exc:
+        raise MarkerDetectionError(f"{exc}; {_HOW_TO_FIX}") from exc
+
+
+def markers_from_truths(tokenizer: Any, truths: Iterable[GroundTruth]) -> Markers:
+    """The patterns around every assistant turn of the given ground truths, every variant kept."""
+    ct = load_tokenizer(tokenizer)
+    response: list[tuple[int, ...]] = []
+    instruction: list[tuple[int, ...]] = []
+    end: list[tuple[int, ...]] = []
+    turns = 0
+    for truth in truths:
+        starts, ends, ids = truth.offsets[:, 0], truth.offsets[:, 1], truth.ids
+        for turn in truth.turns:
+            turns += 1
+            header_at = turn.start - len(turn.header)
+            header = ids[(starts >= header_at) & (starts < turn.start)]
+            if header.size == 0:
+                raise MarkerDetectionError(
+                    f"{ct.name!r}, probe {truth.name!r}: the assistant header {turn.header!r} holds no whole token "
+                    f"(it merges into its neighbours), so no response pattern can mark where training starts; {_HOW_TO_FIX}"
+                )
+            _add(response, header)
+            if turn.stop is not None:
+                _add(end, ids[turn.stop : turn.stop + 1])
+            elif turn.next_start < len(truth.text):
+                following = ids[(starts >= turn.end) & (ends <= turn.next_start)]
+                if following.size == 0:
+                    raise MarkerDetectionError(
+                        f"{ct.name!r}, probe {truth.name!r}: an assistant turn has no stop token and the next message "
+                        f"starts right after it, so no pattern can close it; {_HOW_TO_FIX}"
+                    )
+                _add(instruction, following)
+    if not turns:
+        raise MarkerDetectionError(f"the probes rendered with {ct.name!r} hold no assistant turn; {_HOW_TO_FIX}")
+    return Markers(response=response, instruction=instruction, end=end)
+
+
+def _add(patterns: list[tuple[int, ...]], ids: np.ndarray) -> None:
+    pattern = tuple(int(t) for t in ids)
+    if pattern not in patterns:
+        patterns.append(pattern)
+
+
+def markers_from_strings(
+    tokenizer: Any,
+    *,
+    response: str | Sequence[str],
+    instruction: str | Sequence[str] = (),
+    end: str | Sequence[str] = (),
+    mask_out: str | Sequence[str] = (),
+) -> Markers:
+    """Token patterns for marker *strings*, read where the strings occur in rendered probes.
+
+    Each string is found in the probe conversations rendered with the tokenizer's chat template
+    (and their generation prompts); the ids of the tokens that cover each occurrence, in context,
+    are one variant. Every variant is kept. A string that never occurs raises
+    ``MarkerDetectionError``. The markers are not verified here: call ``lossmask.verify``.
+    """
+    ct = _load(tokenizer)
+    texts = _probe_texts(ct)
+    if not texts:
+        raise MarkerDetectionError(f"the chat template of {ct.name!r} renders none of the probe conversations; {_HOW_TO_FIX}")
+    encoded = [(text, *ct.encode_with_offsets(text)) for text in texts]
+    kinds = {}
+    for kind, strings in (("response", response), ("instruction", instruction), ("end", end), ("mask_out", mask_out)):
+        strings = [strings] if isinstance(strings, str) else list(strings)
+        patterns: list[tuple[int, ...]] = []
+        for string in strings:
+            if not isinstance(string, str) or not string:
+                raise TypeError(f"{kind} marker strings must be non-empty strings, got {string!r}")
+            found = False
+            for text, ids, offsets in encoded:
+                at = text.find(string)
+                while at >= 0:
+                    cover = (offsets[:, 0] < at + len(string)) & (offsets[:, 1] > at)
+                    if cover.any():
+                        _add(patterns, ids[cover])
+                        found = True
+                    at = text.find(string, at + 1)
+            if not found:
+                raise MarkerDetectionError(
+                    f"the {kind} marker {string!r} does not occur in any conversation rendered with the chat template "
+                    f"of {ct.name!r}; check the string against `lossmask show`, or let lossmask.detect_markers find the markers"
+                )
+        kinds[kind] = patterns
+    return Markers(**kinds)
+
+
+def _probe_texts(ct: ChatTokenizer) -> list[str]:
+    texts = []
+    for probe in renderable_probes(ct):
+        texts.append(ct.render(probe.messages, tools=probe.tools))
+        for i, message in enumerate(probe.messages):
+            if message.get("role") == "assistant" and i:
+                try:
+                    texts.append(ct.render(probe.messages[:i], tools=probe.tools, add_generation_prompt=True))
+                except ChatTemplateError:
+                    pass
+    return texts

@@ -1,0 +1,274 @@
+"""`ChatTokenizer`: one adapter over the tokenizers people train with, for rendering and encoding chats.
+
+``load_tokenizer(obj)`` accepts a Hugging Face fast tokenizer, a processor (its chat template renders,
+its ``.tokenizer`` gives the ids), an mlx-lm ``TokenizerWrapper`` (the real tokenizer is at
+``._tokenizer``), a folder path (loaded offline), or a ``ChatTokenizer`` (returned as is).
+
+Encoding follows what training does: TRL, mlx-lm and ``apply_chat_template(tokenize=True)`` all
+tokenise the rendered text with ``add_special_tokens=False``, because the chat template writes
+whatever BOS the model expects (Llama-2 even writes one per turn). Letting the tokenizer add its own
+BOS on top would double it. A template that writes no BOS (Zephyr, OLMo-2, Qwen) trains without
+one, here as in TRL. So every encode below uses ``add_special_tokens=False``: the rendered text is
+the whole row.
+
+This module renders and encodes; it knows nothing about markers (see ``detect.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+class ChatTemplateError(ValueError):
+    """The chat template could not render a conversation (it raised, or there is no template)."""
+
+
+@dataclass(frozen=True)
+class EncodedChats:
+    """Token ids of many conversations, and the rows the template rejected.
+
+    ``input_ids`` is a ``LargeList<int32>`` array with one row per conversation; a rejected row is
+    null there and listed in ``errors`` as ``(row, message)``.
+    """
+
+    input_ids: pa.LargeListArray
+    errors: tuple[tuple[int, str], ...]
+
+    @property
+    def ok(self) -> np.ndarray:
+        """A boolean per row: did the template render it?"""
+        return ~np.asarray(self.input_ids.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+
+
+class ChatTokenizer:
+    """Renders conversations with a tokenizer's own chat template and encodes them as training does.
+
+    Build one with ``lossmask.load_tokenizer``. ``tokenizer`` is the Hugging Face fast tokenizer that
+    gives ids and offsets; ``template_owner`` is the object whose chat template renders (the tokenizer
+    itself, or a processor).
+    """
+
+    def __init__(self, tokenizer: Any, *, chat_template: Any = None, name: str | None = None, template_name: str | None = None):
+        if not getattr(tokenizer, "is_fast", False):
+            raise TypeError(
+                f"{type(tokenizer).__name__} is not a fast (Rust) tokenizer, and lossmask needs its offset "
+                "mapping; load it with AutoTokenizer.from_pretrained(path, use_fast=True)"
+            )
+        self.tokenizer = tokenizer
+        self.name = name or str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+        templates = _normalise_templates(chat_template if chat_template is not None else tokenizer.chat_template)
+        if templates is None:
+            raise ChatTemplateError(
+                f"tokenizer {self.name!r} has no chat template; pass a tokenizer whose tokenizer_config.json has "
+                "'chat_template', or set tokenizer.chat_template to a Jinja template string"
+            )
+        if template_name is not None and isinstance(templates, dict) and template_name not in templates:
+            raise ValueError(
+                f"tokenizer {self.name!r} has no chat template named {template_name!r}; it has {sorted(templates)}"
+            )
+        self.templates = templates
+        self.template_name = template_name
+
+    def __repr__(self) -> str:
+        return f"ChatTokenizer({self.name!r})"
+
+    # -- facts about the vocabulary --------------------------------------------------------
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the tokens the tokenizer declares special (added tokens flagged special, BOS/EOS...)."""
+        ids = {int(i) for i, tok in self.tokenizer.added_tokens_decoder.items() if getattr(tok, "special", False)}
+        ids.update(int(i) for i in self.tokenizer.all_special_ids)
+        return frozenset(ids)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.tokenizer.bos_token_id
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    # -- rendering -------------------------------------------------------------------------
+
+    def template_for(self, *, tools: Any = None) -> str:
+        """The template string that renders a chat with (or without) tools."""
+        if isinstance(self.templates, str):
+            return self.templates
+        if self.template_name is not None:
+            return self.templates[self.template_name]
+        if tools and "tool_use" in self.templates:
+            return self.templates["tool_use"]
+        if "default" in self.templates:
+            return self.templates["default"]
+        raise ChatTemplateError(
+            f"tokenizer {self.name!r} has named chat templates {sorted(self.templates)} and none is 'default'; "
+            "pass load_tokenizer(..., template_name=NAME)"
+        )
+
+    def render(
+        self,
+        messages: Messages,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        **template_kwargs: Any,
+    ) -> str:
+        """The text the chat template writes for ``messages`` (raises ``ChatTemplateError``)."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                chat_template=self.template_for(tools=tools),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **template_kwargs,
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # jinja2 TemplateError, raise_exception(), KeyError in templates...
+            raise ChatTemplateError(f"the chat template of {self.name!r} rejected the conversation: {exc}") from exc
+        if not isinstance(text, str):  # batched input, or a transformers version returning a dict
+            raise ChatTemplateError(f"apply_chat_template returned {type(text).__name__}, expected one string")
+        return text
+
+    # -- encoding --------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text, as training tokenises it (no special tokens added)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, offsets)``: int64 ids and an ``(n, 2)`` array of character spans into ``text``."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int64)
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        return ids, offsets
+
+    def encode_texts(self, texts: Sequence[str], *, max_length: int | None = None) -> pa.LargeListArray:
+        """Token ids of many rendered texts in one batch call: a ``LargeList<int32>`` array."""
+        encodings = self.tokenizer.backend_tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
+        rows = [e.ids if max_length is None else e.ids[:max_length] for e in encodings]
+        return _large_list(rows)
+
+    def encode_chats(
+        self,
+        conversations: Sequence[Messages | Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        max_length: int | None = None,
+    ) -> EncodedChats:
+        """Render and tokenise many conversations: one batch tokenisation, per-row template errors.
+
+        Each conversation is a list of messages, or a mapping with ``"messages"`` and optionally
+        ``"tools"`` (per-row tools override ``tools=``). A conversation the template rejects becomes
+        a null row and an entry in ``errors``; the batch goes on. ``max_length`` keeps the first
+        ``max_length`` tokens of each row (right truncation, as TRL does).
+        """
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+            raise ValueError(f"max_length={max_length!r} must be a positive integer or None")
+        texts: list[str] = []
+        rendered_rows: list[int] = []
+        errors: list[tuple[int, str]] = []
+        for row, conversation in enumerate(conversations):
+            messages, row_tools = conversation, tools
+            if isinstance(conversation, Mapping):
+                if "messages" not in conversation:
+                    errors.append((row, f"row {row} is a mapping without 'messages' (keys: {sorted(conversation)})"))
+                    continue
+                messages, row_tools = conversation["messages"], conversation.get("tools") or tools
+            try:
+                texts.append(self.render(messages, tools=row_tools, add_generation_prompt=add_generation_prompt))
+            except ChatTemplateError as exc:
+                errors.append((row, f"row {row}: {exc}"))
+                continue
+            rendered_rows.append(row)
+        encoded = self.encode_texts(texts, max_length=max_length) if texts else _large_list([])
+        n = len(rendered_rows) + len(errors)
+        if not errors:
+            return EncodedChats(encoded, ())
+        # scatter the rendered rows back among the rejected ones (nulls)
+        take = np.full(n, -1, dtype=np.int64)
+        take[np.asarray(rendered_rows, dtype=np.int64)] = np.arange(len(rendered_rows))
+        indices = pa.array(take, mask=take < 0)
+        return EncodedChats(encoded.take(indices), tuple(errors))
+
+
+def _large_list(rows: Sequence[Sequence[int]]) -> pa.LargeListArray:
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(offsets[-1]))
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def _normalise_templates(template: Any) -> str | dict[str, str] | None:
+    """A template string, or ``{name: template}`` from a dict or a list of ``{"name", "template"}``."""
+    if template is None or isinstance(template, str):
+        return template or None
+    if isinstance(template, Mapping):
+        return {str(k): str(v) for k, v in template.items()} or None
+    if isinstance(template, (list, tuple)):
+        named = {}
+        for entry in template:
+            if not isinstance(entry, Mapping) or "name" not in entry or "template" not in entry:
+                raise TypeError(f"a list of chat templates must hold {{'name': ..., 'template': ...}} entries, got {entry!r}")
+            named[str(entry["name"])] = str(entry["template"])
+        return named or None
+    raise TypeError(f"chat_template must be a string, a dict or a list of named templates, got {type(template).__name__}")
+
+
+def load_tokenizer(obj: Any, *, template_name: str | None = None) -> ChatTokenizer:
+    """A ``ChatTokenizer`` over a tokenizer, processor, mlx-lm ``TokenizerWrapper`` or folder path.
+
+    A path is loaded offline with ``AutoTokenizer.from_pretrained(path, local_files_only=True)``.
+    ``template_name`` picks one of several named chat templates (default: ``"default"``, or
+    ``"tool_use"`` when rendering with tools).
+    """
+    if isinstance(obj, ChatTokenizer):
+        return obj
+    if isinstance(obj, (str, os.PathLike)):
+        path = os.fspath(obj)
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise ImportError("loading a tokenizer from a path needs transformers: pip install 'lossmask[hf]'") from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:
+            raise ValueError(
+                f"could not load a tokenizer from {path!r} offline ({type(exc).__name__}: {exc}); pass a folder "
+                "holding tokenizer.json and tokenizer_config.json, or a loaded tokenizer"
+            ) from exc
+        return ChatTokenizer(tokenizer, name=path, template_name=template_name)
+    # mlx-lm TokenizerWrapper: the Hugging Face tokenizer is at ._tokenizer (a HF fast tokenizer also
+    # has ._tokenizer, but that one is the Rust object, which has no apply_chat_template)
+    inner = getattr(obj, "_tokenizer", None)
+    if inner is not None and hasattr(inner, "apply_chat_template") and not hasattr(obj, "backend_tokenizer"):
+        return ChatTokenizer(inner, template_name=template_name)
+    # processor: template on the processor, ids from .tokenizer
+    inner = getattr(obj, "tokenizer", None)
+    if inner is not None and hasattr(inner, "apply_chat_template") and not hasattr(obj, "convert_tokens_to_ids"):
+        template = getattr(obj, "chat_template", None) or inner.chat_template
+        return ChatTokenizer(inner, chat_template=template, template_name=template_name)
+    if hasattr(obj, "apply_chat_template") and hasattr(obj, "convert_tokens_to_ids"):
+        return ChatTokenizer(obj, template_name=template_name)
+    raise TypeError(
+        f"cannot use a {type(obj).__name__} as a tokenizer; pass a Hugging Face fast tokenizer, a processor, "
+        "an mlx-lm TokenizerWrapper, or the path of a tokenizer folder"
+    )

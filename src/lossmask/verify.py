@@ -1,0 +1,517 @@
+"""`verify`: an independent ground truth for "what must be trained", and a check of markers against it.
+
+The ground truth never looks at markers. For each conversation it renders the chat with the
+tokenizer's own template and tokenises it as training does (``tokenizer.py``), finds where each
+message's text landed (its contents are located in the rendered text in order), and applies the rule
+of SPEC.md, "What must be trained" (written out in docs/masking-rule.md):
+
+* an assistant turn starts training where the generation prompt ends: the text that
+  ``add_generation_prompt=True`` appends after the previous message is the header, and the header
+  is not trained; what the template writes after it (Qwen3's empty ``<think>`` block, gpt-oss's
+  ``<|channel|>final<|message|>``, GLM's ``\\n<think></think>\\n``) is generated, so it is trained;
+* it stops training after the stop token: the last special token of the turn's own closing text
+  (the closing the template writes after the turn both when it is the last message and when
+  another follows: ``<|im_end|>``, ``<|eot_id|>``, Llama-2's `` </s>``...); when the turn has no
+  closing of its own, the first special token after it (GLM's next role token, gpt-oss's
+  ``<|end|>``/``<|return|>``); when there is none before the next message (Falcon), nothing after
+  the content is trained;
+* a copy of the assistant header inside a turn (gpt-oss writes one per channel) is a header and is
+  not trained; everything outside assistant turns (system, user, tool results) is not trained.
+
+A token counts as trained when its first character lies in a trained span. The markers are then
+applied with ``make_labels`` and every token is compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .labels import make_labels
+from .markers import Markers
+from .tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
+
+
+class GroundTruthError(ValueError):
+    """The rule could not be applied to a conversation (a message could not be located...)."""
+
+
+# -- conversations ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A named conversation: messages, and the tools offered to the template (or None)."""
+
+    name: str
+    messages: tuple[Mapping[str, Any], ...]
+    tools: tuple[Mapping[str, Any], ...] | None = None
+
+    @classmethod
+    def coerce(cls, obj: Any, index: int) -> "Conversation":
+        if isinstance(obj, Conversation):
+            return obj
+        if isinstance(obj, Mapping):
+            if "messages" not in obj:
+                raise TypeError(f"conversation {index} is a mapping without 'messages' (keys: {sorted(obj)})")
+            tools = obj.get("tools")
+            return cls(str(obj.get("name", f"conversation {index}")), tuple(obj["messages"]), tuple(tools) if tools else None)
+        if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
+            return cls(f"conversation {index}", tuple(obj))
+        raise TypeError(
+            f"conversation {index} is a {type(obj).__name__}; pass a list of messages, "
+            "a mapping with 'messages' (and 'tools'), or a lossmask.verify.Conversation"
+        )
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def _assistant(content: str, reasoning: str | None = None) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:  # Qwen3/GLM read reasoning_content, gpt-oss/SmolLM3 read thinking
+        message["reasoning_content"] = reasoning
+        message["thinking"] = reasoning
+    return message
+
+
+def probe_conversations(*, system: bool = True, tools: bool = True, reasoning: bool = True) -> list[Conversation]:
+    """The built-in probes: multi-turn, with and without system, whitespace, Unicode, tools, reasoning.
+
+    Every content is unique, so that the ground truth can find each message in the rendered text.
+    Callers drop the probes a template cannot render (see ``renderable_probes``).
+    """
+    user, assistant = (lambda text: {"role": "user", "content": text}), _assistant
+    probes = [
+        Conversation("plain", (
+            user("What is the capital of France?"), assistant("Paris."),
+            user("And of Spain?"), assistant("Madrid, of course!"),
+            user("Thanks"), assistant("You are welcome 3"),
+        )),
+        Conversation("whitespace", (
+            user("  leading spaces and a trailing newline\n"), assistant("  Two leading spaces, a trailing space "),
+            user("\n\nnew lines\naround\n\n"), assistant("\nline one\nline two\n"),
+            user("tab\tin the middle."), assistant("ends with two newlines\n\n"),
+        )),
+        Conversation("leading", (
+            user("one"), assistant(" one leading space"),
+            user("two"), assistant("\n\nstarts with two newlines"),
+            user("three"), assistant("   three leading spaces"),
+            user("four"), assistant("\tstarts with a tab"),
+            user("five"), assistant(" \nspace then newline"),
+        )),
+        Conversation("unicode", (
+            user("Ünïcödé — 日本語で答えて？"), assistant("はい、日本語です。🙂"),
+            user("Ça va? ¿Qué tal? Привет"), assistant("Très bien — Всё хорошо ✓"),
+        )),
+        Conversation("code", (
+            user("Write x=1 in Python:"), assistant("```python\nx = 1\nprint(x)\n```"),
+            user("[brackets] {braces} <angles>"), assistant("<tag>[1]</tag> {\"k\": 2}"),
+        )),
+    ]
+    if system:
+        probes += [
+            Conversation("system", (
+                {"role": "system", "content": "You are terse and exact."},
+                user("Name a colour."), assistant("Blue."),
+                user("Another one?"), assistant("Green, then."),
+            )),
+        ]
+    if reasoning:
+        probes += [
+            Conversation("reasoning", (
+                user("Is 7 prime?"), assistant("Yes, 7 is prime.", "Seven has no divisor but 1 and itself."),
+                user("Is 9 prime?"), assistant("No: 9 = 3 x 3.", "Nine is three times three."),
+            )),
+        ]
+    if tools:
+        call = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+        probes += [
+            Conversation("tool", (
+                user("What is the weather in Oslo?"),
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call12345", "name": "get_weather", "content": "minus three, snowing"},
+                assistant("It is -3 °C and snowing in Oslo."),
+                user("And tomorrow?"), assistant("I cannot see tomorrow's forecast."),
+            ), (WEATHER_TOOL,)),
+        ]
+    return probes
+
+
+# -- locating messages in rendered text --------------------------------------------------------
+
+
+def _pieces(message: Mapping[str, Any]) -> list[str]:
+    """The texts of one message that a template copies verbatim: reasoning, content, tool calls."""
+    pieces = []
+    for key in ("reasoning_content", "thinking"):
+        if isinstance(message.get(key), str) and message[key].strip():
+            pieces.append(message[key])
+    content = message.get("content")
+    if isinstance(content, str) and content.strip():
+        pieces.append(content)
+    elif isinstance(content, list):  # multimodal-style [{"type": "text", "text": ...}]
+        pieces += [part["text"] for part in content if isinstance(part, Mapping) and isinstance(part.get("text"), str) and part["text"].strip()]
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", call) if isinstance(call, Mapping) else {}
+        if isinstance(function.get("name"), str):
+            pieces.append(function["name"])
+        arguments = function.get("arguments")
+        if isinstance(arguments, Mapping):
+            pieces += [v for v in arguments.values() if isinstance(v, str) and v.strip()]
+        elif isinstance(arguments, str) and arguments.strip():
+            pieces.append(arguments)
+    return pieces
+
+
+def locate_messages(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int] | None]:
+    """``(start, end)`` of each message's verbatim pieces in ``text``, searched in order; None when absent.
+
+    A piece is looked for as written, then stripped (templates that trim). A message whose pieces
+    are all absent (a dropped system prompt, stripped reasoning) is None and the search goes on.
+    """
+    spans: list[tuple[int, int] | None] = []
+    cursor = 0
+    for message in messages:
+        found = []
+        for piece in _pieces(message):
+            for candidate in (piece, piece.strip()):
+                at = text.find(candidate, cursor)
+                if at >= 0:
+                    found.append((at, at + len(candidate)))
+                    break
+        if found:
+            span = (min(a for a, _ in found), max(b for _, b in found))
+            spans.append(span)
+            cursor = span[1]
+        else:
+            spans.append(None)
+    return spans
+
+
+# -- the ground truth ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One assistant turn of a rendered conversation, in characters of the rendered text."""
+
+    message: int  # index in the conversation
+    header: str  # the text the generation prompt supplies (not trained)
+    start: int  # first trained character (where the generation prompt ends)
+    end: int  # one past the last trained character (the end of the stop token)
+    stop: int | None  # token index of the stop token, None when the turn has none
+    next_start: int  # where the next located message starts (len(text) when none follows)
+
+
+@dataclass(frozen=True)
+class GroundTruth:
+    """A rendered, tokenised conversation and, per token, whether the rule trains it."""
+
+    name: str
+    text: str
+    ids: np.ndarray
+    offsets: np.ndarray
+    should_train: np.ndarray  # bool per token
+    turns: tuple[Turn, ...]
+
+
+def _last_located(spans: Sequence[tuple[int, int] | None]) -> int | None:
+    for index in range(len(spans) - 1, -1, -1):
+        if spans[index] is not None:
+            return index
+    return None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
+    """Render ``conversation`` and decide, from the rule alone, which tokens must be trained."""
+    ct = load_tokenizer(tokenizer)
+    conv = Conversation.coerce(conversation, 0)
+    messages, tools = list(conv.messages), conv.tools
+    text = ct.render(messages, tools=tools)
+    ids, offsets = ct.encode_with_offsets(text)
+    spans = locate_messages(text, messages)
+    special = np.fromiter((int(t) in ct.special_ids for t in ids), dtype=bool, count=len(ids))
+    starts = offsets[:, 0]
+
+    assistant_turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    turns: list[Turn] = []
+    closings: list[str] = []  # per-turn closings seen in this conversation (with a special token)
+    pending_last: list[tuple[int, int, str, int]] = []
+    for i in assistant_turns:
+        start, header = _turn_start(ct, conv, messages, i, text, spans, offsets, special)
+        span = spans[i]
+        content_end = span[1] if span is not None else start
+        content_end = max(content_end, start)
+        following = next((spans[j] for j in range(i + 1, len(messages)) if spans[j] is not None), None)
+        if following is not None:
+            # the closing the template writes for this turn both as the last message and mid-chat
+            alone = ct.render(messages[: i + 1], tools=tools)
+            alone_span = locate_messages(alone, messages[: i + 1])[i]
+            alone_end = alone_span[1] if alone_span is not None else len(alone)
+            between = text[content_end : following[0]]
+            closing = between[: _common_prefix(alone[alone_end:], between)]
+            stop = _last_special(special, offsets, content_end, content_end + len(closing))
+            if stop is not None:
+                closings.append(closing)
+            else:  # no end-of-turn token of its own: the first special token that follows stops it
+                stop = _first_special(special, starts, content_end, following[0])
+            turns.append(_make_turn(i, header, start, content_end, stop, offsets, following[0]))
+        else:
+            pending_last.append((i, start, header, content_end))
+    for i, start, header, content_end in pending_last:  # the last turn: end of text follows
+        rest = text[content_end:]
+        known = [c for c in closings if rest.startswith(c)]
+        if known:
+            stop = _last_special(special, offsets, content_end, content_end + len(max(known, key=len)))
+        else:
+            stop = _first_special(special, starts, content_end, len(text))
+        turns.append(_make_turn(i, header, start, content_end, stop, offsets, len(text)))
+
+    should = np.zeros(len(ids), dtype=bool)
+    for turn in turns:
+        inside = (starts >= turn.start) & (starts < turn.end)
+        should |= inside
+        if turn.header:  # a copy of the header inside the turn is a header (gpt-oss channels)
+            at = text.find(turn.header, turn.start)
+            while 0 <= at < turn.end:
+                should &= ~((starts >= at) & (starts < at + len(turn.header)))
+                at = text.find(turn.header, at + len(turn.header))
+    return GroundTruth(conv.name, text, ids, offsets, should, tuple(sorted(turns, key=lambda t: t.start)))
+
+
+def _make_turn(message, header, start, content_end, stop, offsets, next_start) -> Turn:
+    end = int(offsets[stop, 1]) if stop is not None else content_end
+    return Turn(message, header, start, max(end, start), stop, next_start)
+
+
+def _last_special(special, offsets, lo, hi) -> int | None:
+    hits = np.flatnonzero(special & (offsets[:, 0] >= lo) & (offsets[:, 1] <= hi))
+    return int(hits[-1]) if hits.size else None
+
+
+def _first_special(special, starts, lo, hi) -> int | None:
+    hits = np.flatnonzero(special & (starts >= lo) & (starts < hi))
+    return int(hits[0]) if hits.size else None
+
+
+def _turn_start(ct: ChatTokenizer, conv: Conversation, messages, i: int, text: str, spans, offsets, special) -> tuple[int, str]:
+    """Where assistant turn ``i`` starts training in ``text``, and the header text before it."""
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    before = messages[:i]
+    try:
+        prompt = ct.render(before, tools=conv.tools, add_generation_prompt=True) if before else None
+        no_prompt = ct.render(before, tools=conv.tools, add_generation_prompt=False) if before else None
+    except ChatTemplateError as exc:
+        raise GroundTruthError(
+            f"{conv.name}: the template cannot render the generation prompt before message {i}: {exc}"
+        ) from exc
+    if prompt is None:  # the conversation opens with an assistant turn: no prompt to speak of
+        raise GroundTruthError(f"{conv.name}: message {i} is an assistant turn with nothing before it")
+    prompt_spans = locate_messages(prompt, before)
+    anchor = _last_located(prompt_spans)
+    if anchor is None or spans[anchor] is None:
+        prompt_at, text_at = 0, 0
+    else:
+        prompt_at, text_at = prompt_spans[anchor][1], spans[anchor][1]
+    tail = prompt[prompt_at:]
+    if not text.startswith(tail, text_at):
+        raise GroundTruthError(
+            f"{conv.name}: the generation prompt before message {i} ends {tail!r}, but the rendered chat "
+            f"continues {text[text_at:text_at + len(tail) + 20]!r}; the template renders the turn boundary "
+            "differently with add_generation_prompt=True"
+        )
+    no_prompt_anchor = locate_messages(no_prompt, before)[anchor][1] if anchor is not None and spans[anchor] is not None else 0
+    start = text_at + len(tail)
+    header_at = text_at + _common_prefix(tail, no_prompt[no_prompt_anchor:])
+    if header_at == start:
+        # add_generation_prompt adds nothing (Llama-2, Mistral, Phi-3: the user turn writes the cue):
+        # the header is the tail from its last special token on, or the whole tail
+        header_at = text_at
+        inside = np.flatnonzero((starts >= text_at) & (starts < start) & special)
+        if inside.size:
+            header_at = int(starts[inside[-1]])
+    else:
+        # a common prefix may end inside a token ('<|end|>\n<|' shared by '<|assistant|>' and
+        # '<|endoftext|>'): the header starts at the start of that token
+        covering = np.flatnonzero((starts < header_at) & (ends > header_at) & (starts >= text_at))
+        if covering.size:
+            header_at = int(starts[covering[0]])
+    return start, text[header_at:start]
+
+
+# -- the check -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConversationReport:
+    """One conversation: tokens checked, and where markers and the ground truth disagree."""
+
+    name: str
+    tokens: int
+    expected_trained: int
+    missing: tuple[int, ...] = ()  # token positions that should be trained and are not
+    extra: tuple[int, ...] = ()  # token positions that are trained and should not be
+    error: str | None = None  # the ground truth could not be built
+    truth: GroundTruth | None = field(default=None, repr=False, compare=False)
+    labels: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def exact(self) -> bool:
+        return self.error is None and not self.missing and not self.extra
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify`` found: per conversation, and in total. ``ok`` when every token agrees."""
+
+    tokenizer: str
+    markers: Markers
+    conversations: tuple[ConversationReport, ...]
+    decode: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.tokens for c in self.conversations)
+
+    @property
+    def missing(self) -> int:
+        return sum(len(c.missing) for c in self.conversations)
+
+    @property
+    def extra(self) -> int:
+        return sum(len(c.extra) for c in self.conversations)
+
+    @property
+    def errors(self) -> int:
+        return sum(c.error is not None for c in self.conversations)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.conversations) and all(c.exact for c in self.conversations)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def summary(self) -> str:
+        verdict = "exact" if self.ok else "MISMATCH"
+        text = (
+            f"{verdict}: {len(self.conversations)} conversations, {self.tokens} tokens checked, "
+            f"{self.missing} missing (should be trained, are not), {self.extra} extra (trained, should not be)"
+        )
+        if self.errors:
+            text += f", {self.errors} not checkable"
+        return text
+
+    def __str__(self) -> str:
+        lines = [f"verify {self.tokenizer}: {self.summary()}"]
+        for c in self.conversations:
+            if c.error is not None:
+                lines.append(f"  {c.name}: not checked: {c.error}")
+            elif not c.exact:
+                lines.append(f"  {c.name}: {len(c.missing)} missing, {len(c.extra)} extra of {c.tokens} tokens")
+                lines += ["    " + line for line in _describe(c, self.decode)]
+            else:
+                lines.append(f"  {c.name}: exact ({c.expected_trained} of {c.tokens} tokens trained)")
+        return "\n".join(lines)
+
+
+def _describe(report: ConversationReport, decode, *, limit: int = 3) -> list[str]:
+    """A few mismatches, each with the tokens around it; [trained] tokens in brackets, ^ marks the bad one."""
+    if report.truth is None or report.labels is None or decode is None:
+        return []
+    ids = report.truth.ids
+    trained = report.labels != -100
+    lines = []
+    for kind, positions in (("missing", report.missing), ("extra", report.extra)):
+        for pos in positions[:limit]:
+            lo, hi = max(0, pos - 6), min(len(ids), pos + 5)
+            parts = []
+            for k in range(lo, hi):
+                token = repr(decode([int(ids[k])]))[1:-1]
+                token = f"[{token}]" if trained[k] else token
+                parts.append(f"^{token}" if k == pos else token)
+            lines.append(f"{kind} at token {pos}: {' '.join(parts)}")
+        if len(positions) > limit:
+            lines.append(f"... and {len(positions) - limit} more {kind}")
+    return lines
+
+
+def check(tokenizer: Any, markers: Markers, truths: Sequence[GroundTruth | tuple[str, str]]) -> VerifyReport:
+    """Compare ``make_labels`` under ``markers`` with ground truths already built (or their errors)."""
+    ct = load_tokenizer(tokenizer)
+    reports = []
+    rows = [t for t in truths if isinstance(t, GroundTruth)]
+    labels = make_labels([t.ids.tolist() for t in rows], markers) if rows else []
+    by_truth = iter(labels)
+    for t in truths:
+        if not isinstance(t, GroundTruth):
+            name, error = t
+            reports.append(ConversationReport(name, 0, 0, error=error))
+            continue
+        got = np.asarray(next(by_truth), dtype=np.int64)
+        trained = got != -100
+        missing = tuple(int(k) for k in np.flatnonzero(t.should_train & ~trained))
+        extra = tuple(int(k) for k in np.flatnonzero(trained & ~t.should_train))
+        reports.append(ConversationReport(t.name, len(t.ids), int(t.should_train.sum()), missing, extra, truth=t, labels=got))
+    return VerifyReport(ct.name, markers, tuple(reports), decode=ct.decode)
+
+
+def build_truths(tokenizer: Any, conversations: Sequence[Any]) -> list[GroundTruth | tuple[str, str]]:
+    """The ground truth of each conversation, or ``(name, error)`` where it cannot be built."""
+    ct = load_tokenizer(tokenizer)
+    out: list[GroundTruth | tuple[str, str]] = []
+    for index, obj in enumerate(conversations):
+        conv = Conversation.coerce(obj, index)
+        try:
+            out.append(ground_truth(ct, conv))
+        except (GroundTruthError, ChatTemplateError) as exc:
+            out.append((conv.name, str(exc)))
+    return out
+
+
+def renderable_probes(tokenizer: Any) -> list[Conversation]:
+    """The built-in probes this template can render (templates raise on a system role, on tools...)."""
+    ct = load_tokenizer(tokenizer)
+    kept = []
+    for probe in probe_conversations():
+        try:
+            text = ct.render(probe.messages, tools=probe.tools)
+        except ChatTemplateError:
+            continue
+        if probe.tools and "get_weather" not in text.split("Oslo?", 1)[-1]:
+            continue  # the template ignores tool calls: no tool probe
+        kept.append(probe)
+    return kept
+
+
+def verify(tokenizer: Any, markers: Markers, conversations: Sequence[Any] | None = None) -> VerifyReport:
+    """Check ``markers`` against the ground truth on ``conversations`` (default: the built-in probes).
+
+    ``tokenizer``: anything ``lossmask.load_tokenizer`` accepts. ``conversations``: lists of
+    messages, or mappings with ``"messages"`` (and ``"tools"``). Returns a ``VerifyReport``:
+    ``report.ok``, totals, and per conversation the missing and extra token positions.
+    """
+    if not isinstance(markers, Markers):
+        raise TypeError(f"markers must be a lossmask.Markers, got {type(markers).__name__}")
+    ct = load_tokenizer(tokenizer)
+    if conversations is None:
+        conversations = renderable_probes(ct)
+    return check(ct, markers, build_truths(ct, conversations))
