@@ -1,0 +1,258 @@
+"""The masking policy: one function that every integration calls to decide which markers to use.
+
+``resolve_markers`` decides, in this order:
+
+1. ``dataset_format`` "text" / "raw" / "pretraining" (continued pretraining) and "alpaca"
+   (instruction/input/output rows, not chat): no masking, every token trains; said in ``reason``.
+2. Marker strings given by the user (``response_part`` / ``instruction_part``, the call shape of
+   Unsloth's ``train_on_responses_only``): located in rendered probes (``markers_from_strings``),
+   with the tokenizer's EOS added as the ``end`` marker where the template writes it (the stop token
+   trains), verified, and used even when verification disagrees (the user asked for them), with an
+   ``UnverifiedMarkersWarning`` then (``MarkerResolutionError`` under ``strict=True``).
+3. Detection from the chat template (``detect_markers``, which only returns verified markers).
+4. When detection raises ``MarkerDetectionError`` (and only then): the template table, for the
+   model name (or the tokenizer's own name); its markers are used only when ``verify`` finds them
+   exact, and a ``MarkerFallbackWarning`` names the detection error.
+5. When both miss: ``FullSequenceWarning``, loud, and the full sequence trains (markers None);
+   under ``strict=True`` a ``MarkerResolutionError`` instead.
+
+Any other exception (a template that raises on the probes in a way detection does not expect, a
+bug while applying markers, a bad argument) propagates: it is never taken for "detection failed".
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .detect import MarkerDetectionError
+from .markers import Markers
+
+SOURCES = ("detected", "table", "user", "none")
+
+CHAT_FORMATS = ("chat", "conversational", "messages", "sharegpt")
+NO_MASKING_FORMATS = {
+    "text": "raw text rows (continued pretraining) have no turns: every token trains",
+    "raw": "raw text rows (continued pretraining) have no turns: every token trains",
+    "pretraining": "continued pretraining trains on every token",
+    "alpaca": (
+        "alpaca rows (instruction/input/output) are not rendered with a chat template, so there are no chat markers "
+        "to find: every token trains; convert them to messages (dataset_format='chat') to train on the output only"
+    ),
+}
+
+
+class FullSequenceWarning(UserWarning):
+    """No markers could be found or verified: the full sequence (prompts included) will be trained."""
+
+
+class MarkerFallbackWarning(UserWarning):
+    """Detection from the chat template failed; markers came from the template table instead."""
+
+
+class UnverifiedMarkersWarning(UserWarning):
+    """Markers built from the user's strings do not reproduce the ground truth on the probes."""
+
+
+class MarkerResolutionError(MarkerDetectionError):
+    """``strict=True`` and no verified markers were found (or the user's strings do not verify)."""
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What ``resolve_markers`` decided.
+
+    ``markers``: the markers to label with, or None (train every token). ``source``: "detected",
+    "table", "user" or "none". ``messages``: what the user should read, in order (warnings
+    included). ``reason``: one line saying why this source was chosen. ``template``: the table entry
+    used (or the one tried). ``report``: the verification report of the markers, when one was made.
+    """
+
+    markers: Markers | None
+    source: str
+    messages: tuple[str, ...]
+    reason: str
+    template: str | None = None
+    report: Any = None
+
+    @property
+    def masking(self) -> bool:
+        """Whether labels will mask anything (False: the full sequence trains)."""
+        return self.markers is not None
+
+
+def resolve_markers(
+    tokenizer: Any,
+    model_name: str | None = None,
+    dataset_format: str = "chat",
+    strict: bool = False,
+    *,
+    response_part: str | Sequence[str] | None = None,
+    instruction_part: str | Sequence[str] | None = None,
+) -> Resolution:
+    """Choose the markers for ``tokenizer`` (see the module notes for the order of decisions).
+
+    ``tokenizer``: a Hugging Face tokenizer, processor, mlx-lm ``TokenizerWrapper``, folder path or
+    ``ChatTokenizer``. ``model_name``: the checkpoint name for the table (default: the tokenizer's
+    own name or path). ``dataset_format``: "chat" (or "conversational", "messages", "sharegpt"),
+    "text" / "raw" / "pretraining", or "alpaca". ``strict``: raise ``MarkerResolutionError``
+    instead of training the full sequence. ``response_part`` / ``instruction_part``: marker text
+    as it appears in the rendered chat (e.g. ``"<|im_start|>assistant\\n"``), instead of detection.
+    """
+    fmt = _check_format(dataset_format)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {strict!r}")
+    if model_name is not None and not isinstance(model_name, str):
+        raise TypeError(f"model_name must be a string such as 'Qwen/Qwen2.5-7B-Instruct', got {type(model_name).__name__}")
+    if fmt in NO_MASKING_FORMATS:
+        if response_part is not None or instruction_part is not None:
+            raise ValueError(
+                f"response_part/instruction_part mark chat turns, but dataset_format={dataset_format!r} has none; "
+                "pass dataset_format='chat' to mask with them, or leave them out"
+            )
+        reason = f"dataset_format={dataset_format!r}: {NO_MASKING_FORMATS[fmt]}"
+        return Resolution(None, "none", (reason,), reason)
+
+    from .tokenizer import load_tokenizer
+
+    ct = load_tokenizer(tokenizer)
+    steps = Steps.default()
+    if response_part is not None or instruction_part is not None:
+        return _from_user(ct, response_part, instruction_part, strict, steps)
+    return _resolve_chat(ct, model_name, strict, steps)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The operations the policy chains, as functions (the defaults are lossmask's own).
+
+    ``detect(ct) -> (markers, report)`` raises ``MarkerDetectionError`` when it fails;
+    ``match(name) -> TemplateMatch | None``; ``entry_markers(ct, entry) -> Markers``;
+    ``strings_markers(ct, **strings) -> Markers``; ``verify(ct, markers) -> report`` with ``.ok``
+    and ``.summary()``. Tests pass their own to reach every decision.
+    """
+
+    detect: Callable[[Any], tuple[Markers, Any]]
+    match: Callable[[str], Any]
+    entry_markers: Callable[[Any, Any], Markers]
+    strings_markers: Callable[..., Markers]
+    verify: Callable[[Any, Markers], Any]
+
+    @classmethod
+    def default(cls) -> "Steps":
+        from .detect import detect_markers_with_report, markers_from_strings
+        from .templates import match_template, table_markers
+        from .verify import verify
+
+        return cls(detect_markers_with_report, match_template, table_markers, markers_from_strings, verify)
+
+
+def _resolve_chat(ct: Any, model_name: str | None, strict: bool, steps: Steps) -> Resolution:
+    """Detection, then the table, then the loud full-sequence fallback (chat data, no user strings)."""
+    try:
+        markers, report = steps.detect(ct)
+    except MarkerDetectionError as exc:  # only this one means "detection failed"; anything else propagates
+        return _from_table(ct, model_name or ct.name, exc, strict, steps)
+    reason = f"markers detected from the chat template of {ct.name!r} and verified: {report.summary()}"
+    return Resolution(markers, "detected", (reason,), reason, report=report)
+
+
+def _check_format(dataset_format: str) -> str:
+    if isinstance(dataset_format, str):
+        fmt = dataset_format.strip().lower()
+        if fmt in CHAT_FORMATS or fmt in NO_MASKING_FORMATS:
+            return fmt
+    raise ValueError(
+        f"dataset_format={dataset_format!r} is not known; pass one of {list(CHAT_FORMATS)} (mask to assistant turns), "
+        f"{[f for f in NO_MASKING_FORMATS if f != 'alpaca']} (no masking) or 'alpaca'"
+    )
+
+
+def _as_strings(value: str | Sequence[str] | None, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    strings = (value,) if isinstance(value, str) else tuple(value)
+    if not strings or not all(isinstance(s, str) and s for s in strings):
+        raise TypeError(f"{what} must be a non-empty string or a list of them, such as '<|im_start|>assistant\\n'; got {value!r}")
+    return strings
+
+
+def _from_user(ct, response_part, instruction_part, strict: bool, steps: Steps) -> Resolution:
+    if response_part is None:
+        raise ValueError(
+            "instruction_part was given without response_part; pass response_part too (the text that opens an "
+            "assistant turn, e.g. '<|im_start|>assistant\\n'), or neither to detect the markers"
+        )
+    response, instruction = _as_strings(response_part, "response_part"), _as_strings(instruction_part, "instruction_part")
+    # a string that never occurs in the rendered chat raises MarkerDetectionError: the user's own input, so it propagates
+    markers = steps.strings_markers(ct, response=response, instruction=instruction)
+    eos = _eos_string(ct)
+    if eos is not None:  # the stop token trains (SPEC.md); Unsloth's call shape has no place to say so
+        try:
+            markers = steps.strings_markers(ct, response=response, instruction=instruction, end=(eos,))
+        except MarkerDetectionError:
+            pass  # the template never writes EOS (Falcon): nothing after the content trains
+    report = steps.verify(ct, markers)
+    messages = [f"markers from response_part={list(response)!r}, instruction_part={list(instruction)!r}: {markers}"]
+    if report.ok:
+        reason = f"user-given marker strings, verified: {report.summary()}"
+        messages.append(reason)
+        return Resolution(markers, "user", tuple(messages), reason, report=report)
+    problem = (
+        f"the markers from your response_part/instruction_part do not match what {ct.name!r} must train: "
+        f"{report.summary()}. Check them with `lossmask show`; leave them out to let lossmask detect the markers."
+    )
+    if strict:
+        raise MarkerResolutionError(f"{problem}\n{report}")
+    warnings.warn(problem, UnverifiedMarkersWarning, stacklevel=3)
+    messages.append(f"WARNING: {problem}")
+    return Resolution(markers, "user", tuple(messages), "user-given marker strings (NOT verified exact)", report=report)
+
+
+def _eos_string(ct) -> str | None:
+    eos = getattr(ct.tokenizer, "eos_token", None)
+    return eos if isinstance(eos, str) and eos else None
+
+
+def _from_table(ct, name: str, detection_error: MarkerDetectionError, strict: bool, steps: Steps) -> Resolution:
+    detection = f"marker detection failed for {ct.name!r}: {_first_line(detection_error)}"
+    messages = [detection]
+    match = steps.match(name)
+    tried, report = None, None
+    if match is None:
+        messages.append(f"the template table has no entry for the model name {name!r}; pass model_name= to name the checkpoint")
+    elif match.entry is None:
+        messages.append(f"the model name {name!r} matches {match.pattern!r}, a family the template table does not serve")
+    else:
+        tried = match.template
+        try:
+            markers = steps.entry_markers(ct, match.entry)
+        except MarkerDetectionError as exc:
+            messages.append(
+                f"the template table entry {tried!r} (matched by {match.pattern!r}) is not used: {_first_line(exc)}"
+            )
+        else:
+            report = steps.verify(ct, markers)
+            if report.ok:
+                reason = f"detection failed; markers from the template table entry {tried!r} (model name {name!r}), verified: {report.summary()}"
+                warning = f"{detection}; using the template table entry {tried!r} instead, verified exact on the probes"
+                warnings.warn(warning, MarkerFallbackWarning, stacklevel=4)
+                messages.append(f"WARNING: {warning}")
+                return Resolution(markers, "table", tuple(messages), reason, template=tried, report=report)
+            messages.append(f"the template table entry {tried!r} is not used: it fails verification: {report.summary()}")
+    loud = (
+        f"NO LOSS MASKING for {ct.name!r}: no markers could be detected or taken from the template table, so the FULL "
+        "SEQUENCE (system, user and tool turns included) will be trained. Pass response_part=/instruction_part= "
+        "(see `lossmask show`), or markers yourself, or strict=True to stop here."
+    )
+    if strict:
+        raise MarkerResolutionError("\n".join(messages + [loud.replace(" will be trained", " would be trained")]))
+    warnings.warn(loud + "\n" + "\n".join(messages), FullSequenceWarning, stacklevel=4)
+    messages.append(f"WARNING: {loud}")
+    return Resolution(None, "none", tuple(messages), "detection failed and the template table had no verified entry",
+                      template=tried, report=report)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).split("\n", 1)[0]
