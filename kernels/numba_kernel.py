@@ -10,7 +10,8 @@ of SPEC.md: the latest open, the latest close and the end of the latest mask_out
   (close at ``i``): checked backwards from ``t[i-1]``.
 
 So one forward scan sees every event in order. A per-token-id flag table (``flags``) keeps the
-pattern loops off the common path: most tokens neither start nor end any pattern.
+pattern loops off the common path: most tokens neither start nor end any pattern, and between two
+flagged tokens the label is either every token or ``ignore_index``, written by a tight loop.
 """
 
 from __future__ import annotations
@@ -41,10 +42,8 @@ def _matches(values, at, lo, hi, tokens, p_lo, p_hi):
 @njit(cache=True, nogil=True)
 def _last_open(values, lo, hi, tokens, offsets, kinds, flags):
     """max(OPEN) for the row, scanning backwards from its end; -1 when no response pattern occurs."""
-    n_flags = flags.shape[0]
     for i in range(hi, lo, -1):  # an open at i comes from a response pattern ending at i-1
-        v = values[i - 1]
-        if v < 0 or v >= n_flags or not (flags[v] & ENDS_PATTERN):
+        if not (_flag(values[i - 1], flags) & ENDS_PATTERN):
             continue
         for k in range(kinds.shape[0]):
             if kinds[k] == RESPONSE:
@@ -54,60 +53,99 @@ def _last_open(values, lo, hi, tokens, offsets, kinds, flags):
     return -1
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _flag(v, flags):
+    """The flag bits of token ``v``; ids outside the table start and end nothing."""
+    if v < 0 or v >= flags.shape[0]:
+        return 0
+    return flags[v]
+
+
 @njit(cache=True, nogil=True)
 def _label_row(values, lo, hi, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask):
-    """Label one row in place; return (trained tokens, outcome code, first negative index or -1)."""
+    """Label one row in place; return (trained tokens, outcome code, first negative index or -1).
+
+    The state (trained or not) can only change on a token that starts or ends a pattern, or where a
+    mask_out match ends. So the row is walked as: settle the events at ``i``, then write the run of
+    tokens up to the next such place with one tight loop that only looks at ``flags``.
+    """
     if hi <= lo:
         return 0, _EMPTY, -1
-    n_flags = flags.shape[0]
     n_patterns = kinds.shape[0]
+    n_flags = np.uint64(flags.shape[0])  # unsigned: a negative id compares as huge and skips the lookup
     only_open = _last_open(values, lo, hi, tokens, offsets, kinds, flags) if last_turn_only else -2
+    trained_value = 1 if write_mask else 0
+    untrained_value = 0 if write_mask else ignore_index
     last_open = -1
     last_close = -1
     masked_until = -1
     saw_response = False
-    first_bad = -1
     n_trained = 0
-    prev_flag = 0
-    for i in range(lo, hi + 1):  # i == hi only settles a response pattern ending the row
-        if prev_flag & ENDS_PATTERN:
+    sign = values[lo] & 0  # OR of the tokens written by the fast loops: negative iff one of them was
+    i = lo
+    while i <= hi:  # i == hi only settles a response pattern that ends the row
+        # Events at i from patterns that end at i-1 (checked backwards) ...
+        if i > lo and _flag(values[i - 1], flags) & ENDS_PATTERN:
             for k in range(n_patterns):
-                kind = kinds[k]
-                if kind == RESPONSE or kind == END:
-                    length = offsets[k + 1] - offsets[k]
-                    if _matches(values, i - length, lo, hi, tokens, offsets[k], offsets[k + 1]):
-                        if kind == RESPONSE:
+                if kinds[k] == RESPONSE or kinds[k] == END:
+                    if _matches(values, i - (offsets[k + 1] - offsets[k]), lo, hi, tokens, offsets[k], offsets[k + 1]):
+                        if kinds[k] == RESPONSE:
                             last_open = i
                             saw_response = True
                         else:
                             last_close = i
         if i == hi:
             break
+        # ... and from patterns that start at i (checked forwards).
         v = values[i]
-        flag = 0
-        if v < 0:
-            if first_bad < 0:
-                first_bad = i
-        elif v < n_flags:
-            flag = flags[v]
+        sign |= v
+        flag = _flag(v, flags)
         if flag & STARTS_PATTERN:
             for k in range(n_patterns):
-                kind = kinds[k]
-                if kind != END and _matches(values, i, lo, hi, tokens, offsets[k], offsets[k + 1]):
-                    if kind == MASK_OUT:
+                if kinds[k] != END and _matches(values, i, lo, hi, tokens, offsets[k], offsets[k + 1]):
+                    if kinds[k] == MASK_OUT:
                         masked_until = max(masked_until, i + offsets[k + 1] - offsets[k])
                     else:
                         last_close = i
         trained = last_open > last_close and i >= masked_until
         if last_turn_only:
             trained = trained and last_open == only_open
-        if trained:
-            n_trained += 1
-        if write_mask:
-            out[i] = 1 if trained else 0
+        # The run: from i to the next token with a flag, the end of the mask_out match, or i+1 when
+        # token i itself ends a pattern (its event lands on i+1).
+        run_end = hi
+        if i < masked_until < hi:
+            run_end = masked_until
+        if flag & ENDS_PATTERN:
+            run_end = i + 1
+        j = i + 1
+        if trained and not write_mask:
+            out[i] = v
+            while j < run_end:
+                w = values[j]
+                if np.uint64(w) < n_flags and flags[w] != 0:
+                    break
+                out[j] = w
+                sign |= w
+                j += 1
         else:
-            out[i] = v if trained else ignore_index
-        prev_flag = flag
+            fill = trained_value if trained else untrained_value
+            out[i] = fill
+            while j < run_end:
+                w = values[j]
+                if np.uint64(w) < n_flags and flags[w] != 0:
+                    break
+                out[j] = fill
+                sign |= w
+                j += 1
+        if trained:
+            n_trained += j - i
+        i = j
+    first_bad = -1
+    if sign < 0:  # rare: find the first negative id for the error message
+        for k in range(lo, hi):
+            if values[k] < 0:
+                first_bad = k
+                break
     if n_trained:
         return n_trained, _TRAINED, first_bad
     return 0, (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE), first_bad

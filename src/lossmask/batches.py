@@ -98,17 +98,16 @@ def _raise_on_null_inside_row(child: pa.Array, starts: np.ndarray, ends: np.ndar
         )
 
 
-def labels_to_arrow(arr: pa.Array, out: np.ndarray) -> pa.Array:
-    """A list array shaped like ``arr`` (same offsets and validity buffers, no copy) holding ``out``."""
-    list_type = pa.list_(pa.from_numpy_dtype(out.dtype)) if pa.types.is_list(arr.type) else pa.large_list(
-        pa.from_numpy_dtype(out.dtype)
-    )
+def labels_to_arrow(arr: pa.Array, values: pa.Buffer, dtype: np.dtype) -> pa.Array:
+    """A list array shaped like ``arr`` (same offsets and validity buffers, no copy) over ``values``."""
+    value_type = pa.from_numpy_dtype(dtype)
+    list_type = pa.list_(value_type) if pa.types.is_list(arr.type) else pa.large_list(value_type)
     buffers = arr.buffers()
     if buffers[1] is None:
         return pa.array([], type=list_type)
+    child = pa.Array.from_buffers(value_type, values.size // dtype.itemsize, [None, values])
     return pa.Array.from_buffers(
-        list_type, len(arr), [buffers[0], buffers[1]], null_count=arr.null_count, offset=arr.offset,
-        children=[pa.array(out)],
+        list_type, len(arr), [buffers[0], buffers[1]], null_count=arr.null_count, offset=arr.offset, children=[child]
     )
 
 

@@ -137,15 +137,33 @@ def _label_arrow_chunks(chunks, run, out_dtype, *, chunked_type=None) -> Labelle
     labels, per_row, first_row = [], [], 0
     for chunk in chunks:
         rows = batches.rows_from_arrow(chunk, first_row=first_row)
-        out = np.zeros(rows.values.shape[0], dtype=out_dtype)
-        per_row.append(run(rows, out))
-        labels.append(batches.labels_to_arrow(chunk, out))
+        buffer = _label_buffer(chunk, rows, out_dtype)
+        per_row.append(run(rows, np.frombuffer(buffer, dtype=out_dtype)))
+        labels.append(batches.labels_to_arrow(chunk, buffer, out_dtype))
         first_row += len(chunk)
     if chunked_type is None:
         return _assemble(labels[0], per_row)
     value_type = pa.from_numpy_dtype(out_dtype)
     out_type = pa.list_(value_type) if pa.types.is_list(chunked_type) else pa.large_list(value_type)
     return _assemble(pa.chunked_array(labels, type=out_type), per_row)
+
+
+def _label_buffer(chunk: pa.Array, rows: TokenRows, dtype: np.dtype) -> pa.Buffer:
+    """The child buffer of the output list array, sized like the input's values.
+
+    Allocated from Arrow's memory pool, which keeps freed pages for reuse: batch after batch, the
+    labels land in memory that is already mapped, instead of paying a page fault per 4 KiB. The
+    kernel writes every position inside a row; only what lies outside all rows (before a slice,
+    after it, under a null row) is zeroed here.
+    """
+    buffer = pa.allocate_buffer(rows.values.shape[0] * dtype.itemsize)
+    out = np.frombuffer(buffer, dtype=dtype)
+    if chunk.null_count or not len(rows):
+        out[:] = 0
+    else:
+        out[: rows.starts[0]] = 0
+        out[rows.ends[-1] :] = 0
+    return buffer
 
 
 def _assemble(labels, per_row) -> LabelledBatch:
