@@ -63,10 +63,12 @@ def detect_markers_with_report(tokenizer: Any) -> tuple[Markers, VerifyReport]:
         )
     truths = build_truths(ct, probes)
     failed = [t for t in truths if not isinstance(t, GroundTruth)]
-    truths = [t for t in truths if isinstance(t, GroundTruth)]
-    if failed and (not truths or failed[0][0] == "plain"):
+    if failed:
         name, error = failed[0]
-        raise MarkerDetectionError(f"cannot analyse the chat template of {ct.name!r}: {error}; {_HOW_TO_FIX}")
+        more = f" (and {len(failed) - 1} more probes)" if len(failed) > 1 else ""
+        raise MarkerDetectionError(
+            f"cannot analyse the chat template of {ct.name!r} on probe {name!r}{more}: {error}; {_HOW_TO_FIX}"
+        )
     markers = markers_from_truths(ct, truths)
     report = check(ct, markers, truths)
     if not report.ok:

@@ -213,8 +213,8 @@ def _large_list(rows: Sequence[Sequence[int]]) -> pa.LargeListArray:
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    values = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(offsets[-1]))
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+    values = np.concatenate([np.asarray(r, dtype=np.int32) for r in rows]) if rows else np.zeros(0, np.int32)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values.astype(np.int32, copy=False)))
 
 
 def _normalise_templates(template: Any) -> str | dict[str, str] | None:
@@ -259,7 +259,7 @@ def load_tokenizer(obj: Any, *, template_name: str | None = None) -> ChatTokeniz
     # mlx-lm TokenizerWrapper: the Hugging Face tokenizer is at ._tokenizer (a HF fast tokenizer also
     # has ._tokenizer, but that one is the Rust object, which has no apply_chat_template)
     inner = getattr(obj, "_tokenizer", None)
-    if inner is not None and hasattr(inner, "apply_chat_template") and not hasattr(obj, "backend_tokenizer"):
+    if inner is not None and hasattr(inner, "apply_chat_template"):
         return ChatTokenizer(inner, template_name=template_name)
     # processor: template on the processor, ids from .tokenizer
     inner = getattr(obj, "tokenizer", None)

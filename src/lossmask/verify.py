@@ -118,6 +118,7 @@ def probe_conversations(*, system: bool = True, tools: bool = True, reasoning: b
             user("[brackets] {braces} <angles>"), assistant("<tag>[1]</tag> {\"k\": 2}"),
         )),
     ]
+    probes += _boundary_probes()
     if system:
         probes += [
             Conversation("system", (
@@ -144,6 +145,36 @@ def probe_conversations(*, system: bool = True, tools: bool = True, reasoning: b
                 user("And tomorrow?"), assistant("I cannot see tomorrow's forecast."),
             ), (WEATHER_TOOL,)),
         ]
+    return probes
+
+
+def _boundary_whitespace() -> list[str]:
+    """Whitespace that can merge with a header's last token or a closing's first one."""
+    out = []
+    for a in " \n\t":
+        out.append(a)
+        for b in " \n\t":
+            out.append(a + b)
+            out += [a + b + c for c in " \n"]
+    out += [" " * k for k in range(4, 9)] + ["\n" * k for k in range(4, 7)]
+    out += ["\n" + " " * k for k in (3, 4, 6, 8)] + ["\n\n" + " " * k for k in (2, 4)] + ["\r\n", "\r\n\r\n"]
+    return list(dict.fromkeys(out))
+
+
+def _boundary_probes(turns: int = 8) -> list[Conversation]:
+    """Assistant contents that start, and user contents that end, with every whitespace run above.
+
+    Where a template does not trim, such whitespace merges with the header's last token or the
+    next header's first one, and each merge is another in-context variant to find.
+    """
+    runs = _boundary_whitespace()
+    probes = []
+    for first in range(0, len(runs), turns):
+        messages: list[dict] = []
+        for k, ws in enumerate(runs[first : first + turns], start=first):
+            messages.append({"role": "user", "content": f"boundary question {k}{ws}"})
+            messages.append(_assistant(f"{ws}boundary answer {k}{ws}"))
+        probes.append(Conversation(f"boundary-{first // turns}", tuple(messages)))
     return probes
 
 
@@ -332,6 +363,19 @@ def _turn_start(ct: ChatTokenizer, conv: Conversation, messages, i: int, text: s
     else:
         prompt_at, text_at = prompt_spans[anchor][1], spans[anchor][1]
     tail = prompt[prompt_at:]
+    if prompt == no_prompt and not tail:
+        raise GroundTruthError(
+            f"{conv.name}: the template writes nothing after message {i - 1} even with add_generation_prompt=True "
+            "(it has no generation prompt), so where an assistant turn starts cannot be told from the template"
+        )
+    if prompt == no_prompt and spans[i] is not None and not messages[i].get("tool_calls"):
+        gap = text[text_at + len(tail) : spans[i][0]]
+        if gap.strip():
+            raise GroundTruthError(
+                f"{conv.name}: add_generation_prompt=True adds nothing after message {i - 1}, and the rendered "
+                f"chat has {gap!r} between there and the assistant's content: the template has no generation "
+                "prompt, so the assistant header cannot be told from what the model generates"
+            )
     if not text.startswith(tail, text_at):
         raise GroundTruthError(
             f"{conv.name}: the generation prompt before message {i} ends {tail!r}, but the rendered chat "
