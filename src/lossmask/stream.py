@@ -248,6 +248,7 @@ def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | No
             hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as exc:
             raise ValueError(f"could not load a tokenizer from {path!r} offline ({type(exc).__name__}: {exc})") from exc
+        hf_tokenizer.chat_template = text  # ours alone: a trainer given it renders as we do
         return ChatTokenizer(hf_tokenizer, chat_template=text, name=path)
     adapter = chat_tokenizer(tokenizer)
     return ChatTokenizer(adapter.tokenizer, chat_template=text, name=adapter.name)

@@ -15,6 +15,7 @@ then ``labels`` (and ``completion_mask`` on request); rows that train nothing ar
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -72,12 +73,10 @@ def input_kind(schema: pa.Schema, options: MaskOptions, *, source: str = "input"
         return "input_ids"
     if options.messages_column in names:
         field = schema.field(options.messages_column)
-        if not (pa.types.is_list(field.type) or pa.types.is_large_list(field.type)) or not pa.types.is_struct(
-            field.type.value_type
-        ):
+        if _text_or_chat(field.type) != "chat":
             raise TypeError(
                 f"{source}: column {options.messages_column!r} has type {field.type}, not a list of messages "
-                "({role, content} structs); pass the chat column (--messages-column / messages_column=)"
+                "({role, content} structs or JSON objects); pass the chat column (--messages-column / messages_column=)"
             )
         return "messages"
     if options.prompt_column in names and options.completion_column in names:
@@ -100,9 +99,16 @@ def input_kind(schema: pa.Schema, options: MaskOptions, *, source: str = "input"
 def _text_or_chat(arrow_type: pa.DataType) -> str | None:
     if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
         return "text"
-    if (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and pa.types.is_struct(arrow_type.value_type):
+    if (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and _is_message(arrow_type.value_type):
         return "chat"
     return None
+
+
+def _is_message(arrow_type: pa.DataType) -> bool:
+    """A message is a struct, or a JSON object (``arrow.json``, as ``datasets`` stores rows of varying keys)."""
+    if pa.types.is_struct(arrow_type):
+        return True
+    return getattr(arrow_type, "extension_name", None) == "arrow.json"
 
 
 def output_schema(schema: pa.Schema, options: MaskOptions, kind: str) -> pa.Schema:
@@ -292,10 +298,15 @@ def messages_from_arrow(column: pa.Array | pa.ChunkedArray) -> list[list[dict] |
     plain user turn); templates test ``'tool_calls' in message`` or ``is defined``, so the null keys go.
     """
     rows = column.to_pylist()
-    return [
-        None if row is None else [
-            {k: v for k, v in message.items() if v is not None} if isinstance(message, dict) else message
-            for message in row
-        ]
-        for row in rows
-    ]
+    return [None if row is None else [_message(m) for m in row] for row in rows]
+
+
+def _message(message: Any) -> Any:
+    if isinstance(message, str):  # a JSON object (arrow.json)
+        try:
+            message = json.loads(message)
+        except ValueError:
+            return message
+    if isinstance(message, dict):
+        return {k: v for k, v in message.items() if v is not None}
+    return message

@@ -1,0 +1,304 @@
+"""Hugging Face integration: mask ``datasets`` on their Arrow tables, and a drop-in ``train_on_responses_only``.
+
+``mask_dataset`` reads a ``Dataset`` / ``DatasetDict`` / ``IterableDataset`` as Arrow batches and labels
+each batch with one kernel call (no Python function per row, no per-row ``dataset.map``).
+``train_on_responses_only(trainer, ...)`` has the call shape Unsloth users know: it masks the
+trainer's datasets through the marker policy and installs a collator that pads labels with -100 by
+position, so a pad id equal to EOS never masks the real EOS.
+
+``datasets``, ``transformers`` and ``torch`` are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from .markers import Markers
+from .report import MaskReport, Tally
+from .safety import DEFAULT_MAX_DROP_FRACTION
+from .table import MaskOptions, input_kind, mask_batch, output_schema
+
+DEFAULT_BATCH_SIZE = 16_384
+
+
+def mask_dataset(
+    dataset: Any,
+    tokenizer: Any = None,
+    markers: Markers | dict | str | None = None,
+    *,
+    model_name: str | None = None,
+    strict: bool = False,
+    response_part: str | Sequence[str] | None = None,
+    instruction_part: str | Sequence[str] | None = None,
+    input_ids_column: str = "input_ids",
+    messages_column: str = "messages",
+    prompt_column: str = "prompt",
+    completion_column: str = "completion",
+    labels_column: str = "labels",
+    completion_mask: str | bool | None = None,
+    max_length: int | None = None,
+    keep_dropped: bool = False,
+    max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
+    last_turn_only: bool = False,
+    ignore_index: int = -100,
+    backend: str | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    return_report: bool = False,
+    verbose: bool = False,
+):
+    """Add ``labels`` to a Hugging Face ``Dataset``, ``DatasetDict`` or ``IterableDataset``.
+
+    Markers: ``markers`` (a ``Markers``, its dict or a JSON file), else ``response_part`` /
+    ``instruction_part`` strings located in the tokenizer's rendered template, else the policy
+    (``lossmask.resolve_markers``: detection, then the template table by ``model_name``).
+    Rows that train nothing are removed (``keep_dropped`` keeps them) and counted; more than
+    ``max_drop_fraction`` of them raises ``TooManyDroppedRows``.
+
+    Returns the masked dataset of the same kind; with ``return_report=True``, ``(dataset, report)``
+    where report is a ``MaskReport`` (a dict of them for a ``DatasetDict``; for an ``IterableDataset``,
+    a function that returns the report of the rows iterated so far). ``verbose`` prints the summary.
+    """
+    import datasets
+
+    from .stream import _completion_mask_name, load_chat_tokenizer
+
+    options = MaskOptions(
+        input_ids_column=input_ids_column, messages_column=messages_column, prompt_column=prompt_column,
+        completion_column=completion_column, labels_column=labels_column,
+        completion_mask_column=_completion_mask_name(completion_mask), max_length=max_length,
+        keep_dropped=keep_dropped, last_turn_only=last_turn_only, ignore_index=ignore_index, backend=backend,
+    )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive number of rows")
+    chat = load_chat_tokenizer(tokenizer) if tokenizer is not None else None
+    resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
+                                          response_part=response_part, instruction_part=instruction_part)
+    job = _Job(options, resolved, source, tuple(messages), chat, max_drop_fraction, batch_size, verbose)
+    if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        results = {split: job.run(part, name=split) for split, part in dataset.items()}
+        out = type(dataset)({split: result[0] for split, result in results.items()})
+        return (out, {split: result[1] for split, result in results.items()}) if return_report else out
+    out, report = job.run(dataset, name=getattr(dataset, "split", None) or "dataset")
+    return (out, report) if return_report else out
+
+
+def _resolve(markers, chat, *, model_name, strict, response_part, instruction_part):
+    from .stream import resolve_job_markers
+
+    if markers is not None or (response_part is None and instruction_part is None):
+        return resolve_job_markers(markers, tokenizer=chat, model_name=model_name, strict=strict)
+    if chat is None:
+        raise ValueError("response_part / instruction_part are strings to locate in the rendered chat template: "
+                         "pass the tokenizer too")
+    from .policy import resolve_markers
+
+    resolution = resolve_markers(chat, model_name=model_name, strict=strict,
+                                 response_part=response_part, instruction_part=instruction_part)
+    return resolution.markers, resolution.source, tuple(resolution.messages)
+
+
+@dataclass
+class _Job:
+    options: MaskOptions
+    markers: Markers | None
+    source: str
+    messages: tuple[str, ...]
+    tokenizer: Any
+    max_drop_fraction: float
+    batch_size: int
+    verbose: bool
+
+    def run(self, dataset: Any, *, name: str):
+        import datasets
+
+        if isinstance(dataset, datasets.IterableDataset):
+            return self._run_iterable(dataset, name)
+        if not isinstance(dataset, datasets.Dataset):
+            raise TypeError(
+                f"mask_dataset takes a datasets.Dataset, DatasetDict or IterableDataset, got {type(dataset).__name__}; "
+                "for files use lossmask.mask_files, for Ray lossmask.ray.mask_dataset"
+            )
+        schema = dataset.features.arrow_schema
+        kind = input_kind(schema, self.options, source=name)
+        out_schema = output_schema(schema, self.options, kind)
+        tally, parts, first_row = Tally(), [], 0
+        for table in dataset.with_format("arrow").iter(batch_size=self.batch_size):
+            parts.append(mask_batch(table, self.markers, self.options, tally, tokenizer=self.tokenizer, kind=kind,
+                                    first_row=first_row, source=name))
+            first_row += table.num_rows
+        from .stream import _check_drops
+
+        _check_drops(tally, self.max_drop_fraction, self.tokenizer, self.options)
+        table = pa.concat_tables([p.cast(out_schema) for p in parts]) if parts else out_schema.empty_table()
+        features = datasets.Features({**dataset.features, **_new_features(out_schema, schema)})
+        info = dataset.info.copy()
+        info.features = features
+        from datasets.table import InMemoryTable
+
+        out = datasets.Dataset(InMemoryTable(table), info=info, split=dataset.split)
+        report = self._report(tally, name)
+        return out, report
+
+    def _run_iterable(self, dataset: Any, name: str):
+        from .stream import _check_drops
+
+        tally = Tally()
+        state = {"first_row": 0}
+        options, markers, tokenizer = self.options, self.markers, self.tokenizer
+
+        def label(table: pa.Table) -> pa.Table:
+            out = mask_batch(table, markers, options, tally, tokenizer=tokenizer, first_row=state["first_row"], source=name)
+            state["first_row"] += table.num_rows
+            _check_drops(tally, self.max_drop_fraction, tokenizer, options)  # over the rows seen so far
+            return out
+
+        fmt = getattr(dataset, "_formatting", None)
+        out = dataset.with_format("arrow").map(label, batched=True, batch_size=self.batch_size)
+        out = out.with_format(getattr(fmt, "format_type", None))
+        return out, lambda: self._report(tally, name, quiet=True)
+
+    def _report(self, tally: Tally, name: str, *, quiet: bool = False) -> MaskReport:
+        report = MaskReport.build(tally, markers=self.markers, markers_source=self.source,
+                                  keep_dropped=self.options.keep_dropped, input=name, messages=self.messages)
+        if self.verbose and not quiet:
+            print(f"lossmask [{name}]: " + report.summary().replace("\n", f"\nlossmask [{name}]: "), file=sys.stderr)
+        return report
+
+
+def _new_features(out_schema: pa.Schema, in_schema: pa.Schema):
+    import datasets
+
+    added = pa.schema([f for f in out_schema if f.name not in in_schema.names])
+    return datasets.Features.from_arrow_schema(added)
+
+
+# -- the drop-in ------------------------------------------------------------------------------
+
+
+def train_on_responses_only(
+    trainer: Any,
+    instruction_part: str | Sequence[str] | None = None,
+    response_part: str | Sequence[str] | None = None,
+    *,
+    markers: Markers | dict | str | None = None,
+    tokenizer: Any = None,
+    model_name: str | None = None,
+    strict: bool = False,
+    max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
+    keep_dropped: bool = False,
+    last_turn_only: bool = False,
+    max_length: int | None = None,
+    verbose: bool = True,
+):
+    """Mask a ``transformers.Trainer`` / ``trl.SFTTrainer``'s datasets so that only responses train.
+
+    The call shape is Unsloth's (``instruction_part``, ``response_part``), but the strings are located
+    in the tokenizer's rendered chat template (never tokenised on their own), and without them the
+    markers come from the policy (``lossmask.resolve_markers``). The train and eval datasets get
+    ``labels`` (rows that train nothing removed and reported), and the trainer's collator is replaced
+    by ``PadByPosition``, which pads ``labels`` with -100 by position. Returns the trainer.
+    """
+    tok = tokenizer if tokenizer is not None else _trainer_tokenizer(trainer)
+    model_name = model_name or _model_name(trainer)
+    from .stream import load_chat_tokenizer
+
+    chat = load_chat_tokenizer(tok)
+    resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
+                                          response_part=response_part, instruction_part=instruction_part)
+    options = MaskOptions(keep_dropped=keep_dropped, last_turn_only=last_turn_only, max_length=max_length)
+    job = _Job(options, resolved, source, tuple(messages), chat, max_drop_fraction, DEFAULT_BATCH_SIZE, verbose)
+    if verbose:
+        for message in messages:
+            print(f"lossmask: {message}", file=sys.stderr)
+    if getattr(trainer, "train_dataset", None) is not None:
+        trainer.train_dataset = job.run(_without_labels(trainer.train_dataset), name="train")[0]
+    eval_dataset = getattr(trainer, "eval_dataset", None)
+    if isinstance(eval_dataset, dict):
+        trainer.eval_dataset = {
+            name: job.run(_without_labels(ds), name=f"eval {name}")[0] for name, ds in eval_dataset.items()
+        }
+    elif eval_dataset is not None:
+        trainer.eval_dataset = job.run(_without_labels(eval_dataset), name="eval")[0]
+    pad = chat.tokenizer.pad_token_id
+    if pad is None:
+        pad = chat.eos_token_id if chat.eos_token_id is not None else 0
+    trainer.data_collator = PadByPosition(pad_token_id=int(pad), padding_side=getattr(chat.tokenizer, "padding_side", "right"))
+    _keep_label_columns(trainer)
+    return trainer
+
+
+def _trainer_tokenizer(trainer: Any) -> Any:
+    for attribute in ("processing_class", "tokenizer"):
+        tok = getattr(trainer, attribute, None)
+        if tok is not None:
+            return tok
+    raise ValueError("the trainer has no processing_class / tokenizer; pass tokenizer= to train_on_responses_only")
+
+
+def _model_name(trainer: Any) -> str | None:
+    model = getattr(trainer, "model", None)
+    config = getattr(model, "config", None)
+    return getattr(config, "_name_or_path", None) or getattr(model, "name_or_path", None) or None
+
+
+def _without_labels(dataset: Any) -> Any:
+    """Labels or masks a trainer computed earlier are replaced by ours, so they go before masking."""
+    names = getattr(dataset, "column_names", None) or []
+    stale = [c for c in ("labels", "completion_mask", "assistant_masks") if c in names]
+    return dataset.remove_columns(stale) if stale else dataset
+
+
+def _keep_label_columns(trainer: Any) -> None:
+    """``Trainer`` drops columns its model's forward does not take; ``labels`` is one it takes, so nothing to do
+    unless the signature columns were cached before ``labels`` existed."""
+    columns = getattr(trainer, "_signature_columns", None)
+    if columns is not None and "labels" not in columns:
+        columns.append("labels")
+
+
+class PadByPosition:
+    """A collator for rows that carry ``input_ids`` and ``labels``: pads both, plus ``attention_mask``.
+
+    Padding is decided by position (each row's own length), never by comparing ids with the pad id:
+    where pad == EOS, the real EOS keeps its label. Labels are padded with ``ignore_index``.
+    ``padding_side`` is ``"right"`` or ``"left"``; ``pad_to_multiple_of`` rounds the width up.
+    """
+
+    def __init__(self, *, pad_token_id: int, padding_side: str = "right", ignore_index: int = -100,
+                 pad_to_multiple_of: int | None = None, return_tensors: str = "pt"):
+        if padding_side not in ("right", "left"):
+            raise ValueError(f"padding_side={padding_side!r}; pass 'right' or 'left'")
+        self.pad_token_id = pad_token_id
+        self.padding_side = padding_side
+        self.ignore_index = ignore_index
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.return_tensors = return_tensors
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        if not features:
+            raise ValueError("PadByPosition got an empty batch")
+        missing = [k for k in ("input_ids", "labels") if k not in features[0]]
+        if missing:
+            raise KeyError(f"rows reaching the collator lack {missing} (they have {sorted(features[0])}); "
+                           "label them first with lossmask.hf.mask_dataset or train_on_responses_only")
+        lengths = np.fromiter((len(f["input_ids"]) for f in features), dtype=np.int64, count=len(features))
+        width = int(lengths.max()) if lengths.size else 0
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        positions = np.arange(width)[None, :]
+        real = positions < lengths[:, None] if self.padding_side == "right" else positions >= (width - lengths)[:, None]
+        input_ids = np.full((len(features), width), self.pad_token_id, dtype=np.int64)
+        labels = np.full((len(features), width), self.ignore_index, dtype=np.int64)
+        input_ids[real] = np.concatenate([np.asarray(f["input_ids"], dtype=np.int64) for f in features])
+        labels[real] = np.concatenate([np.asarray(f["labels"], dtype=np.int64) for f in features])
+        batch = {"input_ids": input_ids, "attention_mask": real.astype(np.int64), "labels": labels}
+        if self.return_tensors == "np":
+            return batch
+        import torch
+
+        return {k: torch.from_numpy(v) for k, v in batch.items()}
