@@ -32,3 +32,17 @@ def tokenizers_dir() -> Path:
     if not TOKENIZERS_DIR.is_dir():
         pytest.skip(f"shared tokenizers not found at {TOKENIZERS_DIR} (set LOSSMASK_TOKENIZERS)")
     return TOKENIZERS_DIR
+
+
+_CHAT_TOKENIZERS: dict = {}
+
+
+def chat_tokenizer(family: str):
+    """``lossmask.load_tokenizer`` of one family, loaded once per test session (big vocabularies load slowly).
+
+    Shared between tests: do not modify it (load a fresh one with ``load_tokenizer(tokenizer_path(f))``)."""
+    if family not in _CHAT_TOKENIZERS:
+        from lossmask import load_tokenizer
+
+        _CHAT_TOKENIZERS[family] = load_tokenizer(tokenizer_path(family))
+    return _CHAT_TOKENIZERS[family]
