@@ -8,7 +8,7 @@ import sys
 import pyarrow as pa
 import pytest
 
-from conftest import tokenizer_path
+from conftest import chat_tokenizer, tokenizer_path
 from lossmask.tokenizer import ChatTemplateError, ChatTokenizer, EncodedChats, load_tokenizer
 
 CHAT = [
@@ -35,7 +35,7 @@ def test_import_lossmask_pulls_no_heavy_dependency():
 
 
 def test_load_from_path_and_from_tokenizer_agree():
-    from_path = load_tokenizer(tokenizer_path("qwen2.5"))
+    from_path = chat_tokenizer("qwen2.5")
     from_object = load_tokenizer(_hf("qwen2.5"))
     assert isinstance(from_path, ChatTokenizer) and load_tokenizer(from_path) is from_path
     assert from_path.render(CHAT) == from_object.render(CHAT)
@@ -111,7 +111,7 @@ def test_encoding_matches_apply_chat_template_tokenize(family):
 
 
 def test_offsets_point_into_the_text():
-    ct = load_tokenizer(tokenizer_path("llama-3"))
+    ct = chat_tokenizer("llama-3")
     text = ct.render(CHAT)
     ids, offsets = ct.encode_with_offsets(text)
     assert len(ids) == len(offsets) and offsets[-1, 1] == len(text)
@@ -120,13 +120,13 @@ def test_offsets_point_into_the_text():
 
 
 def test_template_errors_are_chat_template_errors():
-    ct = load_tokenizer(tokenizer_path("gemma-2"))
+    ct = chat_tokenizer("gemma-2")
     with pytest.raises(ChatTemplateError, match="System role not supported"):
         ct.render([{"role": "system", "content": "s"}, *CHAT])
 
 
 def test_encode_chats_rows_errors_and_truncation():
-    ct = load_tokenizer(tokenizer_path("gemma-2"))
+    ct = chat_tokenizer("gemma-2")
     rows = [
         CHAT,
         [{"role": "system", "content": "no system on gemma-2"}, *CHAT],  # the template raises
@@ -149,7 +149,7 @@ def test_encode_chats_rows_errors_and_truncation():
 
 
 def test_encode_chats_with_tools_and_generation_prompt():
-    ct = load_tokenizer(tokenizer_path("qwen2.5"))
+    ct = chat_tokenizer("qwen2.5")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]
     result = ct.encode_chats([CHAT[:1]], tools=tools, add_generation_prompt=True)
     expected = ct.encode(ct.render(CHAT[:1], tools=tools, add_generation_prompt=True))

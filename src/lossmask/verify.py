@@ -213,13 +213,16 @@ def locate_messages(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tu
     spans: list[tuple[int, int] | None] = []
     cursor = 0
     for message in messages:
-        found = []
+        found: list[tuple[int, int]] = []
         for piece in _pieces(message):
-            for candidate in (piece, piece.strip()):
-                at = text.find(candidate, cursor)
-                if at >= 0:
-                    found.append((at, at + len(candidate)))
-                    break
+            # pieces usually come in this order (reasoning, content, tool calls): look after the
+            # previous one first, so that a piece repeated inside another is not taken for it
+            after = found[-1][1] if found else cursor
+            at = _find(text, piece, after)
+            if at is None and after != cursor:
+                at = _find(text, piece, cursor)
+            if at is not None:
+                found.append(at)
         if found:
             span = (min(a for a, _ in found), max(b for _, b in found))
             spans.append(span)
@@ -227,6 +230,14 @@ def locate_messages(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tu
         else:
             spans.append(None)
     return spans
+
+
+def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
+    for candidate in (piece, piece.strip()):
+        at = text.find(candidate, start)
+        if at >= 0:
+            return at, at + len(candidate)
+    return None
 
 
 # -- the ground truth ------------------------------------------------------------------------------
@@ -288,7 +299,8 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
     pending_last: list[tuple[int, int, str, int]] = []
     for i in assistant_turns:
         start, header = _turn_start(ct, conv, messages, i, text, spans, offsets, special)
-        span = spans[i]
+        # look for the turn's own text after its header (content may repeat header text: 'assistant')
+        span = _shift(locate_messages(text[start:], [messages[i]])[0], start)
         content_end = span[1] if span is not None else start
         content_end = max(content_end, start)
         following = next((spans[j] for j in range(i + 1, len(messages)) if spans[j] is not None), None)
@@ -326,6 +338,10 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
                 should &= ~((starts >= at) & (starts < at + len(turn.header)))
                 at = text.find(turn.header, at + len(turn.header))
     return GroundTruth(conv.name, text, ids, offsets, should, tuple(sorted(turns, key=lambda t: t.start)))
+
+
+def _shift(span: tuple[int, int] | None, by: int) -> tuple[int, int] | None:
+    return None if span is None else (span[0] + by, span[1] + by)
 
 
 def _make_turn(message, header, start, content_end, stop, offsets, next_start) -> Turn:

@@ -1,0 +1,128 @@
+"""detect_markers on real templates and on templates that cannot be analysed; markers_from_strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import chat_tokenizer, tokenizer_path
+from lossmask import ChatTokenizer, MarkerDetectionError, Markers, detect_markers, load_tokenizer, markers_from_strings, verify
+from lossmask.detect import detect_markers_with_report
+
+
+def decoded(ct, patterns) -> set[str]:
+    return {ct.decode(p) for p in patterns}
+
+
+def test_detect_chatml_family_keeps_in_context_variants():
+    ct = chat_tokenizer("qwen2.5")
+    markers, report = detect_markers_with_report(ct)
+    assert report.ok and report.tokens > 1000
+    assert "<|im_start|>assistant\n" in decoded(ct, markers.response)
+    assert "<|im_start|>assistant\n\n" in decoded(ct, markers.response)  # '\n' merged with content's '\n'
+    assert decoded(ct, markers.end) == {"<|im_end|>"} and markers.instruction == ()
+
+
+@pytest.mark.parametrize(
+    "family, response, end, instruction",
+    [
+        ("gpt-oss", {"<|start|>assistant"}, {"<|end|>", "<|return|>", "<|call|>"}, set()),
+        ("glm-4", {"<|assistant|>"}, {"<|user|>", "<|observation|>"}, set()),
+        ("mistral-v3", {"[/INST]", "[/TOOL_RESULTS]"}, {"</s>"}, set()),
+        ("phi-3", {"<|assistant|>"}, {"<|end|>"}, set()),
+    ],
+)
+def test_detect_reads_the_stop_tokens_of_each_template(family, response, end, instruction):
+    ct = chat_tokenizer(family)
+    markers = detect_markers(ct)
+    assert decoded(ct, markers.response) == response
+    assert decoded(ct, markers.end) == end
+    assert decoded(ct, markers.instruction) == instruction
+
+
+def test_detect_plain_text_roles_closes_on_the_next_header():
+    ct = chat_tokenizer("falcon")
+    markers = detect_markers(ct)
+    assert markers.end == ()  # Falcon's template emits no stop token
+    assert any(text.strip() == "User:" for text in decoded(ct, markers.instruction))
+    assert any(text.strip() == "Assistant:" for text in decoded(ct, markers.response))
+
+
+def _with_template(template) -> ChatTokenizer:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer_path("chatml")))
+    return ChatTokenizer(hf, chat_template=template)
+
+
+def test_template_without_generation_prompt_is_refused():
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    with pytest.raises(MarkerDetectionError, match="no generation prompt"):
+        detect_markers(_with_template(template))
+
+
+def test_template_that_raises_on_everything_is_refused():
+    with pytest.raises(MarkerDetectionError, match="renders none of the probe conversations"):
+        detect_markers(_with_template("{{ raise_exception('nope') }}"))
+
+
+def test_template_without_boundaries_is_refused():
+    """Contents glued together: no header, no stop token, nothing a pattern could match."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    with pytest.raises(MarkerDetectionError) as info:
+        detect_markers(_with_template(template))
+    assert "pass markers yourself" in str(info.value)
+
+
+def test_missing_template_is_a_detection_error():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer_path("chatml")))
+    hf.chat_template = None
+    with pytest.raises(MarkerDetectionError, match="no chat template"):
+        detect_markers(hf)
+
+
+def test_detect_accepts_a_path():
+    markers = detect_markers(tokenizer_path("phi-4"))
+    ct = chat_tokenizer("phi-4")
+    assert decoded(ct, markers.response) == {"<|im_start|>assistant<|im_sep|>"}
+
+
+# -- markers_from_strings ------------------------------------------------------------------------
+
+
+def test_strings_become_in_context_patterns_that_verify():
+    ct = chat_tokenizer("qwen2.5")
+    markers = markers_from_strings(ct, response="<|im_start|>assistant\n", end=["<|im_end|>"])
+    assert isinstance(markers, Markers) and len(markers.response) > 1  # every variant in context
+    assert verify(ct, markers).ok
+
+
+def test_strings_inside_merged_tokens_take_the_covering_tokens():
+    """Llama-2 writes ' [/INST]': the '[' only exists as '▁[' in context."""
+    ct = chat_tokenizer("llama-2")
+    markers = markers_from_strings(ct, response="[/INST]", end="</s>")
+    assert all(ct.convert_ids_to_tokens(p)[-3:] == ["/", "INST", "]"] for p in markers.response)
+    assert any(ct.convert_ids_to_tokens(p)[0] == "▁[" for p in markers.response)
+    assert verify(ct, markers).ok
+
+
+def test_strings_that_never_occur_are_refused():
+    ct = chat_tokenizer("qwen2.5")
+    with pytest.raises(MarkerDetectionError, match="'<\\|assistant\\|>' does not occur"):
+        markers_from_strings(ct, response="<|assistant|>")
+    with pytest.raises(TypeError, match="non-empty strings"):
+        markers_from_strings(ct, response=[""])
+
+
+def test_strings_cover_all_four_kinds():
+    ct = chat_tokenizer("qwen3")
+    markers = markers_from_strings(
+        ct, response="<|im_start|>assistant\n", instruction="<|im_start|>user", end="<|im_end|>", mask_out="</think>"
+    )
+    assert decoded(ct, markers.mask_out) == {"</think>"}
+    assert decoded(ct, markers.instruction) == {"<|im_start|>user"}
+
+
+def test_load_tokenizer_result_is_reused_by_detection():
+    ct = load_tokenizer(chat_tokenizer("chatml"))
+    assert ct is chat_tokenizer("chatml")
+    assert detect_markers(ct) == detect_markers(ct)

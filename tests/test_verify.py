@@ -1,0 +1,137 @@
+"""The ground truth (no markers involved) on real templates, and verify's report of markers against it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import chat_tokenizer
+from lossmask import Markers, VerifyReport, verify
+from lossmask.verify import Conversation, ground_truth, locate_messages, probe_conversations
+
+CHAT = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Spain?"},
+    {"role": "assistant", "content": "Madrid.", "thinking": "Spain: Madrid.", "reasoning_content": "Spain: Madrid."},
+]
+
+
+def trained_spans(truth) -> list[str]:
+    """The rendered text of each run of tokens the ground truth trains."""
+    out, k, n = [], 0, len(truth.ids)
+    while k < n:
+        if truth.should_train[k]:
+            j = k
+            while j < n and truth.should_train[j]:
+                j += 1
+            out.append(truth.text[truth.offsets[k, 0] : truth.offsets[j - 1, 1]])
+            k = j
+        else:
+            k += 1
+    return out
+
+
+@pytest.mark.parametrize(
+    "family, expected",
+    [
+        ("chatml", ["Paris.<|im_end|>", "Madrid.<|im_end|>"]),
+        # the last turn gets a think block from the template; the model generates it, so it trains
+        ("qwen3", ["Paris.<|im_end|>", "<think>\nSpain: Madrid.\n</think>\n\nMadrid.<|im_end|>"]),
+        # one channel per header; the second '<|start|>assistant' is a header and is not trained
+        ("gpt-oss", [
+            "<|channel|>final<|message|>Paris.<|end|>",
+            "<|channel|>analysis<|message|>Spain: Madrid.<|end|>",
+            "<|channel|>final<|message|>Madrid.<|return|>",
+        ]),
+        # no end-of-turn token: the next role token stops generation; the last turn has no stop
+        ("glm-4", ["\n<think></think>\nParis.<|user|>", "\n<think>Spain: Madrid.</think>\nMadrid."]),
+        ("llama-2", [" Paris. </s>", " Madrid. </s>"]),
+        ("mistral-v1", [" Paris.</s>", " Madrid.</s>"]),
+        ("falcon", [" Paris.", " Madrid."]),  # plain-text roles, no stop token at all
+        ("deepseek-v3.1", ["Paris.<｜end▁of▁sentence｜>", "Madrid.<｜end▁of▁sentence｜>"]),
+        ("llama-3", ["Paris.<|eot_id|>", "Madrid.<|eot_id|>"]),
+    ],
+)
+def test_ground_truth_trains_what_the_model_generates(family, expected):
+    assert trained_spans(ground_truth(chat_tokenizer(family), CHAT)) == expected
+
+
+def test_phi35_trains_end_not_the_final_endoftext():
+    truth = ground_truth(chat_tokenizer("phi-3.5"), CHAT)
+    ct = chat_tokenizer("phi-3.5")
+    trained = [ct.decode([t]) for t in truth.ids[truth.should_train]]
+    assert trained.count("<|end|>") == 2 and "<|endoftext|>" not in trained
+    assert truth.text.endswith("<|endoftext|>")
+
+
+def test_ground_truth_masks_system_user_and_tool_turns():
+    ct = chat_tokenizer("qwen2.5")
+    tool = next(p for p in probe_conversations() if p.name == "tool")
+    truth = ground_truth(ct, tool)
+    spans = trained_spans(truth)
+    assert spans[0].startswith("<tool_call>") and spans[0].endswith("</tool_call><|im_end|>")
+    assert not any("minus three" in s or "weather in Oslo?" in s or "You are Qwen" in s for s in spans)
+
+
+def test_locate_messages_in_order_skipping_dropped_ones():
+    text = "<s>U: hi there\nA: hi\nU: bye"
+    messages = [{"role": "system", "content": "dropped"}, {"role": "user", "content": "hi there"},
+                {"role": "assistant", "content": " hi\n"}, {"role": "user", "content": "  bye "}]
+    # as written when the template keeps it, stripped when it trims; a dropped message is None
+    assert locate_messages(text, messages) == [None, (6, 14), (17, 21), (24, 27)]
+
+
+def _qwen_markers(ct, *, end=True, instruction=()):
+    header = ct.encode("<|im_start|>assistant\n")
+    return Markers(response=[header], end=[ct.encode("<|im_end|>")] if end else (), instruction=instruction)
+
+
+def test_verify_accepts_exact_markers_on_given_conversations():
+    ct = chat_tokenizer("qwen2.5")
+    report = verify(ct, _qwen_markers(ct), [CHAT, {"messages": CHAT[:2]}, Conversation("named", tuple(CHAT))])
+    assert isinstance(report, VerifyReport) and report.ok and bool(report)
+    assert report.missing == report.extra == 0 and report.tokens > 0
+    assert [c.name for c in report.conversations] == ["conversation 0", "conversation 1", "named"]
+    assert "exact" in str(report)
+
+
+def test_verify_reports_missing_variants_of_tokenised_strings():
+    """The header tokenised on its own misses the in-context variants ('\\n\\n' merges with content)."""
+    ct = chat_tokenizer("qwen2.5")
+    report = verify(ct, _qwen_markers(ct))
+    assert not report.ok and report.missing > 0 and report.extra == 0
+    text = str(report)
+    assert "MISMATCH" in text and "missing at token" in text and "boundary" in text
+
+
+def test_verify_reports_extra_tokens_without_an_end_pattern():
+    ct = chat_tokenizer("qwen2.5")
+    report = verify(ct, _qwen_markers(ct, end=False, instruction=[ct.encode("<|im_start|>")]), [CHAT])
+    assert not report.ok and report.missing == 0
+    assert report.extra == 2  # the '\n' after each <|im_end|>
+    extra = report.conversations[0].extra
+    assert [ct.decode([int(report.conversations[0].truth.ids[k])]) for k in extra] == ["\n", "\n"]
+
+
+def test_verify_conversation_the_template_rejects_is_not_checkable():
+    ct = chat_tokenizer("gemma-2")
+    markers = Markers(response=[ct.encode("<start_of_turn>model\n")], end=[ct.encode("<end_of_turn>")])
+    report = verify(ct, markers, [[{"role": "system", "content": "s"}, *CHAT], CHAT])
+    assert not report.ok and report.errors == 1 and report.conversations[1].exact
+    assert "not checked" in str(report) and "System role not supported" in str(report)
+
+
+def test_verify_argument_errors():
+    ct = chat_tokenizer("chatml")
+    with pytest.raises(TypeError, match="lossmask.Markers"):
+        verify(ct, {"response": [[1]]})
+    with pytest.raises(TypeError, match="without 'messages'"):
+        verify(ct, Markers(response=[[1]]), [{"msgs": []}])
+
+
+def test_report_counts_every_token():
+    ct = chat_tokenizer("chatml")
+    report = verify(ct, _qwen_markers(ct), [CHAT])
+    truth = report.conversations[0].truth
+    assert report.tokens == len(truth.ids) and report.conversations[0].expected_trained == int(np.sum(truth.should_train))
