@@ -15,9 +15,18 @@ from .detect import MarkerDetectionError, detect_markers, markers_from_strings
 from .labels import LabelledBatch, label_batch, make_labels, trainable_mask
 from .markers import Markers
 from .outcomes import Outcome, OutcomeCounts
+from .policy import (
+    FullSequenceWarning,
+    MarkerFallbackWarning,
+    MarkerResolutionError,
+    Resolution,
+    UnverifiedMarkersWarning,
+    resolve_markers,
+)
 from .report import MaskReport
 from .safety import TooManyDroppedRows, check_drop_fraction
 from .stream import mask_files
+from .templates import match_template
 from .tokenizer import ChatTokenizer, load_tokenizer
 from .verify import VerifyReport, verify
 
@@ -25,13 +34,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ChatTokenizer",
+    "FullSequenceWarning",
     "LabelledBatch",
     "MarkerDetectionError",
+    "MarkerFallbackWarning",
+    "MarkerResolutionError",
     "MaskReport",
     "Markers",
     "Outcome",
     "OutcomeCounts",
+    "Resolution",
     "TooManyDroppedRows",
+    "UnverifiedMarkersWarning",
     "VerifyReport",
     "check_drop_fraction",
     "detect_markers",
@@ -40,6 +54,8 @@ __all__ = [
     "make_labels",
     "markers_from_strings",
     "mask_files",
+    "match_template",
+    "resolve_markers",
     "trainable_mask",
     "verify",
 ]
