@@ -77,6 +77,50 @@ def _add_mask_command(commands) -> None:
     mask.set_defaults(run=_mask)
 
 
+def _show(args: argparse.Namespace) -> int:
+    from .show import run_show
+
+    try:
+        return run_show(args.tokenizer, args.conversation, html_path=args.html, model_name=args.model_name)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+        print(f"lossmask show: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _detect(args: argparse.Namespace) -> int:
+    from .show import run_detect
+
+    try:
+        return run_detect(args.tokenizer, model_name=args.model_name, as_json=args.json)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+        print(f"lossmask detect: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _add_show_commands(commands) -> None:
+    show = commands.add_parser(
+        "show", help="render a conversation and show which tokens train (terminal or HTML page)",
+        description="Render CONVERSATION.json (a list of messages, or {\"messages\": [...], \"tools\": [...]}; default: a "
+        "built-in sample with a system prompt, several turns and a tool call) with the tokenizer's chat template, "
+        "choose markers as training would (detection, then the template table), and show the trained tokens.",
+    )
+    show.add_argument("tokenizer", metavar="TOKENIZER", help="tokenizer folder (tokenizer.json + tokenizer_config.json)")
+    show.add_argument("conversation", metavar="CONVERSATION.json", nargs="?", help="default: the built-in sample")
+    show.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML page instead of printing")
+    show.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
+    show.set_defaults(run=_show)
+    detect = commands.add_parser(
+        "detect", help="print the markers of a tokenizer, where they came from, and their verification",
+        description="Choose markers as training would (detection from the chat template, then the template table) "
+        "and print them as ids and text, their source and the verification against the ground truth. "
+        "Exits 1 when there is no verified masking.",
+    )
+    detect.add_argument("tokenizer", metavar="TOKENIZER", help="tokenizer folder (tokenizer.json + tokenizer_config.json)")
+    detect.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
+    detect.add_argument("--json", action="store_true", help="print JSON (markers, decoded text, source, verification)")
+    detect.set_defaults(run=_detect)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lossmask", description="Decide, for every token of every training row, whether it counts in the loss."
@@ -88,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     example = commands.add_parser("example", help="label a bundled ChatML-like sample and show what trains")
     example.set_defaults(run=_example)
     _add_mask_command(commands)
+    _add_show_commands(commands)
     return parser
 
 

@@ -1,0 +1,418 @@
+"""See what will be trained: one conversation rendered, tokenised and labelled, as text or as an HTML page.
+
+``label_conversation`` renders a conversation (a built-in sample by default: a system prompt,
+several turns, a tool call and its result where the template supports tools) with the tokenizer's
+own chat template, chooses markers with the policy (``resolve_markers``), labels the tokens with
+``make_labels`` and returns a ``Shown``. ``format_text`` prints it (trained text between ``[`` and
+``]``, or coloured on a terminal), ``to_html`` makes a self-contained page (inline CSS, one box per
+token, trained tokens highlighted, a legend with the markers and where they came from).
+``describe_markers`` lists markers as ids and decoded text. ``run_show`` and ``run_detect`` are
+the ``lossmask show`` and ``lossmask detect`` commands.
+
+Nothing here runs on a hot path: it is per-token Python over one conversation, for people to read.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence, TextIO
+
+import numpy as np
+
+from .labels import make_labels
+from .markers import KINDS, Markers
+from .policy import Resolution, resolve_markers
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+_CALL = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+
+SAMPLE_CONVERSATION: dict[str, Any] = {
+    "messages": [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "What is the weather there? Use the tool."},
+        {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+        {"role": "tool", "tool_call_id": "call12345", "name": "get_weather", "content": "minus three, snowing"},
+        {"role": "assistant", "content": "It is -3 °C and snowing. Wrap up warm!"},
+    ],
+    "tools": [WEATHER_TOOL],
+}
+
+
+@dataclass(frozen=True)
+class Shown:
+    """One labelled conversation: the rendered ``text``, per token its ``ids``, the ``pieces`` of text
+    it shows (together they are ``text``), whether it is ``trained``, and the policy's ``resolution``.
+    ``notes`` say how the conversation was adapted to the template (tool turns dropped...)."""
+
+    tokenizer: str
+    text: str
+    ids: np.ndarray
+    pieces: tuple[str, ...]
+    trained: np.ndarray
+    resolution: Resolution
+    markers_text: dict[str, list[tuple[list[int], str]]]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def n_trained(self) -> int:
+        return int(self.trained.sum())
+
+
+def describe_markers(tokenizer: Any, markers: Markers | None) -> dict[str, list[tuple[list[int], str]]]:
+    """``{kind: [(ids, decoded text), ...]}`` for each marker kind that has patterns."""
+    if markers is None:
+        return {}
+    from .tokenizer import load_tokenizer
+
+    ct = load_tokenizer(tokenizer)
+    return {kind: [(list(p), ct.decode(p)) for p in getattr(markers, kind)] for kind in KINDS if getattr(markers, kind)}
+
+
+def _coerce_conversation(conversation: Any) -> tuple[list[Mapping[str, Any]], list | None]:
+    if isinstance(conversation, Mapping):
+        if "messages" not in conversation:
+            raise ValueError(f"a conversation mapping needs 'messages' (and optionally 'tools'); it has {sorted(conversation)}")
+        return list(conversation["messages"]), list(conversation.get("tools") or []) or None
+    if isinstance(conversation, Sequence) and not isinstance(conversation, (str, bytes)):
+        return list(conversation), None
+    raise TypeError(
+        f"a conversation is a list of messages or a mapping with 'messages' (and 'tools'), got {type(conversation).__name__}"
+    )
+
+
+def _render_sample(ct: Any) -> tuple[str, tuple[str, ...]]:
+    """The sample, adapted step by step to what the template accepts; notes say what was left out."""
+    from .tokenizer import ChatTemplateError
+
+    messages, tools = SAMPLE_CONVERSATION["messages"], SAMPLE_CONVERSATION["tools"]
+    without_tools = [m for m in messages if m["role"] != "tool" and not m.get("tool_calls")]
+    merged = _merge_assistant_runs(without_tools)
+    without_system = [m for m in merged if m["role"] != "system"]
+    attempts = [
+        (messages, tools, ()),
+        (merged, None, ("the template does not render tool calls, so the sample's tool turns are left out",)),
+        (without_system, None, ("the template accepts neither tools nor a system message; both are left out of the sample",)),
+    ]
+    errors = []
+    for msgs, tls, notes in attempts:
+        try:
+            text = ct.render(msgs, tools=tls)
+        except ChatTemplateError as exc:
+            errors.append(str(exc))
+            continue
+        if tls and "get_weather" not in text.split("Use the tool.", 1)[-1]:
+            errors.append("tool calls ignored")
+            continue  # the template silently drops tool calls: show the chat without them
+        return text, notes
+    raise ChatTemplateError(f"the chat template of {ct.name!r} renders none of the sample conversations: {errors[-1]}")
+
+
+def _merge_assistant_runs(messages: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Without tool turns, two user turns in a row remain; keep roles alternating by dropping the first."""
+    out: list[Mapping[str, Any]] = []
+    for message in messages:
+        if out and out[-1]["role"] == message["role"] == "user":
+            out[-1] = message
+        else:
+            out.append(message)
+    return out
+
+
+def token_pieces(text: str, offsets: np.ndarray) -> tuple[str, ...]:
+    """The text each token shows: from the end of the previous piece to the end of its own span.
+
+    The pieces join to ``text`` exactly: characters no token covers go with the next token, a
+    token whose span an earlier one already covered (a multi-byte character split over several
+    byte tokens) shows an empty piece, and text after the last token goes with the last one.
+    """
+    pieces, cursor = [], 0
+    for _, end in offsets.tolist():
+        end = max(int(end), cursor)
+        pieces.append(text[cursor:end])
+        cursor = end
+    if pieces and cursor < len(text):
+        pieces[-1] += text[cursor:]
+    return tuple(pieces)
+
+
+def label_conversation(
+    tokenizer: Any,
+    conversation: Any = None,
+    *,
+    model_name: str | None = None,
+    resolution: Resolution | None = None,
+) -> Shown:
+    """Render ``conversation`` (default: the built-in sample) and label it as training would.
+
+    ``tokenizer``: anything ``lossmask.load_tokenizer`` accepts. ``conversation``: a list of
+    messages or ``{"messages": [...], "tools": [...]}``. ``resolution``: the policy's decision, when
+    already made (default: ``resolve_markers(tokenizer, model_name)``). Without markers (the policy
+    found none) every token trains, as it would in training, and the resolution's messages say so.
+    """
+    from .tokenizer import load_tokenizer
+
+    ct = load_tokenizer(tokenizer)
+    if resolution is None:
+        resolution = resolve_markers(ct, model_name)
+    if conversation is None:
+        text, notes = _render_sample(ct)
+    else:
+        messages, tools = _coerce_conversation(conversation)
+        text, notes = ct.render(messages, tools=tools), ()
+    ids, offsets = ct.encode_with_offsets(text)
+    if resolution.markers is None:
+        trained = np.ones(len(ids), dtype=bool)
+    else:
+        trained = np.asarray(make_labels([ids.tolist()], resolution.markers)[0], dtype=np.int64) != -100
+    return Shown(ct.name, text, ids, token_pieces(text, offsets), trained, resolution,
+                 describe_markers(ct, resolution.markers), notes)
+
+
+# -- text -------------------------------------------------------------------------------------------
+
+
+def _header_lines(shown: Shown) -> list[str]:
+    r = shown.resolution
+    lines = [
+        f"lossmask show {shown.tokenizer}",
+        f"markers: {r.source}" + (f" (template table entry {r.template!r})" if r.source == "table" else ""),
+    ]
+    for kind, patterns in shown.markers_text.items():
+        lines.append(f"  {kind}: " + ", ".join(f"{text!r} {ids}" for ids, text in patterns))
+    lines += [f"  {m}" for m in r.messages]
+    lines += [f"note: {n}" for n in shown.notes]
+    lines.append(f"{shown.n_trained} of {len(shown.ids)} tokens trained")
+    return lines
+
+
+def format_text(shown: Shown) -> str:
+    """The conversation as plain text, each run of trained tokens between ``[`` and ``]``."""
+    out, inside = [], False
+    for piece, trained in zip(shown.pieces, shown.trained.tolist()):
+        if trained != inside:
+            out.append("[" if trained else "]")
+            inside = trained
+        out.append(piece)
+    if inside:
+        out.append("]")
+    legend = "trained text is between [ and ]"
+    return "\n".join(_header_lines(shown) + [legend, "", "".join(out)])
+
+
+def print_shown(shown: Shown, *, out: TextIO | None = None, colour: bool | None = None) -> None:
+    """Print ``shown``: coloured with rich on a terminal (token boundaries by alternating shades),
+    else ``format_text``."""
+    out = out or sys.stdout
+    colour = out.isatty() if colour is None else colour
+    if colour:
+        try:
+            from rich.console import Console
+            from rich.text import Text
+        except ImportError:  # pragma: no cover - rich comes with the hf extra
+            colour = False
+    if not colour:
+        print(format_text(shown), file=out)
+        return
+    console = Console(file=out, highlight=False, soft_wrap=True, force_terminal=True)
+    for line in _header_lines(shown):
+        console.print(line, markup=False, style="bold" if line.startswith("lossmask") else None)
+    console.print(Text("trained", style="bold black on green") + Text(" tokens highlighted; ") +
+                  Text("masked", style="grey50") + Text(" tokens dim; shades alternate at token boundaries\n"))
+    body = Text()
+    for k, (piece, trained) in enumerate(zip(shown.pieces, shown.trained.tolist())):
+        shown_piece = piece.replace("\n", "↵\n") if trained else piece
+        if trained:
+            style = "black on green" if k % 2 == 0 else "black on bright_green"
+        else:
+            style = "grey50" if k % 2 == 0 else "grey70"
+        body.append(shown_piece, style=style)
+    console.print(body)
+
+
+# -- HTML -------------------------------------------------------------------------------------------
+
+_CSS = """
+body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 2em; color: #1d1d1f; max-width: 70em; }
+h1 { font-size: 1.3em; margin-bottom: .2em; } h2 { font-size: 1.05em; margin-top: 1.6em; }
+.meta { color: #555; } .warn { color: #a11; font-weight: 600; }
+table.markers { border-collapse: collapse; font-size: .9em; }
+table.markers td, table.markers th { border: 1px solid #ddd; padding: .25em .6em; text-align: left; vertical-align: top; }
+code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
+.chat { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: .9em; line-height: 1.9;
+        white-space: pre-wrap; word-break: break-all; border: 1px solid #ccc; border-radius: 6px; padding: 1em; background: #fafafa; }
+.t { border: 1px solid #d0d0d0; border-radius: 3px; margin-right: 1px; padding: 0 1px; color: #777; }
+.t.tr { background: #b7f0c1; border-color: #2e9b47; color: #0b3d17; }
+.t.sp { font-weight: 600; }
+.nl { color: #aaa; } .t.tr .nl { color: #2e9b47; }
+.empty::after { content: "\\200b"; }
+.legend span.t { display: inline-block; }
+"""
+
+
+def _token_html(piece: str, token_id: int, trained: bool, decoded: str, special: bool) -> str:
+    classes = "t" + (" tr" if trained else "") + (" sp" if special else "")
+    title = f"#{token_id} {decoded!r}" + (" trained" if trained else " masked")
+    if not piece:
+        return f'<span class="{classes} empty" title="{html.escape(title)}"></span>'
+    body = html.escape(piece).replace("\n", '<span class="nl">↵</span>\n')
+    return f'<span class="{classes}" title="{html.escape(title)}">{body}</span>'
+
+
+def to_html(shown: Shown, *, decode: Any = None, special_ids: frozenset[int] = frozenset(), title: str | None = None) -> str:
+    """A self-contained HTML page: legend (markers, source, messages) and the chat, one box per token.
+
+    ``decode(ids) -> str`` shows each token's own text in its tooltip (default: its piece);
+    tokens in ``special_ids`` are drawn bold.
+    """
+    r = shown.resolution
+    title = title or f"lossmask show: {os.path.basename(shown.tokenizer.rstrip('/')) or shown.tokenizer}"
+    rows = []
+    for kind, patterns in shown.markers_text.items():
+        cells = "<br>".join(f"<code>{html.escape(repr(text))}</code> <span class=meta>{ids}</span>" for ids, text in patterns)
+        rows.append(f"<tr><th>{kind}</th><td>{cells}</td></tr>")
+    markers_table = (f'<table class="markers">{"".join(rows)}</table>' if rows
+                     else '<p class="warn">No markers: every token trains.</p>')
+    source = html.escape(r.source) + (f" (template table entry <code>{html.escape(r.template)}</code>)" if r.source == "table" else "")
+    messages = "".join(
+        f'<li class="{"warn" if m.startswith("WARNING") else ""}">{html.escape(m)}</li>' for m in r.messages
+    )
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in shown.notes)
+    tokens = []
+    for k, (piece, token, trained) in enumerate(zip(shown.pieces, shown.ids.tolist(), shown.trained.tolist())):
+        decoded = decode([token]) if decode is not None else piece
+        tokens.append(_token_html(piece, token, trained, decoded, token in special_ids))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>{_CSS}</style></head>
+<body>
+<h1>{html.escape(title)}</h1>
+<p class="meta">tokenizer <code>{html.escape(shown.tokenizer)}</code> · {len(shown.ids)} tokens, {shown.n_trained} trained
+ · generated by <code>lossmask show</code></p>
+<h2>Legend</h2>
+<p class="legend"><span class="t tr">trained</span> counts in the loss · <span class="t">masked</span> labelled -100 ·
+each box is one token (hover for its id and text) · <span class="nl">↵</span> is a newline · <b>bold</b> tokens are special tokens</p>
+<h2>Markers: {source}</h2>
+{markers_table}
+<ul class="meta">{messages}{notes}</ul>
+<h2>The conversation as the model is trained on it</h2>
+<div class="chat">{"".join(tokens)}</div>
+</body></html>
+"""
+
+
+def write_html(shown: Shown, path: str | os.PathLike, tokenizer: Any = None) -> None:
+    """Write ``to_html(shown)`` to ``path``; with ``tokenizer``, tooltips and special tokens come from it."""
+    decode, special = None, frozenset()
+    if tokenizer is not None:
+        from .tokenizer import load_tokenizer
+
+        ct = load_tokenizer(tokenizer)
+        decode, special = ct.decode, ct.special_ids
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(to_html(shown, decode=decode, special_ids=special))
+
+
+# -- the commands -----------------------------------------------------------------------------------
+
+
+def _resolve_quietly(ct: Any, model_name: str | None) -> Resolution:
+    """The policy's decision; its warnings are in ``messages``, which the commands print, so not twice."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return resolve_markers(ct, model_name)
+
+
+def run_show(tokenizer: Any, conversation_path: str | os.PathLike | None = None, *, html_path: str | os.PathLike | None = None,
+             model_name: str | None = None, out: TextIO | None = None, colour: bool | None = None) -> int:
+    """``lossmask show``: print the labelled conversation, or write it as an HTML page."""
+    from .tokenizer import load_tokenizer
+
+    out = out or sys.stdout
+    ct = load_tokenizer(tokenizer)
+    conversation = None
+    if conversation_path is not None:
+        with open(conversation_path, encoding="utf-8") as fh:
+            try:
+                conversation = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{os.fspath(conversation_path)} is not JSON ({exc}); pass a list of messages "
+                                 "or {\"messages\": [...], \"tools\": [...]}") from None
+    shown = label_conversation(ct, conversation, resolution=_resolve_quietly(ct, model_name))
+    if html_path is not None:
+        write_html(shown, html_path, ct)
+        print(f"wrote {os.fspath(html_path)}: {len(shown.ids)} tokens, {shown.n_trained} trained, markers {shown.resolution.source}",
+              file=out)
+    else:
+        print_shown(shown, out=out, colour=colour)
+    return 0
+
+
+def detect_report(tokenizer: Any, *, model_name: str | None = None) -> dict[str, Any]:
+    """What ``lossmask detect --json`` prints: markers (ids and text), source, reason, messages, verification."""
+    from .tokenizer import load_tokenizer
+
+    ct = load_tokenizer(tokenizer)
+    r = _resolve_quietly(ct, model_name)
+    report = r.report
+    verification = None
+    if report is not None:
+        verification = {
+            "ok": bool(report.ok),
+            "summary": report.summary(),
+            "tokens": int(report.tokens),
+            "missing": int(report.missing),
+            "extra": int(report.extra),
+            "conversations": [
+                {"name": c.name, "tokens": c.tokens, "missing": len(c.missing), "extra": len(c.extra), "error": c.error}
+                for c in report.conversations
+            ],
+        }
+    return {
+        "tokenizer": ct.name,
+        "source": r.source,
+        "template": r.template,
+        "reason": r.reason,
+        "messages": list(r.messages),
+        "markers": r.markers.to_dict() if r.markers is not None else None,
+        "decoded": {kind: [text for _, text in patterns] for kind, patterns in describe_markers(ct, r.markers).items()},
+        "verification": verification,
+    }
+
+
+def run_detect(tokenizer: Any, *, model_name: str | None = None, as_json: bool = False, out: TextIO | None = None) -> int:
+    """``lossmask detect``: print the markers, their source and the verification; 1 when there is no verified masking."""
+    out = out or sys.stdout
+    info = detect_report(tokenizer, model_name=model_name)
+    verified = info["markers"] is not None and info["verification"] is not None and info["verification"]["ok"]
+    if as_json:
+        print(json.dumps(info, indent=2, ensure_ascii=False), file=out)
+        return 0 if verified else 1
+    print(f"tokenizer: {info['tokenizer']}", file=out)
+    print(f"source: {info['source']}" + (f" (template table entry {info['template']!r})" if info["source"] == "table" else ""), file=out)
+    if info["markers"] is None:
+        print("markers: none: the full sequence trains", file=out)
+    else:
+        print("markers:", file=out)
+        for kind in KINDS:
+            for ids, text in zip(info["markers"][kind], info["decoded"].get(kind, [])):
+                print(f"  {kind:<11} {text!r:<40} {ids}", file=out)
+    for message in info["messages"]:
+        print(message, file=out)
+    if info["verification"] is not None:
+        print(f"verification: {info['verification']['summary']}", file=out)
+    return 0 if verified else 1
