@@ -1,0 +1,64 @@
+"""Conformance: on every shared tokenizer, detected markers reproduce the ground truth exactly.
+
+The families are listed here (not discovered) so that a missing folder shows as a skip with its
+name. docs/conformance.md is the same check as a table (benchmarks/conformance.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import chat_tokenizer
+from lossmask.detect import detect_markers_with_report
+from lossmask.verify import GroundTruth, build_truths, renderable_probes
+
+FAMILIES = [
+    "alpaca", "chatml", "deepseek-v3", "deepseek-v3.1", "falcon", "gemma-2", "gemma-3", "glm-4", "gpt-oss",
+    "lfm2", "llama-2", "llama-3", "llama-3.1", "llama-3.2", "mistral-nemo", "mistral-v1", "mistral-v3",
+    "olmo-2", "openchat", "phi-3", "phi-3.5", "phi-4", "qwen2.5", "qwen3", "smollm3", "vicuna", "zephyr",
+]
+
+# The stop tokens each template must train (docs/masking-rule.md); an independent check that the
+# ground truth and the detection did not agree on something wrong.
+STOP_TOKENS = {
+    "alpaca": {"</s>"}, "chatml": {"<|im_end|>"}, "deepseek-v3": {"<｜end▁of▁sentence｜>"},
+    "deepseek-v3.1": {"<｜end▁of▁sentence｜>"}, "falcon": set(), "gemma-2": {"<end_of_turn>"},
+    "gemma-3": {"<end_of_turn>"}, "glm-4": {"<|user|>", "<|observation|>"},
+    "gpt-oss": {"<|end|>", "<|return|>", "<|call|>"}, "lfm2": {"<|im_end|>"}, "llama-2": {"</s>"},
+    "llama-3": {"<|eot_id|>"}, "llama-3.1": {"<|eot_id|>"}, "llama-3.2": {"<|eot_id|>"},
+    "mistral-nemo": {"</s>"}, "mistral-v1": {"</s>"}, "mistral-v3": {"</s>"}, "olmo-2": {"<|endoftext|>"},
+    "openchat": {"<|end_of_turn|>"}, "phi-3": {"<|end|>"}, "phi-3.5": {"<|end|>"}, "phi-4": {"<|im_end|>"},
+    "qwen2.5": {"<|im_end|>"}, "qwen3": {"<|im_end|>"}, "smollm3": {"<|im_end|>"}, "vicuna": {"</s>"},
+    "zephyr": {"</s>"},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_detected_markers_verify_exactly(family):
+    ct = chat_tokenizer(family)
+    markers, report = detect_markers_with_report(ct)
+    assert report.ok, str(report)
+    assert report.missing == 0 and report.extra == 0 and report.errors == 0
+    assert {ct.decode(p) for p in markers.end} == STOP_TOKENS[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ground_truth_starts_where_the_generation_prompt_ends(family):
+    """Where the generation prompt's tokens are a prefix of the whole chat's tokens, the first
+    trained token of that turn is the one right after them: a token-level cross-check of the
+    character-level ground truth."""
+    ct = chat_tokenizer(family)
+    probe = renderable_probes(ct)[0]
+    (truth,) = build_truths(ct, [probe])
+    assert isinstance(truth, GroundTruth), truth
+    ids = truth.ids.tolist()
+    checked = 0
+    for turn in truth.turns:
+        prompt = ct.encode(ct.render(probe.messages[: turn.message], add_generation_prompt=True))
+        if ids[: len(prompt)] != prompt:
+            continue  # not prefix-stable here (dates, Qwen3's think block...): nothing to compare
+        assert truth.should_train[len(prompt)], (family, turn.message, "first generated token not trained")
+        assert not truth.should_train[len(prompt) - 1], (family, turn.message, "last prompt token trained")
+        checked += 1
+    if family not in {"gpt-oss", "qwen3"}:
+        assert checked, f"{family}: no turn was prefix-stable"
