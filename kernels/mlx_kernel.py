@@ -97,21 +97,23 @@ def _program(patterns, last_turn_only: bool, has_mask_out: bool):
 
 
 class _Program:
-    """The program for one set of markers: run eagerly on first use, compiled from the second on.
+    """The program for one set of markers: eager the first time a shape is seen, compiled when it recurs.
 
-    Compiling costs more than one small eager pass, and one-off markers (tests, probes) never
-    come back, while a training feed calls the same markers thousands of times.
+    Compiling (which on the CPU builds native code) costs far more than one eager pass, so it is
+    paid only for shapes that come back: the bucketed widths of a training feed, not one-off calls.
     """
 
     def __init__(self, markers: Markers, last_turn_only: bool):
         self.eager = _program(_patterns(markers), bool(last_turn_only), bool(markers.mask_out))
-        self.compiled = None
+        self.compiled = mx.compile(self.eager)
+        self.seen: set[tuple] = set()
 
     def __call__(self, *arrays):
-        if self.compiled is None:
-            self.compiled = mx.compile(self.eager)
-            return self.eager(*arrays)
-        return self.compiled(*arrays)
+        key = tuple((a.shape, a.dtype) for a in arrays)
+        if key in self.seen:
+            return self.compiled(*arrays)
+        self.seen.add(key)
+        return self.eager(*arrays)
 
 
 @lru_cache(maxsize=64)
