@@ -56,6 +56,7 @@ def mask_files(
     backend: str | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     row_group_size: int | None = None,
+    compression: str = "snappy",
     progress: bool | None = None,
     report: str | os.PathLike | None = None,
 ) -> MaskReport:
@@ -96,17 +97,19 @@ def mask_files(
     try:
         import pyarrow.parquet as pq
 
-        with pq.ParquetWriter(temporary, schema, compression="zstd") as writer:
+        token_columns = {options.input_ids_column, options.labels_column, options.completion_mask_column}
+        other_columns = [name for name in schema.names if name not in token_columns]
+        # Token columns are high-cardinality lists: dictionary encoding and statistics only cost time there.
+        writer = pq.ParquetWriter(temporary, schema, compression=compression, use_dictionary=other_columns or False,
+                                  write_statistics=other_columns or False)
+        with _BackgroundWriter(writer, schema, row_group_size, tally) as background:
             first_row = 0
             read_started = time.perf_counter()
             for batch in _batches(dataset, batch_size, source):
                 tally.time("read", time.perf_counter() - read_started)
                 out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
                                  first_row=first_row, source=source)
-                write_started = time.perf_counter()
-                if out.num_rows:
-                    writer.write_table(out.cast(schema) if out.schema != schema else out, row_group_size=row_group_size)
-                tally.time("write", time.perf_counter() - write_started)
+                background.put(out)
                 first_row += batch.num_rows
                 show(batch.num_rows, tally)
                 read_started = time.perf_counter()
@@ -126,6 +129,64 @@ def mask_files(
     if report is not None:
         result.to_json(report)
     return result
+
+
+class _BackgroundWriter:
+    """Writes labelled batches on a thread while the next batch is read and labelled (Arrow releases the GIL).
+
+    At most two batches wait, so memory stays bounded by the batch size. An error in the writer is
+    raised in the caller at the next ``put`` or at exit.
+    """
+
+    def __init__(self, writer, schema: pa.Schema, row_group_size: int | None, tally: Tally):
+        import queue
+        import threading
+
+        self.writer, self.schema, self.row_group_size, self.tally = writer, schema, row_group_size, tally
+        self.queue: queue.Queue = queue.Queue(maxsize=2)
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, name="lossmask-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            table = self.queue.get()
+            if table is None:
+                return
+            if self.error is not None:
+                continue  # drain after a failure
+            started = time.perf_counter()
+            try:
+                if table.num_rows:
+                    if table.schema != self.schema:
+                        table = table.cast(self.schema)
+                    self.writer.write_table(table, row_group_size=self.row_group_size)
+            except BaseException as exc:  # raised in the caller
+                self.error = exc
+            self.seconds += time.perf_counter() - started
+
+    def put(self, table: pa.Table) -> None:
+        if self.error is not None:
+            raise self.error
+        started = time.perf_counter()
+        self.queue.put(table)
+        self.tally.time("write_wait", time.perf_counter() - started)
+
+    def __enter__(self) -> "_BackgroundWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        self.tally.time("write", self.seconds)
+        try:
+            self.writer.close()
+        except BaseException:
+            if exc_type is None and self.error is None:
+                raise
+        if exc_type is None and self.error is not None:
+            raise self.error
 
 
 def open_dataset(input: Any, *, input_format: str | None = None):

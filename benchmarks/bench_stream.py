@@ -1,0 +1,188 @@
+"""End to end: Parquet -> ``lossmask mask`` -> Parquet at 1 M and 4 M rows, and the paths it replaces.
+
+- ``test_mask_files``: 1 M and 4 M pre-tokenised ChatML rows (~110 tokens each), each job in a fresh
+  process: rows/s, tokens/s, peak RSS, the engine's share of the time, and the ratio to a plain
+  read-and-write of the same file (same batches, same compression) measured in the same run.
+  Memory stays flat: the 4 M job's peak RSS is about the 1 M job's.
+- ``test_against_dataset_map``: the same rows and markers through ``datasets.Dataset.map`` with a
+  per-row Python masking function of the kind in use today (a TRL-collator-style scan), and
+  through Unsloth's ``train_on_responses_only(return_function=True)`` when ``unsloth_zoo`` imports;
+  the speed-up of ``mask_files`` (and of ``lossmask.hf.mask_dataset``) as a ratio of rows/s.
+
+Run: ``pytest benchmarks/bench_stream.py --benchmark-enable -s`` (about 4 minutes on 2 cores).
+Sizes: ``LOSSMASK_BENCH_ROWS`` (default 1000000) and ``LOSSMASK_BENCH_MAP_ROWS`` (default 20000).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROWS = int(os.environ.get("LOSSMASK_BENCH_ROWS", 1_000_000))
+MAP_ROWS = int(os.environ.get("LOSSMASK_BENCH_MAP_ROWS", 20_000))
+RESULTS: dict[str, dict] = {}
+
+sys.path.insert(0, str(HERE))
+import stream_job  # noqa: E402
+
+
+def job(*args: str) -> dict:
+    out = subprocess.run([sys.executable, str(HERE / "stream_job.py"), *args], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stream")
+    paths = {}
+    for name, n in (("1x", ROWS), ("4x", 4 * ROWS)):
+        paths[name] = folder / f"in_{name}.parquet"
+        subprocess.run([sys.executable, str(HERE / "stream_job.py"), "write", str(paths[name]), str(n)], check=True)
+    yield paths
+    for path in folder.iterdir():
+        path.unlink()
+
+
+@pytest.mark.parametrize("scale", ["1x", "4x"])
+def test_mask_files(benchmark, files, scale, tmp_path):
+    src, dst = str(files[scale]), str(tmp_path / "out.parquet")
+    copy = job("copy", src, str(tmp_path / "copy.parquet"))
+    os.remove(tmp_path / "copy.parquet")
+    result = {}
+    benchmark.pedantic(lambda: result.update(job("mask", src, dst)), rounds=1, iterations=1)
+    seconds = result["seconds"]
+    total = seconds["total"]
+    rows, tokens = result["rows_in"], result["tokens_in"]
+    assert rows == result["rows_out"] + sum(result["dropped"].values())
+    assert pq.ParquetFile(dst).metadata.num_rows == result["rows_out"]
+    figures = dict(
+        rows=rows, tokens=tokens, rows_per_s=rows / total, tokens_per_s=tokens / total,
+        peak_rss_mib=result["peak_rss_mib"], rss_after_imports_mib=result["rss_before_mib"],
+        engine_share=seconds.get("engine", 0.0) / total, write_share=seconds.get("write", 0.0) / total,
+        read_share=seconds.get("read", 0.0) / total, copy_seconds=copy["wall_seconds"],
+        copy_peak_rss_mib=copy["peak_rss_mib"], ratio_to_copy=total / copy["wall_seconds"],
+    )
+    benchmark.extra_info.update(figures)
+    RESULTS[scale] = figures
+    print(
+        f"\nmask_files {scale}: {rows:,} rows, {tokens / 1e6:,.0f} M tokens in {total:.1f} s: {rows / total:,.0f} rows/s, "
+        f"{tokens / total / 1e6:,.1f} M tokens/s; peak RSS {result['peak_rss_mib']:,.0f} MiB "
+        f"({result['rss_before_mib']:,.0f} after imports); engine {figures['engine_share']:.0%} of the time, "
+        f"read {figures['read_share']:.0%}, write {figures['write_share']:.0%}; "
+        f"plain read+write of the same file {copy['wall_seconds']:.1f} s (peak RSS {copy['peak_rss_mib']:,.0f} MiB): "
+        f"masking costs {figures['ratio_to_copy']:.2f}x a copy"
+    )
+    if scale == "4x" and "1x" in RESULTS:
+        growth = figures["peak_rss_mib"] / RESULTS["1x"]["peak_rss_mib"]
+        benchmark.extra_info["rss_4x_over_1x"] = growth
+        print(f"peak RSS at 4x the rows: {growth:.2f}x the 1x job's")
+        assert growth < 1.5, "memory must not grow with the file"
+
+
+# -- the paths lossmask replaces -------------------------------------------------------------------
+
+
+def per_row_labels(example, response=(stream_job.IM_START, stream_job.ASSISTANT, stream_job.NL),
+                   instruction=(stream_job.IM_START,), end=(stream_job.IM_END,)):
+    """Today's kind of masking: per row, a Python scan for the response template, as a completion-only collator does.
+
+    Trains from after each response header through its end token; everything else is -100.
+    """
+    ids = example["input_ids"]
+    labels = [-100] * len(ids)
+    r, i, e = list(response), list(instruction), list(end)
+    j = 0
+    while j < len(ids):
+        if ids[j : j + len(r)] == r:
+            k = j + len(r)
+            while k < len(ids) and ids[k : k + len(i)] != i:
+                labels[k] = ids[k]
+                if ids[k : k + len(e)] == e:
+                    k += len(e)
+                    break
+                k += 1
+            j = k
+        else:
+            j += 1
+    return {"labels": labels}
+
+
+@pytest.fixture(scope="module")
+def subset(files):
+    import datasets
+
+    table = pq.ParquetFile(files["1x"]).read_row_group(0).slice(0, MAP_ROWS)
+    return datasets.Dataset(datasets.table.InMemoryTable(table))
+
+
+def best_of(fn, repeat=3):
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - started)
+    return best, result
+
+
+def test_against_dataset_map(benchmark, subset):
+    import datasets
+
+    import lossmask.hf
+
+    datasets.disable_progress_bars()
+    n = subset.num_rows
+    markers = stream_job.markers()
+    map_seconds, mapped = best_of(lambda: subset.map(per_row_labels, load_from_cache_file=False, keep_in_memory=True), 1)
+    lossmask.make_labels(subset.data.table.column("input_ids").slice(0, 2), markers)  # kernel loaded before timing
+    result = {}
+    benchmark.pedantic(
+        lambda: result.update(out=lossmask.hf.mask_dataset(subset, markers=markers, keep_dropped=True)),
+        rounds=3, iterations=1,
+    )
+    ours = benchmark.stats.stats.min
+    assert list(result["out"]["labels"]) == list(mapped["labels"])  # same labels, same data, same markers
+    map_rate = n / map_seconds
+    figures = dict(map_rows_per_s=map_rate, mask_dataset_rows_per_s=n / ours, mask_dataset_ratio=map_seconds / ours)
+    line = (f"\n{n:,} rows: Dataset.map per-row Python {map_rate:,.0f} rows/s; lossmask.hf.mask_dataset "
+            f"{n / ours:,.0f} rows/s ({figures['mask_dataset_ratio']:,.0f}x)")
+    if "1x" in RESULTS:
+        figures["mask_files_ratio"] = RESULTS["1x"]["rows_per_s"] / map_rate
+        line += (f"; mask_files Parquet->Parquet end to end {RESULTS['1x']['rows_per_s']:,.0f} rows/s "
+                 f"({figures['mask_files_ratio']:,.0f}x the map path, which neither reads nor writes files)")
+    unsloth = unsloth_rows_per_s(subset)
+    if isinstance(unsloth, float):
+        figures["unsloth_rows_per_s"] = unsloth
+        figures["mask_dataset_ratio_to_unsloth"] = (n / ours) / unsloth
+        line += f"; Unsloth train_on_responses_only + map {unsloth:,.0f} rows/s ({(n / ours) / unsloth:,.0f}x)"
+    else:
+        line += f"; Unsloth: {unsloth}"
+    benchmark.extra_info.update(figures)
+    print(line)
+
+
+def unsloth_rows_per_s(subset) -> float | str:
+    """Unsloth's own masking function mapped over the same rows (batched, as Unsloth maps it), or why not."""
+    os.environ.setdefault("UNSLOTH_ZOO_DISABLE_GPU_INIT", "1")
+    try:
+        from unsloth_zoo.dataset_utils import train_on_responses_only
+    except Exception as exc:  # not installed, or it fails to import on this machine
+        return f"not measured (unsloth_zoo does not import: {type(exc).__name__}: {str(exc)[:120]})"
+    tokenizers = Path(os.environ.get("LOSSMASK_TOKENIZERS", HERE.parent.parent / "shared" / "tokenizers"))
+    if not (tokenizers / "qwen2.5").is_dir():
+        return f"not measured (it tokenises its marker strings and needs the qwen2.5 tokenizer in {tokenizers})"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizers / "qwen2.5"))
+    fn = train_on_responses_only(None, instruction_part="<|im_start|>user\n", response_part="<|im_start|>assistant\n",
+                                 tokenizer=tokenizer, return_function=True)
+    seconds, _ = best_of(lambda: subset.map(fn, batched=True, load_from_cache_file=False, keep_in_memory=True), 1)
+    return subset.num_rows / seconds
