@@ -41,7 +41,8 @@ def test_detect_reads_the_stop_tokens_of_each_template(family, response, end, in
 
 def test_detect_plain_text_roles_closes_on_the_next_header():
     ct = chat_tokenizer("falcon")
-    markers = detect_markers(ct)
+    with pytest.warns(UserWarning, match="no stop token"):
+        markers = detect_markers(ct)
     assert markers.end == ()  # Falcon's template emits no stop token
     assert any(text.strip() == "User:" for text in decoded(ct, markers.instruction))
     assert any(text.strip() == "Assistant:" for text in decoded(ct, markers.response))
@@ -126,3 +127,12 @@ def test_load_tokenizer_result_is_reused_by_detection():
     ct = load_tokenizer(chat_tokenizer("chatml"))
     assert ct is chat_tokenizer("chatml")
     assert detect_markers(ct) == detect_markers(ct)
+
+
+def test_detection_notes_what_users_should_know():
+    _, glm = detect_markers_with_report(chat_tokenizer("glm-4"))
+    assert any("have no stop token" in note for note in glm.notes) and "note:" in str(glm)
+    _, alpaca = detect_markers_with_report(chat_tokenizer("alpaca"))
+    assert any("plain text ('### Response:')" in note for note in alpaca.notes)
+    _, qwen = detect_markers_with_report(chat_tokenizer("qwen3"))
+    assert qwen.notes == ()

@@ -22,6 +22,8 @@ string on its own.
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -76,7 +78,35 @@ def detect_markers_with_report(tokenizer: Any) -> tuple[Markers, VerifyReport]:
             f"the markers read off the chat template of {ct.name!r} do not reproduce its ground truth, so lossmask "
             f"will not use them: {markers}\n{report}\n{_HOW_TO_FIX}"
         )
-    return markers, report
+    notes = _notes(ct, markers, truths)
+    if not markers.end:
+        warnings.warn(f"{ct.name!r}: {notes[0]}", UserWarning, stacklevel=3)
+    return markers, replace(report, notes=notes)
+
+
+def _notes(ct: ChatTokenizer, markers: Markers, truths: Sequence[GroundTruth]) -> tuple[str, ...]:
+    """What a user should know about markers that verified: turns without a stop token, plain text."""
+    notes = []
+    turns = [turn for truth in truths for turn in truth.turns]
+    unstopped = [turn for turn in turns if turn.stop is None]
+    if not markers.end:
+        notes.append(
+            "the chat template writes no stop token after assistant turns, so only their content is trained and "
+            "the model does not learn to stop; consider a template that ends turns with the EOS token"
+        )
+    elif unstopped:
+        notes.append(
+            f"{len(unstopped)} of {len(turns)} probed assistant turns have no stop token (the template writes "
+            "none after the last turn of a chat), so nothing after their content is trained"
+        )
+    special = ct.special_ids
+    if not any(any(t in special for t in pattern) for pattern in markers.response):
+        texts = sorted({ct.decode(p).strip() for p in markers.response})
+        notes.append(
+            f"the response markers are plain text ({', '.join(map(repr, texts))}): a message containing that text "
+            "opens a trained span"
+        )
+    return tuple(notes)
 
 
 def _load(tokenizer: Any) -> ChatTokenizer:

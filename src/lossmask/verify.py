@@ -446,6 +446,7 @@ class VerifyReport:
     markers: Markers
     conversations: tuple[ConversationReport, ...]
     decode: Any = field(default=None, repr=False, compare=False)
+    notes: tuple[str, ...] = ()  # what the user should know about these markers (from detection)
 
     @property
     def tokens(self) -> int:
@@ -482,6 +483,7 @@ class VerifyReport:
 
     def __str__(self) -> str:
         lines = [f"verify {self.tokenizer}: {self.summary()}"]
+        lines += [f"  note: {note}" for note in self.notes]
         for c in self.conversations:
             if c.error is not None:
                 lines.append(f"  {c.name}: not checked: {c.error}")
