@@ -1,0 +1,166 @@
+"""``lossmask show`` and ``lossmask detect``: what trains, as text, colours and HTML, on real tokenizers."""
+
+from __future__ import annotations
+
+import io
+import json
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+
+from conftest import tokenizer_path
+from lossmask import Markers, Resolution
+from lossmask.cli import main
+from lossmask.show import format_text, label_conversation, print_shown, to_html, token_pieces
+
+FAMILIES = ["qwen3", "llama-3.1", "gpt-oss", "glm-4", "gemma-3", "mistral-v3"]
+
+# what each family trains last: the last assistant turn through its stop token
+LAST_TURN = {
+    "qwen3": "<think>\n\n</think>\n\nIt is -3 °C and snowing. Wrap up warm!<|im_end|>",
+    "llama-3.1": "It is -3 °C and snowing. Wrap up warm!<|eot_id|>",
+    "gpt-oss": "<|channel|>final<|message|>It is -3 °C and snowing. Wrap up warm!<|return|>",
+    "glm-4": "\n<think></think>\nIt is -3 °C and snowing. Wrap up warm!",
+    "gemma-3": "It is -3 °C and snowing. Wrap up warm!<end_of_turn>",
+    "mistral-v3": " It is -3 °C and snowing. Wrap up warm!</s>",
+}
+
+
+def trained_runs(shown) -> list[str]:
+    """The text of each run of consecutive trained tokens."""
+    runs, current = [], None
+    for piece, trained in zip(shown.pieces, shown.trained.tolist()):
+        if trained:
+            current = (current or "") + piece
+        elif current is not None:
+            runs.append(current)
+            current = None
+    if current is not None:
+        runs.append(current)
+    return runs
+
+
+def test_token_pieces_join_to_the_text():
+    text = "ab€cd"
+    offsets = np.array([[0, 1], [1, 2], [2, 3], [2, 3], [4, 5]])  # a split character, then a gap before 'd'
+    pieces = token_pieces(text, offsets)
+    assert pieces == ("a", "b", "€", "", "cd")
+    assert "".join(token_pieces("xyz!", np.array([[0, 2]]))) == "xyz!"
+    assert token_pieces("", np.zeros((0, 2), dtype=np.int64)) == ()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def shown(request):
+    return request.param, label_conversation(str(tokenizer_path(request.param)))
+
+
+def test_sample_trains_assistant_turns_only(shown):
+    family, s = shown
+    assert "".join(s.pieces) == s.text and len(s.pieces) == len(s.ids) == len(s.trained)
+    assert s.resolution.source == "detected"
+    runs = trained_runs(s)
+    assert runs[-1] == LAST_TURN[family]
+    assert any(run.endswith(("Paris.", "Paris.<|im_end|>", "Paris.<|eot_id|>", "Paris.<|end|>", "Paris.<|user|>",
+                             "Paris.<end_of_turn>", "Paris.</s>")) for run in runs), runs
+    for masked in ("You are a concise assistant.", "What is the capital of France?", "minus three, snowing", "Use the tool."):
+        assert not any(masked in run for run in runs), (masked, runs)
+    text = format_text(s)
+    assert f"{s.n_trained} of {len(s.ids)} tokens trained" in text and f"[{runs[-1]}]" in text
+
+
+def test_tool_call_trains_where_the_template_renders_tools():
+    s = label_conversation(str(tokenizer_path("qwen2.5")))
+    text = format_text(s)
+    assert '[<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>]' in text
+    assert "[<tool_response>" not in text and "minus three" in text and not s.notes
+
+
+def test_template_without_tools_gets_the_sample_without_tool_turns():
+    s = label_conversation(str(tokenizer_path("gemma-3")))
+    assert s.notes and "tool" in s.notes[0] and "get_weather" not in s.text
+
+
+def test_html_page_is_self_contained_with_a_legend_and_one_box_per_token(shown):
+    family, s = shown
+    page = to_html(s)
+    assert page.startswith("<!DOCTYPE html>") and "<style>" in page
+    assert "http://" not in page and "https://" not in page and "<script" not in page and "<link" not in page
+    assert "Legend" in page and "Markers: detected" in page and "response" in page
+
+    class Boxes(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tokens = self.trained = 0
+
+        def handle_starttag(self, tag, attrs):
+            classes = (dict(attrs).get("class") or "").split()
+            if tag == "span" and "t" in classes:
+                self.tokens += 1
+                self.trained += "tr" in classes
+
+    boxes = Boxes()
+    boxes.feed(page.split('<div class="chat">', 1)[1])
+    assert boxes.tokens == len(s.ids) and boxes.trained == s.n_trained
+
+
+def test_colour_output_uses_ansi_and_plain_output_brackets(shown):
+    _, s = shown
+    coloured, plain = io.StringIO(), io.StringIO()
+    print_shown(s, out=coloured, colour=True)
+    print_shown(s, out=plain, colour=False)
+    assert "\x1b[30;42m" in coloured.getvalue()  # black on green: trained
+    assert "\x1b[" not in plain.getvalue() and f"[{trained_runs(s)[-1]}]" in plain.getvalue()
+
+
+def test_no_markers_means_everything_trains_and_says_so():
+    path = str(tokenizer_path("qwen2.5"))
+    resolution = Resolution(None, "none", ("WARNING: NO LOSS MASKING",), "test")
+    s = label_conversation(path, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], resolution=resolution)
+    assert s.trained.all()
+    page = to_html(s)
+    assert "No markers: every token trains." in page and 'class="warn"' in page
+
+
+def test_given_markers_label_a_given_conversation():
+    path = str(tokenizer_path("qwen2.5"))
+    markers = Markers(response=[[151644, 77091, 198]], instruction=[[151644]], end=[[151645]])
+    s = label_conversation(path, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+                           resolution=Resolution(markers, "user", (), "test"))
+    assert format_text(s).endswith("<|im_start|>assistant\n[yo<|im_end|>]\n")
+
+
+# -- the commands ----------------------------------------------------------------------------------
+
+
+def test_cli_show_prints_and_writes_html(tmp_path, capsys):
+    path = str(tokenizer_path("qwen3"))
+    conversation = tmp_path / "chat.json"
+    conversation.write_text(json.dumps([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]))
+    assert main(["show", path, str(conversation)]) == 0
+    out = capsys.readouterr().out
+    assert "markers: detected" in out and "[<think>\n\n</think>\n\n4<|im_end|>]" in out
+    page = tmp_path / "out.html"
+    assert main(["show", path, "--html", str(page)]) == 0
+    assert "wrote" in capsys.readouterr().out and page.read_text().count('class="t') > 100
+
+
+def test_cli_show_bad_inputs_name_the_problem(tmp_path, capsys):
+    path = str(tokenizer_path("qwen3"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["show", path, str(bad)]) == 1
+    assert "is not JSON" in capsys.readouterr().err
+    assert main(["show", str(tmp_path / "missing-tokenizer")]) == 1
+    assert "could not load a tokenizer" in capsys.readouterr().err
+
+
+def test_cli_detect_text_and_json(capsys):
+    path = str(tokenizer_path("gpt-oss"))
+    assert main(["detect", path]) == 0
+    out = capsys.readouterr().out
+    assert "source: detected" in out and "'<|return|>'" in out and "[200002]" in out and "verification: exact" in out
+    assert main(["detect", path, "--model-name", "openai/gpt-oss-20b", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["source"] == "detected" and info["verification"]["ok"] and [200002] in info["markers"]["end"]
+    assert "<|return|>" in info["decoded"]["end"]
