@@ -1,0 +1,264 @@
+"""A collator for TRL's ``SFTTrainer`` and ``transformers.Trainer`` that labels each batch with the engine.
+
+``CompletionCollator`` takes tokenised rows (``{"input_ids": [...]}``, optionally ``"seq_lengths"``
+for packed rows and ``"labels"``), pads them, and builds labels per SPEC.md with the torch backend on
+the batch's device. Padding is told by position, never by the pad id (a pad id equal to EOS leaves the
+real EOS trained). Padding-free batches are one flattened row with ``position_ids`` and
+``cu_seq_lens_*`` as TRL builds them, labels masked at every sequence start.
+
+``prompt_loss_weight`` > 0 adds a ``loss_weights`` tensor (1 on trained tokens, the weight on the
+other real tokens, 0 on padding); ``prompt_weighted_loss`` computes the matching loss, and
+``PromptWeightedLossMixin`` plugs it into a trainer (``class T(PromptWeightedLossMixin, SFTTrainer)``).
+
+Importing this module imports torch; ``import lossmask`` does not import this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import numpy as np
+import torch
+
+from . import batches
+from .kernels import torch_kernel
+from .markers import Markers
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompletionCollator:
+    """Pads tokenised rows and labels them per SPEC.md; a drop-in ``data_collator`` for TRL / transformers.
+
+    - ``padding_side``: ``"right"`` or ``"left"`` (ignored when ``padding_free``).
+    - ``padding_free``: flatten the batch into one row with ``position_ids`` and ``cu_seq_lens_q/k``,
+      ``max_length_q/k`` and ``seq_idx``, as TRL's own collator does (use it with flash attention).
+    - ``row_labels``: ``"rebuild"`` (default) labels every row here, ignoring a ``labels`` field (TRL's
+      dataset preparation fills one with a copy of ``input_ids``); ``"keep"`` uses the rows' own labels.
+    - ``prompt_loss_weight``: 0 drops prompt tokens from the loss; > 0 adds ``loss_weights`` for
+      ``prompt_weighted_loss`` / ``PromptWeightedLossMixin``.
+    - ``device``: where to build the batch and its labels (``"cuda"``); ``None`` keeps it on the CPU and
+      lets the trainer move it. Keep ``None`` with DataLoader worker processes.
+
+    Rows packed by TRL carry ``seq_lengths``; each packed sequence is labelled on its own.
+    """
+
+    markers: Markers
+    pad_token_id: int
+    padding_side: Literal["right", "left"] = "right"
+    padding_free: bool = False
+    pad_to_multiple_of: int | None = None
+    return_position_ids: bool = False
+    last_turn_only: bool = False
+    row_labels: Literal["rebuild", "keep"] = "rebuild"
+    prompt_loss_weight: float = 0.0
+    ignore_index: int = -100
+    device: str | torch.device | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.markers, Markers):
+            raise TypeError(
+                f"markers must be a lossmask.Markers, got {type(self.markers).__name__}; "
+                "build one with Markers(response=[[...]], ...) or Markers.from_json(path)"
+            )
+        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, (int, np.integer)) or self.pad_token_id < 0:
+            raise ValueError(f"pad_token_id={self.pad_token_id!r}; pass the tokenizer's pad id (tokenizer.pad_token_id), an int >= 0")
+        if self.padding_side not in ("right", "left"):
+            raise ValueError(f"padding_side={self.padding_side!r}; pass 'right' or 'left'")
+        if self.row_labels not in ("rebuild", "keep"):
+            raise ValueError(f"row_labels={self.row_labels!r}; pass 'rebuild' (label here) or 'keep' (use the rows' labels)")
+        if self.pad_to_multiple_of is not None and (not isinstance(self.pad_to_multiple_of, int) or self.pad_to_multiple_of < 1):
+            raise ValueError(f"pad_to_multiple_of={self.pad_to_multiple_of!r}; pass a positive int or None")
+        if not isinstance(self.prompt_loss_weight, (int, float)) or not 0.0 <= self.prompt_loss_weight <= 1.0:
+            raise ValueError(f"prompt_loss_weight={self.prompt_loss_weight!r}; pass a float in [0, 1] (0 drops prompt tokens)")
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        if len(examples) == 0:
+            raise ValueError("the collator got an empty batch; pass at least one row")
+        layout = _Layout.build(examples, padding_free=self.padding_free, padding_side=self.padding_side,
+                               pad_to_multiple_of=self.pad_to_multiple_of)
+        device = torch.device(self.device) if self.device is not None else torch.device("cpu")
+        flatpos = torch.from_numpy(layout.flatpos).to(device)
+        size = layout.n_rows * layout.width
+        ids = torch.full((size,), self.pad_token_id, dtype=torch.int64, device=device)
+        ids[flatpos] = torch.from_numpy(layout.values).to(device=device, dtype=torch.int64)
+
+        starts = torch.from_numpy(layout.seq_starts).to(device)
+        ends = torch.from_numpy(layout.seq_ends).to(device)
+        result = torch_kernel.label_flat(
+            ids, torch_kernel.segments_of(size, starts, ends), _with_dummy(starts), _with_dummy(ends),
+            self.markers, last_turn_only=self.last_turn_only,
+        )
+        if bool((result.first_bad >= 0).any()):
+            s = int(torch.nonzero(result.first_bad >= 0)[0, 0])
+            raise ValueError(
+                f"row {int(layout.seq_row[s])} holds a negative token id; token ids must be >= 0 "
+                "(is it padded with -100 already? pass unpadded rows)"
+            )
+        trained = result.trained
+        if self.row_labels == "keep":
+            given = _row_labels(examples, layout)
+            labels = torch.full((size,), self.ignore_index, dtype=torch.int64, device=device)
+            if given is not None:
+                labels[flatpos] = torch.from_numpy(given).to(device=device, dtype=torch.int64)
+            else:
+                labels = torch.where(trained, ids, self.ignore_index)
+        else:
+            labels = torch.where(trained, ids, self.ignore_index)
+        seq_first = starts[ends > starts]
+        labels[seq_first] = self.ignore_index  # nothing before a sequence start predicts it (TRL does the same)
+
+        shape = (layout.n_rows, layout.width)
+        out: dict[str, Any] = {"input_ids": ids.reshape(shape), "labels": labels.reshape(shape)}
+        real = torch.zeros(size, dtype=torch.bool, device=device)
+        real[flatpos] = True
+        if self.padding_free or self.return_position_ids:
+            position_ids = torch.zeros(size, dtype=torch.int64, device=device)
+            position_ids[flatpos] = torch.from_numpy(layout.position_in_seq).to(device)
+            out["position_ids"] = position_ids.reshape(shape)
+        if self.padding_free:
+            # as TRL: every position 0 starts a sequence, tail padding included (each pad its own sequence)
+            seq_starts = torch.nonzero(out["position_ids"][0] == 0).flatten()
+            cu = torch.cat([seq_starts, seq_starts.new_tensor([size])]).to(torch.int32)
+            out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
+            out["max_length_q"] = out["max_length_k"] = int(cu.diff().max()) if cu.numel() > 1 else 0
+            out["seq_idx"] = torch.repeat_interleave(
+                torch.arange(cu.numel() - 1, dtype=torch.int32, device=device), cu.diff()
+            )[None]
+        else:
+            out["attention_mask"] = real.to(torch.int64).reshape(shape)
+        if self.prompt_loss_weight > 0:
+            weights = torch.where(labels != self.ignore_index, 1.0, torch.where(real, float(self.prompt_loss_weight), 0.0))
+            weights[seq_first] = 0.0
+            out["loss_weights"] = weights.to(torch.float32).reshape(shape)
+        return out
+
+
+def _with_dummy(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(1)])
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where every real token of a batch goes in the flat ``[n_rows * width]`` buffer, and its sequences."""
+
+    values: np.ndarray  # tokens, rows back to back
+    flatpos: np.ndarray  # int64, position of each token in the flat buffer
+    n_rows: int
+    width: int
+    seq_starts: np.ndarray  # int64 flat bounds of every sequence (a packed row holds several)
+    seq_ends: np.ndarray
+    seq_row: np.ndarray  # the example each sequence comes from
+    position_in_seq: np.ndarray  # int64, per token
+    row_offsets: np.ndarray  # int64 [n_examples + 1], tokens per example, cumulated
+
+    @classmethod
+    def build(cls, examples, *, padding_free: bool, padding_side: str, pad_to_multiple_of: int | None) -> "_Layout":
+        try:
+            ids = [example["input_ids"] for example in examples]
+        except (KeyError, TypeError):
+            raise TypeError("each row must be a dict with an 'input_ids' list of token ids (tokenise first)") from None
+        rows = batches.rows_from_arrow(batches.rows_from_pylist(ids))
+        values, row_starts = rows.values, rows.starts.astype(np.int64)
+        lengths = rows.lengths.astype(np.int64)
+        n_examples, total = len(ids), int(lengths.sum())
+        row_offsets = np.concatenate([[0], np.cumsum(lengths)])
+        seq_lengths, seq_row = _sequence_lengths(examples, lengths)
+
+        if padding_free:
+            n_rows, width = 1, _round_up(total, pad_to_multiple_of)
+            flatpos = np.arange(total, dtype=np.int64)
+        else:
+            n_rows, width = n_examples, _round_up(int(lengths.max(initial=0)), pad_to_multiple_of)
+            token_row = np.repeat(np.arange(n_examples, dtype=np.int64), lengths)
+            col = np.arange(total, dtype=np.int64) - np.repeat(row_starts - row_starts[0], lengths)
+            if padding_side == "left":
+                col += (width - lengths)[token_row]
+            flatpos = token_row * width + col
+        seq_cu = np.concatenate([[0], np.cumsum(seq_lengths)])
+        flat_ext = np.append(flatpos, n_rows * width)
+        seq_starts = flat_ext[seq_cu[:-1]]
+        position_in_seq = np.arange(total, dtype=np.int64) - np.repeat(seq_cu[:-1], seq_lengths)
+        return cls(
+            values=np.ascontiguousarray(values[row_starts[0] : row_starts[0] + total]) if n_examples else values,
+            flatpos=flatpos, n_rows=n_rows, width=width, seq_starts=seq_starts, seq_ends=seq_starts + seq_lengths,
+            seq_row=seq_row, position_in_seq=position_in_seq, row_offsets=row_offsets,
+        )
+
+
+def _round_up(n: int, multiple: int | None) -> int:
+    n = max(n, 1)
+    return n if multiple is None else -(-n // multiple) * multiple
+
+
+def _sequence_lengths(examples, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths of the sequences packed in each row (one per row when rows carry no ``seq_lengths``)."""
+    if "seq_lengths" not in examples[0]:
+        return lengths, np.arange(len(lengths))
+    try:
+        packed = batches.rows_from_arrow(batches.rows_from_pylist([example["seq_lengths"] for example in examples]))
+    except KeyError:
+        raise ValueError("some rows carry 'seq_lengths' and some do not; pack all rows of a dataset or none") from None
+    seq_lengths = packed.values[packed.starts[0] : packed.starts[0] + int(packed.lengths.sum())].astype(np.int64) if len(
+        packed) else np.zeros(0, np.int64)
+    per_row = np.zeros(len(lengths), dtype=np.int64)
+    seq_row = np.repeat(np.arange(len(lengths)), packed.lengths)
+    np.add.at(per_row, seq_row, seq_lengths)
+    bad = np.flatnonzero(per_row != lengths)
+    if bad.size or (seq_lengths < 0).any():
+        r = int(bad[0]) if bad.size else int(seq_row[np.argmax(seq_lengths < 0)])
+        raise ValueError(
+            f"row {r}: seq_lengths add up to {int(per_row[r])} but the row has {int(lengths[r])} tokens; "
+            "seq_lengths must split input_ids exactly (as TRL's pack_dataset writes them)"
+        )
+    return seq_lengths, seq_row
+
+
+def _row_labels(examples, layout: _Layout) -> np.ndarray | None:
+    has = ["labels" in example for example in examples]
+    if not any(has):
+        return None
+    if not all(has):
+        raise ValueError("some rows carry 'labels' and some do not; with row_labels='keep' every row needs them")
+    given = batches.rows_from_arrow(batches.rows_from_pylist([example["labels"] for example in examples]))
+    if not np.array_equal(given.lengths, np.diff(layout.row_offsets)):
+        r = int(np.flatnonzero(given.lengths != np.diff(layout.row_offsets))[0])
+        raise ValueError(f"row {r} has {int(given.lengths[r])} labels for {int(np.diff(layout.row_offsets)[r])} input_ids")
+    start = int(given.starts[0])
+    return given.values[start : start + int(layout.row_offsets[-1])]
+
+
+# -- loss -----------------------------------------------------------------------------------------
+
+
+def prompt_weighted_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_weights: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, each target weighted by ``loss_weights`` (the collator's), over their sum.
+
+    With weight 1 on trained tokens and 0 elsewhere this is the usual mean over trained tokens;
+    prompt tokens at weight ``w`` count ``w`` times as much as a trained token.
+    """
+    targets = input_ids[..., 1:].reshape(-1)
+    weights = loss_weights[..., 1:].reshape(-1).to(torch.float32)
+    logits = logits[..., :-1, :].reshape(targets.shape[0], -1).float()
+    ce = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    return (ce * weights).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
+
+
+class PromptWeightedLossMixin:
+    """Trainer mixin: when the batch has ``loss_weights`` (``CompletionCollator(prompt_loss_weight=...)``),
+    the loss is ``prompt_weighted_loss``; otherwise the trainer's own. ``class T(PromptWeightedLossMixin, SFTTrainer)``.
+
+    Each micro-batch is normalised by its own weight sum (not by the accumulated batch's).
+    """
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        weights = inputs.pop("loss_weights", None)
+        if weights is None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        forward = {k: v for k, v in inputs.items() if k != "labels"}
+        outputs = model(**forward, use_cache=False)
+        loss = prompt_weighted_loss(outputs.logits, inputs["input_ids"], weights)
+        # transformers divides by the accumulation steps only when it thinks the loss is not yet scaled
+        if getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None:
+            loss = loss / getattr(self, "current_gradient_accumulation_steps", 1)
+        return (loss, outputs) if return_outputs else loss

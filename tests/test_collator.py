@@ -1,0 +1,221 @@
+"""The collator: engine labels on padded / padding-free / packed batches, TRL's batch layout, and a
+few real SFTTrainer steps on CPU whose loss counts exactly the trained tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lossmask
+from lossmask import Markers
+
+torch = pytest.importorskip("torch")
+from lossmask.collator import CompletionCollator, PromptWeightedLossMixin, prompt_weighted_loss  # noqa: E402
+
+from conftest import tokenizer_path  # noqa: E402
+
+# ChatML-like ids; the pad id equals the end-of-turn id, as it often does (pad == eos)
+START, ASSISTANT, USER, NL, END = 1, 2, 3, 4, 5
+MARKERS = Markers(response=[[START, ASSISTANT, NL]], instruction=[[START]], end=[[END]])
+
+
+def chat(*turns):
+    ids = []
+    for role, content in turns:
+        ids += [START, ASSISTANT if role == "a" else USER, NL, *content, END, NL]
+    return ids
+
+
+ROWS = [
+    chat(("u", [10, 11]), ("a", [12, 13, 14]), ("u", [15]), ("a", [16])),
+    chat(("u", [20]), ("a", [21])),
+    [START, USER, NL, 30, END, NL, START, ASSISTANT, NL],  # truncated after the header: nothing trains
+    [],
+]
+
+
+def engine_labels(rows):
+    return [np.asarray(r, dtype=np.int64) for r in lossmask.make_labels(rows, MARKERS)]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_labels_equal_engine_and_pad_eq_eos_keeps_eos(side):
+    batch = CompletionCollator(markers=MARKERS, pad_token_id=END, padding_side=side, pad_to_multiple_of=8)(
+        [{"input_ids": r} for r in ROWS]
+    )
+    ids, labels, attn = batch["input_ids"].numpy(), batch["labels"].numpy(), batch["attention_mask"].numpy()
+    assert ids.shape == (4, 32) and labels.shape == ids.shape
+    for r, (row, want) in enumerate(zip(ROWS, engine_labels(ROWS))):
+        real = slice(0, len(row)) if side == "right" else slice(ids.shape[1] - len(row), ids.shape[1])
+        np.testing.assert_array_equal(ids[r, real], row)
+        np.testing.assert_array_equal(labels[r, real], want)
+        assert attn[r].sum() == len(row) and (attn[r, real] == 1).all()
+        assert (labels[r][attn[r] == 0] == -100).all()  # padding (id END) is never trained
+    assert (labels[0] == END).sum() == 2  # the real stop tokens are
+
+
+def test_padded_batch_is_trl_batch_with_engine_labels():
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    ours = CompletionCollator(markers=MARKERS, pad_token_id=0, return_position_ids=True)([{"input_ids": r} for r in ROWS])
+    theirs = DataCollatorForLanguageModeling(pad_token_id=0, return_position_ids=True)(
+        [{"input_ids": r, "labels": lab.tolist()} for r, lab in zip(ROWS, engine_labels(ROWS))]
+    )
+    assert set(ours) == set(theirs)
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], msg=key)
+
+
+@pytest.mark.parametrize("multiple", [None, 16])
+def test_padding_free_batch_is_trl_batch_with_engine_labels(multiple):
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    rows = [r for r in ROWS if r]
+    ours = CompletionCollator(markers=MARKERS, pad_token_id=0, padding_free=True, pad_to_multiple_of=multiple)(
+        [{"input_ids": r} for r in rows]
+    )
+    theirs = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True, pad_to_multiple_of=multiple)(
+        [{"input_ids": r, "labels": lab.tolist()} for r, lab in zip(rows, engine_labels(rows))]
+    )
+    assert set(ours) == set(theirs)
+    for key in theirs:
+        if isinstance(theirs[key], torch.Tensor):
+            torch.testing.assert_close(ours[key], theirs[key], msg=key)
+        else:
+            assert ours[key] == theirs[key], key
+
+
+def test_packed_rows_label_each_sequence():
+    a, b, c = ROWS[0], ROWS[1], ROWS[2]
+    examples = [{"input_ids": a + b, "seq_lengths": [len(a), len(b)]}, {"input_ids": c, "seq_lengths": [len(c)]}]
+    want = engine_labels([a, b, c])
+    for padding_free in (False, True):
+        batch = CompletionCollator(markers=MARKERS, pad_token_id=0, padding_free=padding_free)(examples)
+        labels = batch["labels"].numpy()
+        if padding_free:
+            np.testing.assert_array_equal(labels[0], np.concatenate(want))
+            np.testing.assert_array_equal(batch["cu_seq_lens_q"].numpy(), np.cumsum([0, len(a), len(b), len(c)]))
+        else:
+            np.testing.assert_array_equal(labels[0, : len(a) + len(b)], np.concatenate(want[:2]))
+            np.testing.assert_array_equal(labels[1, : len(c)], want[2])
+    # a sequence that starts with what would be a trained token is masked at its start
+    glued = [{"input_ids": [START, ASSISTANT, NL, 7, 8], "seq_lengths": [4, 1]}]
+    labels = CompletionCollator(markers=MARKERS, pad_token_id=0)(glued)["labels"].numpy()
+    np.testing.assert_array_equal(labels[0], [-100, -100, -100, 7, -100])
+
+
+def test_row_labels_keep_and_rebuild():
+    examples = [{"input_ids": ROWS[1], "labels": list(ROWS[1])}]  # what TRL's preparation writes
+    rebuilt = CompletionCollator(markers=MARKERS, pad_token_id=0)(examples)["labels"].numpy()[0]
+    np.testing.assert_array_equal(rebuilt, engine_labels(ROWS[1:2])[0])
+    kept = CompletionCollator(markers=MARKERS, pad_token_id=0, row_labels="keep")(examples)["labels"].numpy()[0]
+    np.testing.assert_array_equal(kept[1:], ROWS[1][1:])
+    assert kept[0] == -100
+
+
+def test_errors_say_what_to_pass():
+    with pytest.raises(ValueError, match="padding_side='up'"):
+        CompletionCollator(markers=MARKERS, pad_token_id=0, padding_side="up")
+    with pytest.raises(ValueError, match="pad_token_id=None"):
+        CompletionCollator(markers=MARKERS, pad_token_id=None)
+    with pytest.raises(ValueError, match="prompt_loss_weight=2"):
+        CompletionCollator(markers=MARKERS, pad_token_id=0, prompt_loss_weight=2)
+    with pytest.raises(TypeError, match="lossmask.Markers"):
+        CompletionCollator(markers={"response": [[1]]}, pad_token_id=0)
+    collate = CompletionCollator(markers=MARKERS, pad_token_id=0)
+    with pytest.raises(ValueError, match="seq_lengths add up to 3 but the row has 4"):
+        collate([{"input_ids": [1, 2, 3, 4], "seq_lengths": [1, 2]}])
+    with pytest.raises(ValueError, match="negative token id"):
+        collate([{"input_ids": [1, -100]}])
+    with pytest.raises(TypeError, match="input_ids"):
+        collate([{"text": "hi"}])
+
+
+def test_prompt_weighted_loss():
+    torch.manual_seed(0)
+    rows = [r for r in ROWS if r]
+    logits = torch.randn(len(rows), max(map(len, rows)), 40)
+    plain = CompletionCollator(markers=MARKERS, pad_token_id=0)([{"input_ids": r} for r in rows])
+    zero = CompletionCollator(markers=MARKERS, pad_token_id=0, prompt_loss_weight=1e-9)([{"input_ids": r} for r in rows])
+    usual = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 40), plain["labels"][:, 1:].reshape(-1))
+    torch.testing.assert_close(prompt_weighted_loss(logits, zero["input_ids"], zero["loss_weights"]), usual, rtol=1e-6, atol=1e-6)
+    w = 0.25
+    weighted = CompletionCollator(markers=MARKERS, pad_token_id=0, prompt_loss_weight=w)([{"input_ids": r} for r in rows])
+    weights = weighted["loss_weights"]
+    attn = weighted["attention_mask"].bool()
+    assert set(weights[attn & (weighted["labels"] == -100)][1:].tolist()) <= {w, 0.0}
+    assert (weights[~attn] == 0).all() and (weights[weighted["labels"] != -100] == 1).all()
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 40), weighted["input_ids"][:, 1:].reshape(-1), reduction="none")
+    flat_w = weights[:, 1:].reshape(-1)
+    torch.testing.assert_close(prompt_weighted_loss(logits, weighted["input_ids"], weights), (ce * flat_w).sum() / flat_w.sum())
+
+
+def _tiny_llama(vocab_size):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config)
+
+
+def _chats(tok):
+    convs = [
+        [{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."},
+         {"role": "user", "content": "And doubled?"}, {"role": "assistant", "content": f"It is {2 * (a + b)}."}]
+        for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4), (6, 1), (9, 9)]
+    ]
+    return [tok.apply_chat_template(c, return_dict=False) for c in convs]
+
+
+@pytest.mark.parametrize("prompt_loss_weight", [0.0, 0.5])
+def test_sft_trainer_steps_and_loss_counts_trained_tokens(tmp_path, prompt_loss_weight):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path("lfm2"))
+    markers = lossmask.detect_markers(tok)
+    rows = _chats(tok)
+    seen = []
+
+    class Recording(PromptWeightedLossMixin, SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append(({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, num_items_in_batch))
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    collator = CompletionCollator(markers=markers, pad_token_id=tok.pad_token_id, prompt_loss_weight=prompt_loss_weight)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
+                     logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
+                     disable_tqdm=True)
+    model = _tiny_llama(len(tok))
+    trainer = Recording(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": rows}),
+                        processing_class=tok, data_collator=collator)
+    trainer.train()
+    assert len(seen) == 3
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+
+    inputs, num_items = seen[-1]
+    ids, labels = inputs["input_ids"], inputs["labels"]
+    lengths = inputs["attention_mask"].sum(1)
+    want = lossmask.label_batch([ids[r, : lengths[r]].tolist() for r in range(len(ids))], markers)
+    n_trained = int(want.trained_tokens.sum())
+    assert n_trained > 0 and int((labels != -100).sum()) == n_trained
+    for r, row in enumerate(want.labels):
+        assert labels[r, : lengths[r]].tolist() == row
+    if prompt_loss_weight == 0:
+        assert int(num_items) == n_trained  # transformers normalises by exactly the trained tokens
+    # the loss is the mean over exactly the trained tokens (or the weighted mean with prompt tokens)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=inputs["attention_mask"]).logits
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    trained = (labels[:, 1:] != -100).reshape(-1)
+    if prompt_loss_weight == 0:
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=inputs["attention_mask"], labels=labels).loss,
+                                   ce[trained].mean())
+    else:
+        real = inputs["attention_mask"][:, 1:].reshape(-1).bool()
+        weights = torch.where(trained, 1.0, torch.where(real, prompt_loss_weight, 0.0))
+        torch.testing.assert_close(prompt_weighted_loss(logits, ids, inputs["loss_weights"]), (ce * weights).sum() / weights.sum())
