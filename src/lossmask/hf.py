@@ -140,7 +140,11 @@ class _Job:
         info.features = features
         from datasets.table import InMemoryTable
 
-        out = datasets.Dataset(InMemoryTable(table), info=info, split=dataset.split)
+        # Without a fingerprint, datasets hashes the whole table (pickling it): 10x the labelling itself.
+        fingerprint = datasets.fingerprint.Hasher.hash(
+            (getattr(dataset, "_fingerprint", None), repr(self.markers), repr(self.options), "lossmask")
+        )
+        out = datasets.Dataset(InMemoryTable(table), info=info, split=dataset.split, fingerprint=fingerprint)
         report = self._report(tally, name)
         return out, report
 
