@@ -300,3 +300,21 @@ def test_real_user_strings_unsloth_shape():
 def test_real_user_string_that_never_occurs_is_an_error_not_a_fallback():
     with pytest.raises(MarkerDetectionError, match="does not occur"):
         resolve_markers(str(tokenizer_path("qwen2.5")), response_part="<|assistant|>")
+
+
+def test_tokenizer_without_a_chat_template_trains_the_full_sequence_loudly():
+    from transformers import AutoTokenizer
+
+    from lossmask.tokenizer import ChatTemplateError
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path("qwen2.5")), local_files_only=True)
+    tokenizer.chat_template = None
+    with pytest.warns(FullSequenceWarning, match="FULL SEQUENCE") as record:
+        resolution = resolve_markers(tokenizer)
+    assert record[0].filename == __file__  # the warning points at the caller's line
+    assert resolution.markers is None and resolution.source == "none"
+    assert any("has no chat template" in m for m in resolution.messages)
+    with pytest.raises(MarkerResolutionError, match="has no chat template"):
+        resolve_markers(tokenizer, strict=True)
+    with pytest.raises(ChatTemplateError, match="has no chat template"):
+        resolve_markers(tokenizer, response_part="<|im_start|>assistant\n")

@@ -114,11 +114,18 @@ def resolve_markers(
         reason = f"dataset_format={dataset_format!r}: {NO_MASKING_FORMATS[fmt]}"
         return Resolution(None, "none", (reason,), reason)
 
-    from .tokenizer import load_tokenizer
+    from .tokenizer import ChatTemplateError, load_tokenizer
 
-    ct = load_tokenizer(tokenizer)
+    user_strings = response_part is not None or instruction_part is not None
+    try:
+        ct = load_tokenizer(tokenizer)
+    except ChatTemplateError as exc:  # no chat template: nothing to detect, no rendered text to find table strings in
+        if user_strings:
+            raise
+        name = getattr(tokenizer, "name_or_path", None) or (tokenizer if isinstance(tokenizer, str) else type(tokenizer).__name__)
+        return _full_sequence(str(name), [f"marker detection failed: {_first_line(exc)}"], strict, None, None, stacklevel=3)
     steps = Steps.default()
-    if response_part is not None or instruction_part is not None:
+    if user_strings:
         return _from_user(ct, response_part, instruction_part, strict, steps)
     return _resolve_chat(ct, model_name, strict, steps)
 
@@ -241,14 +248,19 @@ def _from_table(ct, name: str, detection_error: MarkerDetectionError, strict: bo
                 messages.append(f"WARNING: {warning}")
                 return Resolution(markers, "table", tuple(messages), reason, template=tried, report=report)
             messages.append(f"the template table entry {tried!r} is not used: it fails verification: {report.summary()}")
+    return _full_sequence(ct.name, messages, strict, tried, report, stacklevel=5)
+
+
+def _full_sequence(name: str, messages: list[str], strict: bool, tried: str | None, report: Any, *, stacklevel: int = 4) -> Resolution:
+    """Nothing verified: the loud warning and the full sequence (or ``MarkerResolutionError`` under strict)."""
     loud = (
-        f"NO LOSS MASKING for {ct.name!r}: no markers could be detected or taken from the template table, so the FULL "
+        f"NO LOSS MASKING for {name!r}: no markers could be detected or taken from the template table, so the FULL "
         "SEQUENCE (system, user and tool turns included) will be trained. Pass response_part=/instruction_part= "
         "(see `lossmask show`), or markers yourself, or strict=True to stop here."
     )
     if strict:
         raise MarkerResolutionError("\n".join(messages + [loud.replace(" will be trained", " would be trained")]))
-    warnings.warn(loud + "\n" + "\n".join(messages), FullSequenceWarning, stacklevel=4)
+    warnings.warn(loud + "\n" + "\n".join(messages), FullSequenceWarning, stacklevel=stacklevel)
     messages.append(f"WARNING: {loud}")
     return Resolution(None, "none", tuple(messages), "detection failed and the template table had no verified entry",
                       template=tried, report=report)
