@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from functools import lru_cache
 from types import SimpleNamespace
 
 import pytest
@@ -233,11 +234,18 @@ def test_bad_user_strings(bad):
 # -- real tokenizers ------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=None)
+def chat_tokenizer(family: str):
+    from lossmask.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(tokenizer_path(family)))
+
+
 @pytest.mark.parametrize("family", ["qwen2.5", "llama-3", "gpt-oss", "glm-4"])
 def test_real_tokenizers_resolve_to_detected_markers_that_verify(family):
     from lossmask.verify import verify
 
-    path = str(tokenizer_path(family))
+    path = chat_tokenizer(family)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FullSequenceWarning)
         resolution = resolve_markers(path)
@@ -248,9 +256,7 @@ def test_real_tokenizers_resolve_to_detected_markers_that_verify(family):
 @pytest.mark.parametrize("family, model_name", [("qwen3", None), ("gpt-oss", "openai/gpt-oss-20b-sft"), ("glm-4", "zai-org/GLM-4.5")])
 def test_real_table_fallback_when_detection_fails(family, model_name):
     """Detection made to fail (and only that); the real table, markers_from_strings and verify do the rest."""
-    from lossmask.tokenizer import load_tokenizer
-
-    ct = load_tokenizer(str(tokenizer_path(family)))
+    ct = chat_tokenizer(family)
 
     def fail(ct):
         raise MarkerDetectionError("probe could not be analysed")
@@ -264,9 +270,7 @@ def test_real_table_fallback_when_detection_fails(family, model_name):
 
 
 def test_real_table_fallback_without_a_match_warns_full_sequence():
-    from lossmask.tokenizer import load_tokenizer
-
-    ct = load_tokenizer(str(tokenizer_path("qwen2.5")))
+    ct = chat_tokenizer("qwen2.5")
 
     def fail(ct):
         raise MarkerDetectionError("probe could not be analysed")
@@ -285,7 +289,7 @@ def test_real_table_fallback_without_a_match_warns_full_sequence():
 
 
 def test_real_user_strings_unsloth_shape():
-    path = str(tokenizer_path("llama-3"))
+    path = chat_tokenizer("llama-3")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         resolution = resolve_markers(
@@ -299,7 +303,7 @@ def test_real_user_strings_unsloth_shape():
 
 def test_real_user_string_that_never_occurs_is_an_error_not_a_fallback():
     with pytest.raises(MarkerDetectionError, match="does not occur"):
-        resolve_markers(str(tokenizer_path("qwen2.5")), response_part="<|assistant|>")
+        resolve_markers(chat_tokenizer("qwen2.5"), response_part="<|assistant|>")
 
 
 def test_tokenizer_without_a_chat_template_trains_the_full_sequence_loudly():

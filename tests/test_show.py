@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from functools import lru_cache
 from html.parser import HTMLParser
 
 import numpy as np
@@ -50,9 +51,14 @@ def test_token_pieces_join_to_the_text():
     assert token_pieces("", np.zeros((0, 2), dtype=np.int64)) == ()
 
 
+@lru_cache(maxsize=None)
+def sample(family: str):
+    return label_conversation(str(tokenizer_path(family)))
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def shown(request):
-    return request.param, label_conversation(str(tokenizer_path(request.param)))
+    return request.param, sample(request.param)
 
 
 def test_sample_trains_assistant_turns_only(shown):
@@ -77,7 +83,7 @@ def test_tool_call_trains_where_the_template_renders_tools():
 
 
 def test_template_without_tools_gets_the_sample_without_tool_turns():
-    s = label_conversation(str(tokenizer_path("gemma-3")))
+    s = sample("gemma-3")
     assert s.notes and "tool" in s.notes[0] and "get_weather" not in s.text
 
 
