@@ -1,0 +1,193 @@
+"""The MLX-LM feed: reading mlx-lm data folders, batches with engine masks, the loss, and a tiny
+mlx-lm model training a few steps on CPU with the loss over exactly the trained tokens."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import lossmask
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+from lossmask import mlx as lm  # noqa: E402
+
+from conftest import tokenizer_path  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}]
+
+
+def chat_rows(n=10, *, vary=True):
+    rows = []
+    for i in range(n):
+        messages = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": f"What is {i} plus {i}?" + " Please." * (i % 4 if vary else 1)},
+            {"role": "assistant", "content": f"<|tool_call_start|>[add(a={i})]<|tool_call_end|>"},
+            {"role": "tool", "content": f"{2 * i}"},
+            {"role": "assistant", "content": f"It is {2 * i}."},
+        ]
+        rows.append({"messages": messages, "tools": TOOLS})
+    return rows
+
+
+def write(folder, split, rows):
+    folder.mkdir(exist_ok=True)
+    (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_path("lfm2"))
+
+
+@pytest.fixture(scope="module")
+def markers(tok):
+    return lossmask.detect_markers(tok)
+
+
+def test_every_assistant_turn_trains_and_padding_never(tmp_path, tok, markers):
+    folder = write(tmp_path / "d", "train", chat_rows())
+    write(folder, "valid", chat_rows(4))
+    train, valid, test = lm.load_dataset(folder, tok, markers=markers)
+    assert len(train) == 10 and len(valid) == 4 and test == []
+    seen = 0
+    for tokens, trained, lengths in lm.iterate_batches(train, 2, 2048):
+        tokens, trained, lengths = np.array(tokens), np.array(trained), np.array(lengths)
+        for r in range(len(tokens)):
+            row = tokens[r, : lengths[r]]
+            want = np.asarray(lossmask.make_labels([row.tolist()], markers)[0]) != -100
+            np.testing.assert_array_equal(trained[r, : lengths[r]], want)
+            assert not trained[r, lengths[r]:].any()
+            # both assistant actions train: the tool call and the final answer, each through <|im_end|> (7)
+            assert (row[want] == 7).sum() == 2
+            seen += 1
+    assert seen == 10  # loop=False: one pass, every row once
+
+
+def test_batches_sorted_bucketed_and_seeded(tmp_path, tok, markers):
+    train, _, _ = lm.load_dataset(write(tmp_path / "d", "train", chat_rows(12)), tok, markers=markers)
+    batches = list(lm.iterate_batches(train, 3, 2048, seed=1))
+    assert len(batches) == 4
+    groups = sorted(tuple(np.array(b[2]).tolist()) for b in batches)
+    flat = [n for g in groups for n in g]
+    assert flat == sorted(train.lengths.tolist())  # groups of neighbours in token length
+    assert all(b[0].shape[1] in {lm.batch_width(n, 2048) for n in range(1, 200)} for b in batches)
+    assert len({lm.batch_width(n, 4096) for n in range(1, 4097)}) <= 57  # mlx-lm pads to multiples of 32: 128 widths
+    again = [np.array(b[2]).tolist() for b in lm.iterate_batches(train, 3, 2048, seed=1)]
+    assert again == [np.array(b[2]).tolist() for b in batches]
+    looped = lm.iterate_batches(train, 3, 2048, loop=True)
+    assert len([next(looped) for _ in range(9)]) == 9
+    short = list(lm.iterate_batches(train, 3, 16))  # cut at max_seq_length
+    assert all(b[0].shape[1] == 16 and int(np.array(b[2]).max()) == 16 for b in short)
+
+
+def test_completions_text_and_feature_names(tmp_path, tok, markers):
+    rows = [{"q": f"Say {i}", "a": f"{i}"} for i in range(4)]
+    train, _, _ = lm.load_dataset(write(tmp_path / "c", "train", rows), tok, markers=markers,
+                                  prompt_feature="q", completion_feature="a")
+    for tokens, trained, lengths in lm.iterate_batches(train, 4, 2048):
+        assert int(np.array(trained).sum()) == int(train.counts.tokens_trained)
+    texts = [{"body": f"plain text {i}"} for i in range(4)]
+    train, _, _ = lm.load_dataset(write(tmp_path / "t", "train", texts), tok, mask_prompt=False, text_feature="body")
+    assert all(train[i][0][-1] == tok.eos_token_id for i in range(4))  # EOS appended, as mlx-lm does
+    tokens, trained, lengths = next(lm.iterate_batches(train, 4, 2048))
+    assert int(np.array(trained).sum()) == int(np.array(lengths).sum())
+
+
+def test_clear_errors_where_mlx_lm_crashes_or_is_silent(tmp_path, tok, markers):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "train.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="has no rows"):
+        lm.load_dataset(empty, tok, markers=markers)
+    mixed = write(tmp_path / "mixed", "train", chat_rows(2) + [{"text": "hello"}])
+    with pytest.raises(ValueError, match="mixes row shapes: row 0 is chat, row 2 is text"):
+        lm.load_dataset(mixed, tok, markers=markers)
+    text = write(tmp_path / "text", "train", [{"text": "hello"}])
+    with pytest.raises(ValueError, match="mask_prompt=False"):
+        lm.load_dataset(text, tok, markers=markers)
+    odd = write(tmp_path / "odd", "train", [{"question": "?"}])
+    with pytest.raises(ValueError, match="chat_feature="):
+        lm.load_dataset(odd, tok, markers=markers)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "train.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(ValueError, match="train.jsonl:2 is not valid JSON"):
+        lm.load_dataset(broken, tok, mask_prompt=False)
+    with pytest.raises(ValueError, match="no train.jsonl"):
+        lm.load_dataset(tmp_path, tok, markers=markers)
+    with pytest.raises(TypeError, match="MaskedDataset"):
+        next(lm.iterate_batches([([1, 2], 0)] * 4, 2, 16))
+    with pytest.raises(ValueError, match="prompt_loss_weight=-1"):
+        lm.make_loss(prompt_loss_weight=-1)
+
+
+def _tiny_model(vocab_size):
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab_size)
+    return llama.Model(args)
+
+
+def _manual_ce(model, tokens, weights):
+    import mlx.nn as nn
+
+    logits = model(tokens[:, :-1])
+    ce = nn.losses.cross_entropy(logits, tokens[:, 1:])
+    return float((ce * weights[:, 1:]).sum() / weights[:, 1:].sum())
+
+
+@pytest.mark.parametrize("prompt_loss_weight", [0.0, 0.3])
+def test_loss_counts_exactly_trained_tokens(tmp_path, tok, markers, prompt_loss_weight):
+    train, _, _ = lm.load_dataset(write(tmp_path / "d", "train", chat_rows(4)), tok, markers=markers)
+    model = _tiny_model(len(tok))
+    tokens, trained, lengths = next(lm.iterate_batches(train, 4, 2048))
+    loss, n = lm.make_loss(prompt_loss_weight=prompt_loss_weight)(model, tokens, trained, lengths)
+    real = mx.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    start = mx.arange(tokens.shape[1])[None, :] == 0
+    weights = mx.where(trained, 1.0, mx.where(mx.logical_and(real, mx.logical_not(start)), prompt_loss_weight, 0.0))
+    if prompt_loss_weight == 0:
+        assert int(n) == int(train.counts.tokens_trained)  # not one padding target more
+    assert float(n) == pytest.approx(float(weights[:, 1:].sum()), rel=1e-5)
+    assert float(loss) == pytest.approx(_manual_ce(model, tokens, weights), rel=1e-5)
+
+
+def test_mlx_lm_trainer_runs_with_feed(tmp_path, tok, markers):
+    import mlx.optimizers as optim
+    from mlx_lm.tuner.trainer import TrainingArgs, evaluate, train
+
+    # rows of one length: one batch shape, so the trainer compiles its step once (~seconds on the CPU)
+    folder = write(tmp_path / "d", "train", chat_rows(8, vary=False))
+    write(folder, "valid", chat_rows(4, vary=False))
+    train_set, valid_set, _ = lm.load_dataset(folder, tok, markers=markers)
+    model = _tiny_model(len(tok))
+    before = evaluate(model, valid_set, batch_size=2, num_batches=-1, loss=lm.masked_loss, iterate_batches=lm.iterate_batches)
+    reports = []
+
+    class Callback:
+        def on_train_loss_report(self, info):
+            reports.append(info)
+
+        def on_val_loss_report(self, info):
+            pass
+
+    args = TrainingArgs(batch_size=2, iters=6, val_batches=2, steps_per_report=3, steps_per_eval=100,
+                        steps_per_save=100, adapter_file=str(tmp_path / "adapters.safetensors"))
+    train(model, optim.Adam(learning_rate=1e-2), train_set, valid_set, args=args, loss=lm.masked_loss,
+          iterate_batches=lm.iterate_batches, training_callback=Callback())
+    after = evaluate(model, valid_set, batch_size=2, num_batches=-1, loss=lm.masked_loss, iterate_batches=lm.iterate_batches)
+    assert np.isfinite(before) and np.isfinite(after) and after < before
+    assert len(reports) == 2 and all(np.isfinite(r["train_loss"]) for r in reports)
+    # the trainer's token count is the trained tokens of the batches it saw, no padding targets
+    per_row = lossmask.label_batch([train_set[i][0] for i in range(len(train_set))], markers).trained_tokens
+    assert len(set(per_row.tolist())) == 1  # every row trains as many tokens, so the total is known
+    assert reports[-1]["trained_tokens"] == 6 * 2 * int(per_row[0])
