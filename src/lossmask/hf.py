@@ -127,7 +127,11 @@ class _Job:
         kind = input_kind(schema, self.options, source=name)
         out_schema = output_schema(schema, self.options, kind)
         tally, parts, first_row = Tally(), [], 0
-        for table in dataset.with_format("arrow").iter(batch_size=self.batch_size):
+        if getattr(dataset, "_indices", None) is None:  # no select/shuffle mapping: the table's own batches, zero-copy
+            batches = dataset.data.table.to_batches(max_chunksize=self.batch_size)
+        else:
+            batches = dataset.with_format("arrow").iter(batch_size=self.batch_size)
+        for table in batches:
             parts.append(mask_batch(table, self.markers, self.options, tally, tokenizer=self.tokenizer, kind=kind,
                                     first_row=first_row, source=name))
             first_row += table.num_rows
