@@ -24,6 +24,7 @@ from .safety import DEFAULT_MAX_DROP_FRACTION
 from .table import MaskOptions, input_kind, mask_batch, output_schema
 
 DEFAULT_BATCH_SIZE = 16_384
+MIN_ROWS_FOR_STREAMING_CHECK = 1_000  # an IterableDataset is checked once this many rows have gone by
 
 
 def mask_dataset(
@@ -162,7 +163,8 @@ class _Job:
         def label(table: pa.Table) -> pa.Table:
             out = mask_batch(table, markers, options, tally, tokenizer=tokenizer, first_row=state["first_row"], source=name)
             state["first_row"] += table.num_rows
-            _check_drops(tally, self.max_drop_fraction, tokenizer, options)  # over the rows seen so far
+            if tally.rows_in >= MIN_ROWS_FOR_STREAMING_CHECK:  # over the rows seen so far (no end to wait for)
+                _check_drops(tally, self.max_drop_fraction, tokenizer, options)
             return out
 
         fmt = getattr(dataset, "_formatting", None)
