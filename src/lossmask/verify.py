@@ -204,11 +204,15 @@ def _pieces(message: Mapping[str, Any]) -> list[str]:
     return pieces
 
 
-def locate_messages(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int] | None]:
+def locate_messages(
+    text: str, messages: Sequence[Mapping[str, Any]], *, stripped: bool = False
+) -> list[tuple[int, int] | None]:
     """``(start, end)`` of each message's verbatim pieces in ``text``, searched in order; None when absent.
 
     A piece is looked for as written, then stripped (templates that trim). A message whose pieces
     are all absent (a dropped system prompt, stripped reasoning) is None and the search goes on.
+    ``stripped=True`` looks for the stripped pieces only: a piece's trailing whitespace may be the
+    template's own (Falcon trims contents and then writes ``\n\n``).
     """
     spans: list[tuple[int, int] | None] = []
     cursor = 0
@@ -218,9 +222,9 @@ def locate_messages(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tu
             # pieces usually come in this order (reasoning, content, tool calls): look after the
             # previous one first, so that a piece repeated inside another is not taken for it
             after = found[-1][1] if found else cursor
-            at = _find(text, piece, after)
+            at = _find(text, piece, after, stripped)
             if at is None and after != cursor:
-                at = _find(text, piece, cursor)
+                at = _find(text, piece, cursor, stripped)
             if at is not None:
                 found.append(at)
         if found:
@@ -232,8 +236,8 @@ def locate_messages(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tu
     return spans
 
 
-def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
-    for candidate in (piece, piece.strip()):
+def _find(text: str, piece: str, start: int, stripped: bool = False) -> tuple[int, int] | None:
+    for candidate in (piece.strip(),) if stripped else (piece, piece.strip()):
         at = text.find(candidate, start)
         if at >= 0:
             return at, at + len(candidate)
@@ -300,14 +304,14 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
     for i in assistant_turns:
         start, header = _turn_start(ct, conv, messages, i, text, spans, offsets, special)
         # look for the turn's own text after its header (content may repeat header text: 'assistant')
-        span = _shift(locate_messages(text[start:], [messages[i]])[0], start)
+        span = _shift(locate_messages(text[start:], [messages[i]], stripped=True)[0], start)
         content_end = span[1] if span is not None else start
         content_end = max(content_end, start)
         following = next((spans[j] for j in range(i + 1, len(messages)) if spans[j] is not None), None)
         if following is not None:
             # the closing the template writes for this turn both as the last message and mid-chat
             alone = ct.render(messages[: i + 1], tools=tools)
-            alone_span = locate_messages(alone, messages[: i + 1])[i]
+            alone_span = locate_messages(alone, messages[: i + 1], stripped=True)[i]
             alone_end = alone_span[1] if alone_span is not None else len(alone)
             between = text[content_end : following[0]]
             closing = between[: _common_prefix(alone[alone_end:], between)]
