@@ -49,8 +49,8 @@ def _patterns(markers: Markers) -> list[tuple[int, tuple[int, ...]]]:
     return [(int(c.kinds[k]), tuple(tokens[offsets[k] : offsets[k + 1]])) for k in range(len(c.kinds))]
 
 
-def _match_starts(values: torch.Tensor, pattern: tuple[int, ...], fits: torch.Tensor) -> torch.Tensor:
-    """Bool [N]: does ``pattern`` start at ``s`` and end inside the segment of ``s``? (``fits``: s + len <= hi)"""
+def _match_starts(values: torch.Tensor, pattern: tuple[int, ...]) -> torch.Tensor:
+    """Bool [N]: does ``pattern`` start at ``s`` (segments not yet considered)?"""
     n, length = values.shape[0], len(pattern)
     found = torch.zeros(n, dtype=torch.bool, device=values.device)
     if length > n:
@@ -60,7 +60,16 @@ def _match_starts(values: torch.Tensor, pattern: tuple[int, ...], fits: torch.Te
     for k in range(1, length):
         window &= values[k : k + width] == pattern[k]
     found[:width] = window
-    return found & fits
+    return found
+
+
+def _same_segment_ahead(seg: torch.Tensor, inside: torch.Tensor, by: int) -> torch.Tensor:
+    """Bool [N]: is ``s`` in a segment that also holds ``s + by``? (Segments are contiguous runs of one id.)"""
+    n = seg.shape[0]
+    out = torch.zeros(n, dtype=torch.bool, device=seg.device)
+    if by < n:
+        out[: n - by] = seg[by:] == seg[: n - by]
+    return out & inside
 
 
 def _shift_right(marks: torch.Tensor, by: int) -> torch.Tensor:
@@ -71,43 +80,35 @@ def _shift_right(marks: torch.Tensor, by: int) -> torch.Tensor:
     return out
 
 
-def label_flat(
-    values: torch.Tensor,
-    seg: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    markers: Markers,
-    *,
-    last_turn_only: bool = False,
-) -> SegmentLabels:
-    """The engine on a flat buffer: ``seg[i]`` is the segment of position ``i`` (``S`` = none).
+def label_flat(values: torch.Tensor, seg: torch.Tensor, n_segs: int, markers: Markers, *,
+               last_turn_only: bool = False) -> SegmentLabels:
+    """The engine on a flat buffer: ``seg[i]`` (int64) is the segment of position ``i``, ``n_segs`` for none.
 
-    ``lo``/``hi`` (int64, ``S + 1`` values, the last one a dummy) bound each segment:
-    segment ``g`` is ``values[lo[g]:hi[g]]``, and every ``i`` with ``seg[i] == g`` lies there.
+    Each segment must be one contiguous run of positions; segments need not be sorted or adjacent.
+    No gathers: "inside one segment" is a shifted comparison of ``seg``, and a CLOSE event at every
+    segment's first position cuts off the events of whatever lies before it.
     """
-    n_segs = lo.shape[0] - 1
     device = values.device
     n = values.shape[0]
     pos = torch.arange(n, device=device, dtype=torch.int64)
     inside = seg < n_segs
-    hi = hi.clone()
-    hi[n_segs] = -1  # nothing matches in the dummy segment
-    hi_at, lo_at = hi[seg], lo[seg]
+    first = inside.clone()
+    if n > 1:
+        first[1:] &= seg[1:] != seg[:-1]
     minus_one = torch.full((n,), -1, dtype=torch.int64, device=device)
 
     open_mark = torch.zeros(n, dtype=torch.bool, device=device)
-    close_mark = torch.zeros(n, dtype=torch.bool, device=device)
+    close_mark = first.clone()
     response_at = torch.zeros(n, dtype=torch.bool, device=device)
     last_open = minus_one  # per start s: s + len(P) of the longest response P matching there
     cover = minus_one  # per start s: end of a mask_out match starting at s
     fits_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for kind, pattern in _patterns(markers):
         length = len(pattern)
-        if length not in fits_cache:
-            end = pos + length
-            fits_cache[length] = (end <= hi_at, end < hi_at)
+        if length not in fits_cache:  # the match lies in one segment / the position after it too
+            fits_cache[length] = (_same_segment_ahead(seg, inside, length - 1), _same_segment_ahead(seg, inside, length))
         fits, ends_before_hi = fits_cache[length]
-        found = _match_starts(values, pattern, fits)
+        found = _match_starts(values, pattern) & fits
         if kind == RESPONSE:
             open_mark |= _shift_right(found & ends_before_hi, length)
             close_mark |= found
@@ -121,15 +122,17 @@ def label_flat(
         elif kind == MASK_OUT:
             cover = torch.where(found, torch.maximum(cover, pos + length), cover)
 
-    open_at = torch.cummax(torch.where(open_mark, pos, minus_one), dim=0).values
-    close_at = torch.cummax(torch.where(close_mark, pos, minus_one), dim=0).values
-    trained = inside & (open_at >= lo_at) & (open_at > close_at)
+    # One running maximum over both kinds of event: an open at p is 2p, a close at p is 2p + 1, so
+    # the latest event wins and a close beats an open at the same position (a tie is masked).
+    events = torch.where(close_mark, 2 * pos + 1, torch.where(open_mark, 2 * pos, minus_one))
+    latest = torch.cummax(events, dim=0).values
+    trained = inside & (latest >= 0) & (latest % 2 == 0)
     if markers.mask_out:
         trained &= torch.cummax(cover, dim=0).values <= pos
     if last_turn_only:
         row_last = torch.full((n_segs + 1,), -1, dtype=torch.int64, device=device)
         row_last.scatter_reduce_(0, seg, last_open, reduce="amax")
-        trained &= open_at == row_last[seg]
+        trained &= latest // 2 == row_last[seg]
 
     trained_tokens = torch.zeros(n_segs + 1, dtype=torch.int64, device=device)
     trained_tokens.scatter_add_(0, seg, trained.to(torch.int64))
@@ -144,10 +147,10 @@ def label_flat(
 def segments_of(n: int, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``seg`` for ``label_flat`` from sorted, non-overlapping ``[starts[g], ends[g])`` over ``n`` positions."""
     pos = torch.arange(n, device=starts.device, dtype=torch.int64)
-    seg = torch.searchsorted(starts, pos, right=True) - 1
     n_segs = starts.shape[0]
     if n_segs == 0:
         return torch.zeros(n, dtype=torch.int64, device=starts.device)
+    seg = torch.searchsorted(starts, pos, right=True) - 1
     inside = (seg >= 0) & (pos < ends[seg.clamp(min=0)])
     return torch.where(inside, seg, n_segs)
 
@@ -176,15 +179,9 @@ def label_segments(
         raise ValueError(f"values must be 1-D (a flattened batch), got shape {tuple(values.shape)}; flatten it first")
     cu = cu_seq_lens.to(device=values.device, dtype=torch.int64)
     starts, ends = cu[:-1], cu[1:]
-    result = label_flat(
-        values, segments_of(values.shape[0], starts, ends), _bounds(starts), _bounds(ends), markers,
-        last_turn_only=last_turn_only,
-    )
+    result = label_flat(values, segments_of(values.shape[0], starts, ends), starts.shape[0], markers,
+                        last_turn_only=last_turn_only)
     return torch.where(result.trained, values.to(torch.int64), ignore_index)
-
-
-def _bounds(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x.to(torch.int64), x.new_zeros(1, dtype=torch.int64)])
 
 
 def padded_bounds(
@@ -246,12 +243,10 @@ def label_padded(
     lo, hi = padded_bounds(input_ids, lengths=lengths, attention_mask=attention_mask, padding_side=padding_side)
     batch, width = input_ids.shape
     values = input_ids.reshape(-1)
-    row_start = torch.arange(batch, device=input_ids.device, dtype=torch.int64) * width
-    pos = torch.arange(batch * width, device=input_ids.device, dtype=torch.int64)
-    row = pos // width if width else pos
-    col = pos - row * width
-    seg = torch.where((col >= lo[row]) & (col < hi[row]), row, batch) if batch else row
-    result = label_flat(values, seg, _bounds(row_start + lo), _bounds(row_start + hi), markers, last_turn_only=last_turn_only)
+    col = torch.arange(width, device=input_ids.device, dtype=torch.int64)[None, :]
+    row = torch.arange(batch, device=input_ids.device, dtype=torch.int64)[:, None]
+    seg = torch.where((col >= lo[:, None]) & (col < hi[:, None]), row, batch).reshape(-1)
+    result = label_flat(values, seg, batch, markers, last_turn_only=last_turn_only)
     first_bad = result.first_bad
     if bool((first_bad >= 0).any()):
         r = int(torch.nonzero(first_bad >= 0)[0, 0])
@@ -276,30 +271,32 @@ def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore
     n_rows = len(starts)
     starts = np.asarray(starts, dtype=np.int64)
     ends = np.maximum(np.asarray(ends, dtype=np.int64), starts)
+    lengths = ends - starts
     ordered = n_rows < 2 or bool((starts[1:] >= ends[:-1]).all())
     if ordered:
-        flat, index = _as_tensor(values), None
-        starts_t, ends_t = torch.from_numpy(starts), torch.from_numpy(ends)
+        index = None
+        flat = np.asarray(values)
+        pos = np.arange(flat.shape[0], dtype=np.int64)
+        seg = np.searchsorted(starts, pos, side="right") - 1
+        seg = np.where((seg >= 0) & (pos < ends[np.maximum(seg, 0)]), seg, n_rows) if n_rows else np.zeros_like(pos)
     else:  # rows out of order or overlapping: label a compact copy, then write back
-        lengths = ends - starts
         cu = np.concatenate([[0], np.cumsum(lengths)])
         index = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - starts, lengths)
-        flat = _as_tensor(np.asarray(values)[index])
-        starts_t, ends_t = torch.from_numpy(cu[:-1].copy()), torch.from_numpy(cu[1:].copy())
-    seg = segments_of(flat.shape[0], starts_t, ends_t)
-    result = label_flat(flat, seg, _bounds(starts_t), _bounds(ends_t), markers, last_turn_only=bool(last_turn_only))
+        flat = np.asarray(values)[index]
+        seg = np.repeat(np.arange(n_rows, dtype=np.int64), lengths)
+    flat_t = _as_tensor(flat)
+    result = label_flat(flat_t, torch.from_numpy(seg), n_rows, markers, last_turn_only=bool(last_turn_only))
     first_bad = result.first_bad.numpy()
     if index is not None:
         first_bad = np.where(first_bad >= 0, index[np.maximum(first_bad, 0)], -1)
     if write_mask:
         labels = result.trained
     else:
-        labels = torch.where(result.trained, flat.to(torch.int64), ignore_index)
+        labels = torch.where(result.trained, flat_t.to(torch.int64), ignore_index)
     labels = labels.numpy().astype(out.dtype, copy=False)
     if index is not None:
         out[index] = labels
     else:
-        inside = result.inside.numpy()
-        np.copyto(out, labels, where=inside)
-    outcomes = outcomes_of(torch.from_numpy(ends - starts), result).numpy()
+        np.copyto(out, labels, where=result.inside.numpy())
+    outcomes = outcomes_of(torch.from_numpy(lengths), result).numpy()
     return result.trained_tokens.numpy(), outcomes, first_bad

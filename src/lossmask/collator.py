@@ -78,17 +78,18 @@ class CompletionCollator:
         layout = _Layout.build(examples, padding_free=self.padding_free, padding_side=self.padding_side,
                                pad_to_multiple_of=self.pad_to_multiple_of)
         device = torch.device(self.device) if self.device is not None else torch.device("cpu")
-        flatpos = torch.from_numpy(layout.flatpos).to(device)
         size = layout.n_rows * layout.width
-        ids = torch.full((size,), self.pad_token_id, dtype=torch.int64, device=device)
-        ids[flatpos] = torch.from_numpy(layout.values).to(device=device, dtype=torch.int64)
-
+        n_seqs = layout.seq_starts.shape[0]
+        # the batch is laid out with NumPy (single-threaded, no per-row Python), labelled in torch on `device`
+        ids_np = np.full(size, self.pad_token_id, dtype=np.int64)
+        ids_np[layout.flatpos] = layout.values
+        seg_np = np.full(size, n_seqs, dtype=np.int64)
+        seg_np[layout.flatpos] = np.repeat(np.arange(n_seqs, dtype=np.int64), layout.seq_ends - layout.seq_starts)
+        ids = torch.from_numpy(ids_np).to(device)
         starts = torch.from_numpy(layout.seq_starts).to(device)
         ends = torch.from_numpy(layout.seq_ends).to(device)
-        result = torch_kernel.label_flat(
-            ids, torch_kernel.segments_of(size, starts, ends), _with_dummy(starts), _with_dummy(ends),
-            self.markers, last_turn_only=self.last_turn_only,
-        )
+        result = torch_kernel.label_flat(ids, torch.from_numpy(seg_np).to(device), n_seqs, self.markers,
+                                         last_turn_only=self.last_turn_only)
         if bool((result.first_bad >= 0).any()):
             s = int(torch.nonzero(result.first_bad >= 0)[0, 0])
             raise ValueError(
@@ -98,9 +99,10 @@ class CompletionCollator:
         trained = result.trained
         if self.row_labels == "keep":
             given = _row_labels(examples, layout)
-            labels = torch.full((size,), self.ignore_index, dtype=torch.int64, device=device)
             if given is not None:
-                labels[flatpos] = torch.from_numpy(given).to(device=device, dtype=torch.int64)
+                kept = np.full(size, self.ignore_index, dtype=np.int64)
+                kept[layout.flatpos] = given
+                labels = torch.from_numpy(kept).to(device)
             else:
                 labels = torch.where(trained, ids, self.ignore_index)
         else:
@@ -110,12 +112,11 @@ class CompletionCollator:
 
         shape = (layout.n_rows, layout.width)
         out: dict[str, Any] = {"input_ids": ids.reshape(shape), "labels": labels.reshape(shape)}
-        real = torch.zeros(size, dtype=torch.bool, device=device)
-        real[flatpos] = True
+        real = result.inside
         if self.padding_free or self.return_position_ids:
-            position_ids = torch.zeros(size, dtype=torch.int64, device=device)
-            position_ids[flatpos] = torch.from_numpy(layout.position_in_seq).to(device)
-            out["position_ids"] = position_ids.reshape(shape)
+            position_ids = np.zeros(size, dtype=np.int64)
+            position_ids[layout.flatpos] = layout.position_in_seq
+            out["position_ids"] = torch.from_numpy(position_ids).to(device).reshape(shape)
         if self.padding_free:
             # as TRL: every position 0 starts a sequence, tail padding included (each pad its own sequence)
             seq_starts = torch.nonzero(out["position_ids"][0] == 0).flatten()
@@ -132,10 +133,6 @@ class CompletionCollator:
             weights[seq_first] = 0.0
             out["loss_weights"] = weights.to(torch.float32).reshape(shape)
         return out
-
-
-def _with_dummy(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros(1)])
 
 
 @dataclass(frozen=True)
