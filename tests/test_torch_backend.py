@@ -122,3 +122,17 @@ def test_padded_argument_errors():
         torch_kernel.label_padded(ids, m, lengths=torch.tensor([2]), padding_side="middle")
     with pytest.raises(ValueError, match="holes"):
         torch_kernel.label_padded(ids, m, attention_mask=torch.tensor([[1, 0, 1]]))
+
+
+def test_gpu_check_script_runs_its_cpu_fallback():
+    """benchmarks/gpu_check.py labels on CUDA when there is one; here it must say so and pass on the CPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--rows", "24"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    if not torch.cuda.is_available():
+        assert "did NOT run on a GPU" in done.stdout
+    assert "all equal to numba" in done.stdout
