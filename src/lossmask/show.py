@@ -254,7 +254,7 @@ table.markers { border-collapse: collapse; font-size: .9em; }
 table.markers td, table.markers th { border: 1px solid #ddd; padding: .25em .6em; text-align: left; vertical-align: top; }
 code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
 .chat { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: .9em; line-height: 1.9;
-        white-space: pre-wrap; word-break: break-all; border: 1px solid #ccc; border-radius: 6px; padding: 1em; background: #fafafa; }
+        white-space: pre-wrap; overflow-wrap: anywhere; border: 1px solid #ccc; border-radius: 6px; padding: 1em; background: #fafafa; }
 .t { border: 1px solid #d0d0d0; border-radius: 3px; margin-right: 1px; padding: 0 1px; color: #777; }
 .t.tr { background: #b7f0c1; border-color: #2e9b47; color: #0b3d17; }
 .t.sp { font-weight: 600; }
@@ -310,7 +310,7 @@ each box is one token (hover for its id and text) · <span class="nl">↵</span>
 {markers_table}
 <ul class="meta">{messages}{notes}</ul>
 <h2>The conversation as the model is trained on it</h2>
-<div class="chat">{"".join(tokens)}</div>
+<div class="chat">{"<wbr>".join(tokens)}</div>
 </body></html>
 """
 
