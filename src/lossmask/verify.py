@@ -368,14 +368,13 @@ def _turn_start(ct: ChatTokenizer, conv: Conversation, messages, i: int, text: s
     starts, ends = offsets[:, 0], offsets[:, 1]
     before = messages[:i]
     try:
-        prompt = ct.render(before, tools=conv.tools, add_generation_prompt=True) if before else None
-        no_prompt = ct.render(before, tools=conv.tools, add_generation_prompt=False) if before else None
+        # an opening assistant turn (a greeting) has the generation prompt of an empty chat
+        prompt = ct.render(before, tools=conv.tools, add_generation_prompt=True)
+        no_prompt = ct.render(before, tools=conv.tools, add_generation_prompt=False)
     except ChatTemplateError as exc:
         raise GroundTruthError(
-            f"{conv.name}: the template cannot render the generation prompt before message {i}: {exc}"
+            f"the template cannot render the generation prompt before message {i}: {exc}"
         ) from exc
-    if prompt is None:  # the conversation opens with an assistant turn: no prompt to speak of
-        raise GroundTruthError(f"{conv.name}: message {i} is an assistant turn with nothing before it")
     prompt_spans = locate_messages(prompt, before)
     anchor = _last_located(prompt_spans)
     if anchor is None or spans[anchor] is None:
@@ -385,20 +384,20 @@ def _turn_start(ct: ChatTokenizer, conv: Conversation, messages, i: int, text: s
     tail = prompt[prompt_at:]
     if prompt == no_prompt and not tail:
         raise GroundTruthError(
-            f"{conv.name}: the template writes nothing after message {i - 1} even with add_generation_prompt=True "
+            f"the template writes nothing after message {i - 1} even with add_generation_prompt=True "
             "(it has no generation prompt), so where an assistant turn starts cannot be told from the template"
         )
     if prompt == no_prompt and spans[i] is not None and not messages[i].get("tool_calls"):
         gap = text[text_at + len(tail) : spans[i][0]]
         if gap.strip():
             raise GroundTruthError(
-                f"{conv.name}: add_generation_prompt=True adds nothing after message {i - 1}, and the rendered "
+                f"add_generation_prompt=True adds nothing after message {i - 1}, and the rendered "
                 f"chat has {gap!r} between there and the assistant's content: the template has no generation "
                 "prompt, so the assistant header cannot be told from what the model generates"
             )
     if not text.startswith(tail, text_at):
         raise GroundTruthError(
-            f"{conv.name}: the generation prompt before message {i} ends {tail!r}, but the rendered chat "
+            f"the generation prompt before message {i} ends {tail!r}, but the rendered chat "
             f"continues {text[text_at:text_at + len(tail) + 20]!r}; the template renders the turn boundary "
             "differently with add_generation_prompt=True"
         )
