@@ -22,6 +22,10 @@ def test_normalise_model_name():
     assert normalise_model_name(r"C:\models\Llama 3.1 8B") == ("llama", "3", "1", "8", "b")
     assert normalise_model_name("qwen2_5") == normalise_model_name("QWEN-2.5") == ("qwen", "2", "5")
     assert normalise_model_name("") == ()
+    hub_cache = "/root/.cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/9c925d64d72725edaf899c6cb9c377fd0709d9c5"
+    assert normalise_model_name(hub_cache) == ("qwen", "3", "8", "b")
+    assert normalise_model_name("runs/Llama-3.1-8B-sft/checkpoint-500/") == ("llama", "3", "1", "8", "b", "sft")
+    assert normalise_model_name("out/step_1200") == ("out",)
 
 
 def test_every_family_is_in_the_table_under_its_own_name():

@@ -5,7 +5,9 @@ The table is data (``data/templates.json``), read once. It is the fallback of th
 
 * ``match_template(name)`` finds the family of a model name. Names are normalised first
   (``normalise_model_name``): lowercase, the organisation or folder prefix dropped, and the rest split
-  into words at every separator and at every change between letters and digits, so that
+  into words at every separator and at every change between letters and digits (for a path, the
+  component that names the model: commit hashes, ``snapshots`` and ``checkpoint-N`` are skipped, and
+  a Hugging Face cache folder ``models--org--name`` gives ``name``), so that
   ``Qwen/Qwen2.5-7B-Instruct``, ``my-qwen2.5-7b-instruct-lora`` and ``qwen2_5`` all read
   ``qwen 2 5 ...``. A pattern matches when its words occur in the name in order (each ``*``-separated
   group contiguous), so suffixes such as ``-sft``, ``-lora``, ``-instruct``, ``-it``, ``-gguf``, sizes
@@ -112,9 +114,27 @@ def normalise_model_name(name: str) -> tuple[str, ...]:
     ('qwen', '2', '5', '7', 'b', 'instruct')
     >>> normalise_model_name("/models/org--gpt_oss-20b-SFT")
     ('org', 'gpt', 'oss', '20', 'b', 'sft')
+    >>> normalise_model_name("~/.cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/9c925d6")
+    ('qwen', '3', '8', 'b')
+    >>> normalise_model_name("runs/llama-3.1-8b-sft/checkpoint-500")
+    ('llama', '3', '1', '8', 'b', 'sft')
     """
-    last = re.split(r"[\\/]", name.strip().rstrip("/\\"))[-1]
-    return tuple(_WORD.findall(last.lower()))
+    return tuple(_WORD.findall(_model_component(name).lower()))
+
+
+_SKIPPED_COMPONENT = re.compile(r"[0-9a-f]{7,64}|snapshots|checkpoint[-_]?\d+|step[-_]?\d+", re.IGNORECASE)
+
+
+def _model_component(name: str) -> str:
+    """The path component that names the model: the last one, skipping commit hashes, ``snapshots`` and
+    ``checkpoint-N`` folders; a Hugging Face cache folder ``models--org--name`` gives ``name``."""
+    components = [c for c in re.split(r"[\\/]", name.strip()) if c]
+    for component in reversed(components):
+        if component.startswith("models--"):
+            return component.rsplit("--", 1)[-1]
+        if not _SKIPPED_COMPONENT.fullmatch(component):
+            return component
+    return components[-1] if components else ""
 
 
 def _find_groups(words: tuple[str, ...], groups: tuple[tuple[str, ...], ...]) -> int | None:
