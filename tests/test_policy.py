@@ -143,17 +143,27 @@ def test_detection_failure_falls_back_to_a_verified_table_entry_with_a_warning_n
     assert ("verify", FROM_TABLE) in fakes.calls  # table markers are verified like detected ones
 
 
-def test_model_name_is_what_the_table_matches():
+def test_model_name_is_what_the_table_matches_first():
     fakes = Fakes(detect_error=NOT_FOUND, match_result=TABLE_HIT)
     with pytest.warns(MarkerFallbackWarning):
         _resolve_chat(CT, "my-chatml-model", False, fakes.steps())
-    assert ("match", "my-chatml-model") in fakes.calls
+    assert [c for c in fakes.calls if c[0] == "match"] == [("match", "my-chatml-model")]
+
+
+def test_the_tokenizer_name_is_tried_when_the_model_name_matches_nothing():
+    fakes = Fakes(detect_error=NOT_FOUND)
+    steps = fakes.steps()
+    steps = Steps(steps.detect, lambda name: TABLE_HIT if name == CT.name else None, steps.entry_markers,
+                  steps.strings_markers, steps.verify)
+    with pytest.warns(MarkerFallbackWarning):
+        resolution = _resolve_chat(CT, "my-private-model", False, steps)
+    assert resolution.source == "table" and any("'my-private-model'" in m for m in resolution.messages)
 
 
 @pytest.mark.parametrize(
     "fakes, said",
     [
-        (Fakes(detect_error=NOT_FOUND, match_result=None), "no entry for the model name"),
+        (Fakes(detect_error=NOT_FOUND, match_result=None), "no entry for the name 'org/qwen2.5-7b-sft'"),
         (Fakes(detect_error=NOT_FOUND, match_result=TemplateMatch("x", "falcon-3", None, None)), "does not serve"),
         (Fakes(detect_error=NOT_FOUND, match_result=TABLE_HIT, entry_error=MarkerDetectionError("'<|x|>' does not occur")),
          "'chatml' .*is not used: '<|x|>' does not occur"),
@@ -270,7 +280,9 @@ def test_real_table_fallback_when_detection_fails(family, model_name):
 
 
 def test_real_table_fallback_without_a_match_warns_full_sequence():
-    ct = chat_tokenizer("qwen2.5")
+    from lossmask import ChatTokenizer
+
+    ct = ChatTokenizer(chat_tokenizer("qwen2.5").tokenizer, name="private-checkpoint")  # a name the table does not know
 
     def fail(ct):
         raise MarkerDetectionError("probe could not be analysed")

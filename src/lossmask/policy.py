@@ -11,8 +11,8 @@
    ``UnverifiedMarkersWarning`` then (``MarkerResolutionError`` under ``strict=True``).
 3. Detection from the chat template (``detect_markers``, which only returns verified markers).
 4. When detection raises ``MarkerDetectionError`` (and only then): the template table, for the
-   model name (or the tokenizer's own name); its markers are used only when ``verify`` finds them
-   exact, and a ``MarkerFallbackWarning`` names the detection error.
+   model name, then for the tokenizer's own name; an entry's markers are used only when ``verify``
+   finds them exact, and a ``MarkerFallbackWarning`` names the detection error.
 5. When both miss: ``FullSequenceWarning``, loud, and the full sequence trains (markers None);
    under ``strict=True`` a ``MarkerResolutionError`` instead.
 
@@ -94,8 +94,8 @@ def resolve_markers(
     """Choose the markers for ``tokenizer`` (see the module notes for the order of decisions).
 
     ``tokenizer``: a Hugging Face tokenizer, processor, mlx-lm ``TokenizerWrapper``, folder path or
-    ``ChatTokenizer``. ``model_name``: the checkpoint name for the table (default: the tokenizer's
-    own name or path). ``dataset_format``: "chat" (or "conversational", "messages", "sharegpt"),
+    ``ChatTokenizer``. ``model_name``: the checkpoint name for the table (tried before the
+    tokenizer's own name or path). ``dataset_format``: "chat" (or "conversational", "messages", "sharegpt"),
     "text" / "raw" / "pretraining", or "alpaca". ``strict``: raise ``MarkerResolutionError``
     instead of training the full sequence. ``response_part`` / ``instruction_part``: marker text
     as it appears in the rendered chat (e.g. ``"<|im_start|>assistant\\n"``), instead of detection.
@@ -160,7 +160,8 @@ def _resolve_chat(ct: Any, model_name: str | None, strict: bool, steps: Steps) -
     try:
         markers, report = steps.detect(ct)
     except MarkerDetectionError as exc:  # only this one means "detection failed"; anything else propagates
-        return _from_table(ct, model_name or ct.name, exc, strict, steps)
+        names = list(dict.fromkeys(n for n in (model_name, ct.name) if n))  # the model name first, then the tokenizer's
+        return _from_table(ct, names, exc, strict, steps)
     reason = f"markers detected from the chat template of {ct.name!r} and verified: {report.summary()}"
     return Resolution(markers, "detected", (reason,), reason, report=report)
 
@@ -222,16 +223,22 @@ def _eos_string(ct) -> str | None:
     return eos if isinstance(eos, str) and eos else None
 
 
-def _from_table(ct, name: str, detection_error: MarkerDetectionError, strict: bool, steps: Steps) -> Resolution:
+def _from_table(ct, names: list[str], detection_error: MarkerDetectionError, strict: bool, steps: Steps) -> Resolution:
+    """The table entry for the first of ``names`` (model name, then the tokenizer's own) that verifies."""
     detection = f"marker detection failed for {ct.name!r}: {_first_line(detection_error)}"
     messages = [detection]
-    match = steps.match(name)
-    tried, report = None, None
-    if match is None:
-        messages.append(f"the template table has no entry for the model name {name!r}; pass model_name= to name the checkpoint")
-    elif match.entry is None:
-        messages.append(f"the model name {name!r} matches {match.pattern!r}, a family the template table does not serve")
-    else:
+    tried, report, seen = None, None, set()
+    for name in names:
+        match = steps.match(name)
+        if match is None:
+            messages.append(f"the template table has no entry for the name {name!r}; pass model_name= to name the checkpoint")
+            continue
+        if match.entry is None:
+            messages.append(f"the name {name!r} matches {match.pattern!r}, a family the template table does not serve")
+            continue
+        if match.template in seen:
+            continue
+        seen.add(match.template)
         tried = match.template
         try:
             markers = steps.entry_markers(ct, match.entry)
@@ -239,15 +246,15 @@ def _from_table(ct, name: str, detection_error: MarkerDetectionError, strict: bo
             messages.append(
                 f"the template table entry {tried!r} (matched by {match.pattern!r}) is not used: {_first_line(exc)}"
             )
-        else:
-            report = steps.verify(ct, markers)
-            if report.ok:
-                reason = f"detection failed; markers from the template table entry {tried!r} (model name {name!r}), verified: {report.summary()}"
-                warning = f"{detection}; using the template table entry {tried!r} instead, verified exact on the probes"
-                warnings.warn(warning, MarkerFallbackWarning, stacklevel=4)
-                messages.append(f"WARNING: {warning}")
-                return Resolution(markers, "table", tuple(messages), reason, template=tried, report=report)
-            messages.append(f"the template table entry {tried!r} is not used: it fails verification: {report.summary()}")
+            continue
+        report = steps.verify(ct, markers)
+        if report.ok:
+            reason = f"detection failed; markers from the template table entry {tried!r} (name {name!r}), verified: {report.summary()}"
+            warning = f"{detection}; using the template table entry {tried!r} instead, verified exact on the probes"
+            warnings.warn(warning, MarkerFallbackWarning, stacklevel=4)
+            messages.append(f"WARNING: {warning}")
+            return Resolution(markers, "table", tuple(messages), reason, template=tried, report=report)
+        messages.append(f"the template table entry {tried!r} is not used: it fails verification: {report.summary()}")
     return _full_sequence(ct.name, messages, strict, tried, report, stacklevel=5)
 
 
