@@ -6,8 +6,8 @@ from functools import lru_cache
 
 import pytest
 
-from conftest import tokenizer_families, tokenizer_path
-from lossmask.templates import load_table, match_template, normalise_model_name, parse_table, table_markers
+from conftest import REPO_ROOT, tokenizer_families, tokenizer_path
+from lossmask.templates import load_table, match_template, normalise_model_name, parse_table, table_markdown, table_markers
 
 FAMILIES = [
     "alpaca", "chatml", "deepseek-v3", "deepseek-v3.1", "falcon", "gemma-2", "gemma-3", "glm-4", "gpt-oss", "lfm2",
@@ -161,3 +161,11 @@ def test_the_families_under_test_are_the_shared_ones():
     if not shared:
         pytest.skip("shared tokenizers absent (set LOSSMASK_TOKENIZERS)")
     assert sorted(FAMILIES) == shared
+
+
+def test_the_table_document_is_current():
+    doc = REPO_ROOT / "docs" / "template-table.md"
+    assert doc.read_text(encoding="utf-8") == table_markdown(), (
+        "docs/template-table.md is out of date; regenerate it: python -c \"from lossmask.templates import table_markdown; "
+        "open('docs/template-table.md', 'w').write(table_markdown())\""
+    )

@@ -206,3 +206,42 @@ def table_markers(tokenizer: Any, template: str | TemplateEntry) -> Markers:
 
     entry = template if isinstance(template, TemplateEntry) else load_table().entry(template)
     return markers_from_strings(tokenizer, **entry.strings())
+
+
+def table_markdown(table: TemplateTable | None = None) -> str:
+    """The table as Markdown (docs/template-table.md is this, kept current by a test)."""
+    table = table or load_table()
+
+    def cell(strings: tuple[str, ...]) -> str:
+        return "<br>".join("`" + json.dumps(s, ensure_ascii=False)[1:-1].replace("|", "\\|") + "`" for s in strings) or "–"
+
+    by_template: dict[str | None, list[str]] = {}
+    for pattern in table.patterns:
+        by_template.setdefault(pattern.template, []).append(f"`{pattern.pattern}`")
+    lines = [
+        "# The template table",
+        "",
+        "Generated from `src/lossmask/data/templates.json` by `lossmask.templates.table_markdown()`; do not edit by hand.",
+        "",
+        "The table is the fallback of `lossmask.resolve_markers` when detection from the chat template fails.",
+        "Marker strings become token ids only by being found inside a conversation rendered with the",
+        "tokenizer's own chat template (`markers_from_strings`), and an entry is used only when `lossmask.verify`",
+        "finds it exact. Every entry below verifies exactly on the shared tokenizer of its family",
+        "(`tests/test_templates.py`).",
+        "",
+        "Model names are matched after normalisation: lowercase, organisation or folder prefix dropped, words",
+        "split at separators and at letter/digit changes. A pattern matches when its words occur in order",
+        "(`*` allows words between groups); the pattern with the most words wins, then the one that starts first.",
+        "",
+        "| template | response | instruction | end | model-name patterns | note |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, entry in table.templates.items():
+        patterns = ", ".join(by_template.get(name, [])) or "–"
+        note = entry.note.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+        lines.append(f"| `{name}` | {cell(entry.response)} | {cell(entry.instruction)} | {cell(entry.end)} | {patterns} | {note} |")
+    unserved = by_template.get(None, [])
+    if unserved:
+        lines += ["", "Known families the table does not serve (so that a looser pattern does not claim them): "
+                  + ", ".join(unserved) + "."]
+    return "\n".join(lines) + "\n"
