@@ -42,22 +42,44 @@ def _shift_right(marks: mx.array, by: int) -> mx.array:
     return mx.concatenate([mx.zeros((by,), dtype=marks.dtype), marks[: n - by]])
 
 
-def _program(patterns, last_turn_only: bool, has_mask_out: bool):
-    """The engine over a flat buffer, as a function of arrays only (so that it compiles)."""
+def _same_segment_ahead(seg: mx.array, inside: mx.array, by: int) -> mx.array:
+    """Is ``s`` in a segment that also holds ``s + by``? (Segments are contiguous runs of one id.)"""
+    n = seg.shape[0]
+    if by >= n:
+        return mx.zeros((n,), dtype=mx.bool_)
+    same = seg[by:] == seg[: n - by]
+    if by:
+        same = mx.concatenate([same, mx.zeros((by,), dtype=mx.bool_)])
+    return mx.logical_and(same, inside)
 
-    def run(values: mx.array, seg: mx.array, lo: mx.array, hi: mx.array):
+
+def _program(patterns, last_turn_only: bool, has_mask_out: bool):
+    """The engine over a flat buffer, as a function of arrays only (so that it compiles).
+
+    ``seg[i]``: segment of position ``i`` (``n_segs`` = none, each segment one contiguous run);
+    ``slots``: zeros of length ``n_segs + 1``, which fixes ``n_segs`` for the per-segment sums.
+    """
+
+    def run(values: mx.array, seg: mx.array, slots: mx.array):
         n = values.shape[0]
-        n_segs = lo.shape[0] - 1
+        n_segs = slots.shape[0] - 1
         pos = mx.arange(n, dtype=mx.int32)
         inside = seg < n_segs
-        hi_at, lo_at = hi[seg], lo[seg]
+        first = inside
+        if n > 1:
+            changed = mx.concatenate([mx.ones((1,), dtype=mx.bool_), seg[1:] != seg[:-1]])
+            first = mx.logical_and(inside, changed)
         none = mx.full((n,), -1, dtype=mx.int32)
         open_mark = mx.zeros((n,), dtype=mx.bool_)
-        close_mark = mx.zeros((n,), dtype=mx.bool_)
+        close_mark = first  # a close at every segment start cuts off what lies before it
         response_at = mx.zeros((n,), dtype=mx.bool_)
         last_open, cover = none, none
+        fits_cache = {}
         for kind, pattern in patterns:
             length = len(pattern)
+            if length not in fits_cache:
+                fits_cache[length] = (_same_segment_ahead(seg, inside, length - 1), _same_segment_ahead(seg, inside, length))
+            fits, ahead = fits_cache[length]
             found = mx.zeros((n,), dtype=mx.bool_)
             if length <= n:
                 width = n - length + 1
@@ -66,8 +88,8 @@ def _program(patterns, last_turn_only: bool, has_mask_out: bool):
                     window = mx.logical_and(window, values[k : k + width] == pattern[k])
                 if width < n:
                     window = mx.concatenate([window, mx.zeros((n - width,), dtype=mx.bool_)])
-                found = mx.logical_and(window, pos + length <= hi_at)
-            ends_before_hi = mx.logical_and(found, pos + length < hi_at)
+                found = mx.logical_and(window, fits)
+            ends_before_hi = mx.logical_and(found, ahead)
             if kind == RESPONSE:
                 open_mark = mx.logical_or(open_mark, _shift_right(ends_before_hi, length))
                 close_mark = mx.logical_or(close_mark, found)
@@ -80,17 +102,18 @@ def _program(patterns, last_turn_only: bool, has_mask_out: bool):
                 close_mark = mx.logical_or(close_mark, _shift_right(ends_before_hi, length))
             elif kind == MASK_OUT:
                 cover = mx.where(found, mx.maximum(cover, pos + length), cover)
-        open_at = mx.cummax(mx.where(open_mark, pos, none), axis=0)
-        close_at = mx.cummax(mx.where(close_mark, pos, none), axis=0)
-        trained = mx.logical_and(inside, mx.logical_and(open_at >= lo_at, open_at > close_at))
+        # one running maximum: an open at p is 2p, a close 2p + 1 (a close wins a tie, as SPEC.md says)
+        events = mx.where(close_mark, 2 * pos + 1, mx.where(open_mark, 2 * pos, none))
+        latest = mx.cummax(events, axis=0)
+        trained = mx.logical_and(inside, mx.logical_and(latest >= 0, latest % 2 == 0))
         if has_mask_out:
             trained = mx.logical_and(trained, mx.cummax(cover, axis=0) <= pos)
         if last_turn_only:
-            row_last = mx.full((n_segs + 1,), -1, dtype=mx.int32).at[seg].maximum(last_open)
-            trained = mx.logical_and(trained, open_at == row_last[seg])
-        counts = mx.zeros((n_segs + 1,), dtype=mx.int32).at[seg].add(trained.astype(mx.int32))
-        responses = mx.zeros((n_segs + 1,), dtype=mx.int32).at[seg].add(response_at.astype(mx.int32))
-        bad = mx.full((n_segs + 1,), n, dtype=mx.int32).at[seg].minimum(mx.where(values < 0, pos, n))
+            row_last = (slots - 1).at[seg].maximum(last_open)
+            trained = mx.logical_and(trained, latest // 2 == row_last[seg])
+        counts = slots.at[seg].add(trained.astype(mx.int32))
+        responses = slots.at[seg].add(response_at.astype(mx.int32))
+        bad = (slots + n).at[seg].minimum(mx.where(values < 0, pos, n))
         return trained, counts[:n_segs], responses[:n_segs] > 0, mx.where(bad < n, bad, -1)[:n_segs]
 
     return run
@@ -118,7 +141,7 @@ class _Program:
 
 @lru_cache(maxsize=64)
 def compiled_program(markers: Markers, last_turn_only: bool) -> _Program:
-    """``run(values, seg, lo, hi) -> (trained, trained_tokens, has_response, first_bad)``, compiled after first use."""
+    """``run(values, seg, slots) -> (trained, trained_tokens, has_response, first_bad)``, compiled when a shape recurs."""
     return _Program(markers, bool(last_turn_only))
 
 
@@ -128,9 +151,8 @@ def trained_padded(input_ids: mx.array, lengths: mx.array, markers: Markers, *, 
     lengths = lengths.astype(mx.int32)
     col = mx.arange(width, dtype=mx.int32)
     seg = mx.where(col[None, :] < lengths[:, None], mx.arange(batch, dtype=mx.int32)[:, None], batch).reshape(-1)
-    lo = mx.concatenate([mx.arange(batch, dtype=mx.int32) * width, mx.zeros((1,), dtype=mx.int32)])
-    hi = mx.concatenate([lo[:batch] + lengths, mx.full((1,), -1, dtype=mx.int32)])
-    trained = compiled_program(markers, last_turn_only)(input_ids.reshape(-1), seg, lo, hi)[0]
+    slots = mx.zeros((batch + 1,), dtype=mx.int32)
+    trained = compiled_program(markers, last_turn_only)(input_ids.reshape(-1), seg, slots)[0]
     return trained.reshape(batch, width)
 
 
@@ -156,12 +178,8 @@ def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore
     padded[:total] = flat
     seg = np.full(n, n_segs, dtype=np.int32)
     seg[:total] = np.repeat(np.arange(n_rows, dtype=np.int32), lengths)
-    lo = np.zeros(n_segs + 1, dtype=np.int32)
-    hi = np.zeros(n_segs + 1, dtype=np.int32)
-    lo[:n_rows], hi[:n_rows] = cu[:-1], cu[1:]
-    hi[n_segs] = -1
     run = compiled_program(markers, bool(last_turn_only))
-    trained, counts, has_response, bad = run(mx.array(padded), mx.array(seg), mx.array(lo), mx.array(hi))
+    trained, counts, has_response, bad = run(mx.array(padded), mx.array(seg), mx.zeros((n_segs + 1,), dtype=mx.int32))
     mx.eval(trained, counts, has_response, bad)
     trained = np.array(trained, copy=False)[:total]
     if write_mask:
