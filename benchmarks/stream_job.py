@@ -79,7 +79,8 @@ def copy(src: str, dst: str) -> dict:
 
     baseline_rss = peak_rss_mib()
     started = time.perf_counter()
-    dataset = ds.dataset(src, format="parquet")
+    fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
+    dataset = ds.dataset(src, format=fmt)  # as mask_files reads
     rows = 0
     with pq.ParquetWriter(dst, dataset.schema, compression="zstd") as writer:
         for batch in dataset.scanner(batch_size=16_384, batch_readahead=1, fragment_readahead=1).to_batches():

@@ -225,9 +225,13 @@ def open_dataset(input: Any, *, input_format: str | None = None):
     if fmt not in ("parquet", "ipc", "json"):
         raise ValueError(f"input_format={fmt!r} is not supported; pass 'parquet', 'ipc' (Arrow/Feather) or 'json' (JSON Lines)")
     try:
+        name = fmt
+        if fmt == "parquet":
+            # pre_buffer caches the ranges it has read until the file is closed: memory would grow with the file
+            fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
         dataset = ds.dataset(paths, format=fmt)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise ValueError(f"{source}: cannot be read as {fmt} ({exc}); is the file complete? "
+        raise ValueError(f"{source}: cannot be read as {name} ({exc}); is the file complete? "
                          "(a truncated Parquet file has no footer)") from None
     return dataset, source
 
@@ -253,7 +257,11 @@ def _batches(dataset, batch_size: int, source: str):
         except StopIteration:
             return
         except (pa.ArrowInvalid, OSError) as exc:
-            raise ValueError(f"{source}: reading failed ({exc}); the file may be truncated or corrupt") from None
+            hint = "the file may be truncated or corrupt"
+            if "JSON" in str(exc) or "json" in str(exc):
+                hint = ("JSON Lines rows must share one shape: the column types are inferred from the first rows, "
+                        "so a key or type that appears only later fails; convert to Parquet with an explicit schema")
+            raise ValueError(f"{source}: reading failed ({exc}); {hint}") from None
         if batch.num_rows:
             yield batch
 
