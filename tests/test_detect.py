@@ -136,3 +136,28 @@ def test_detection_notes_what_users_should_know():
     assert any("plain text ('### Response:')" in note for note in alpaca.notes)
     _, qwen = detect_markers_with_report(chat_tokenizer("qwen3"))
     assert qwen.notes == ()
+
+
+def test_qwen3_non_thinking_masks_the_prompt_prefill():
+    """enable_thinking=False: the generation prompt writes '<think>\\n\\n</think>\\n\\n', which only the
+    last turn contains; it is never trained there, and earlier turns train from their content."""
+    from test_conformance import random_conversations
+    from test_verify import trained_spans
+    from lossmask.verify import ground_truth
+
+    ct = load_tokenizer(chat_tokenizer("qwen3"), template_kwargs={"enable_thinking": False})
+    markers, report = detect_markers_with_report(ct)
+    assert report.ok and decoded(ct, markers.mask_out) == {"<think>", "\n\n</think>\n\n"}
+    assert any("mask_out" in note for note in report.notes)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]
+    assert trained_spans(ground_truth(ct, chat)) == ["Hello.<|im_end|>", "Goodbye.<|im_end|>"]
+    assert verify(ct, markers, random_conversations(seed=7, count=10)).ok
+
+
+def test_glm_non_thinking_with_reasoning_is_refused():
+    """GLM with enable_thinking=False puts '<think></think>' in the prompt; a reasoning turn then
+    shares only '<think>' with it, and no markers can open both kinds of turn right."""
+    ct = load_tokenizer(chat_tokenizer("glm-4"), template_kwargs={"enable_thinking": False})
+    with pytest.raises(MarkerDetectionError, match="do not reproduce its ground truth"):
+        detect_markers(ct)

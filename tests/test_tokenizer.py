@@ -155,3 +155,14 @@ def test_encode_chats_with_tools_and_generation_prompt():
     expected = ct.encode(ct.render(CHAT[:1], tools=tools, add_generation_prompt=True))
     assert result.input_ids.to_pylist() == [expected]
     assert ct.decode(expected).endswith("<|im_start|>assistant\n") and "get_weather" in ct.decode(expected)
+
+
+def test_template_kwargs_reach_every_render():
+    base = chat_tokenizer("qwen3")
+    ct = load_tokenizer(base, template_kwargs={"enable_thinking": False})
+    assert ct is not base and base.template_kwargs == {} and ct.tokenizer is base.tokenizer
+    assert ct.render(CHAT[:1], add_generation_prompt=True).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert base.render(CHAT[:1], add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+    assert ct.encode_chats([CHAT[:1]], add_generation_prompt=True).input_ids.to_pylist()[0] == ct.encode(
+        ct.render(CHAT[:1], add_generation_prompt=True)
+    )

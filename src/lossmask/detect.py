@@ -73,6 +73,19 @@ def detect_markers_with_report(tokenizer: Any) -> tuple[Markers, VerifyReport]:
         )
     markers = markers_from_truths(ct, truths)
     report = check(ct, markers, truths)
+    prefills = _prefills(markers)
+    if not report.ok and prefills:
+        # a header variant that extends another one (the prompt's prefill, present in some turns
+        # only): what it adds is masked wherever it occurs
+        with_prefills = replace(markers, mask_out=tuple(prefills))
+        retry = check(ct, with_prefills, truths)
+        if retry.ok:
+            markers, report = with_prefills, retry
+            for pattern in sorted(prefills, key=len, reverse=True):  # keep only the ones needed
+                fewer = replace(markers, mask_out=tuple(p for p in markers.mask_out if p != pattern))
+                again = check(ct, fewer, truths)
+                if again.ok:
+                    markers, report = fewer, again
     if not report.ok:
         raise MarkerDetectionError(
             f"the markers read off the chat template of {ct.name!r} do not reproduce its ground truth, so lossmask "
@@ -82,6 +95,16 @@ def detect_markers_with_report(tokenizer: Any) -> tuple[Markers, VerifyReport]:
     if not markers.end:
         warnings.warn(f"{ct.name!r}: {notes[0]}", UserWarning, stacklevel=3)
     return markers, replace(report, notes=notes)
+
+
+def _prefills(markers: Markers) -> list[tuple[int, ...]]:
+    """What a longer response pattern adds to a shorter one that is its prefix."""
+    out: list[tuple[int, ...]] = []
+    for short in markers.response:
+        for long in markers.response:
+            if len(long) > len(short) and long[: len(short)] == short and long[len(short) :] not in out:
+                out.append(long[len(short) :])
+    return out
 
 
 def _notes(ct: ChatTokenizer, markers: Markers, truths: Sequence[GroundTruth]) -> tuple[str, ...]:
@@ -99,8 +122,13 @@ def _notes(ct: ChatTokenizer, markers: Markers, truths: Sequence[GroundTruth]) -
             f"{len(unstopped)} of {len(turns)} probed assistant turns have no stop token (the template writes "
             "none after the last turn of a chat), so nothing after their content is trained"
         )
-    special = ct.special_ids
-    if not any(any(t in special for t in pattern) for pattern in markers.response):
+    if markers.mask_out:
+        texts = ", ".join(repr(ct.decode(p)) for p in markers.mask_out)
+        notes.append(
+            f"the generation prompt writes text that only some turns contain; it is never trained (mask_out: {texts})"
+        )
+    added = ct.added_ids
+    if not any(any(t in added for t in pattern) for pattern in markers.response):
         texts = sorted({ct.decode(p).strip() for p in markers.response})
         notes.append(
             f"the response markers are plain text ({', '.join(map(repr, texts))}): a message containing that text "

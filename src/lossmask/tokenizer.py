@@ -56,7 +56,15 @@ class ChatTokenizer:
     itself, or a processor).
     """
 
-    def __init__(self, tokenizer: Any, *, chat_template: Any = None, name: str | None = None, template_name: str | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        chat_template: Any = None,
+        name: str | None = None,
+        template_name: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ):
         if not getattr(tokenizer, "is_fast", False):
             raise TypeError(
                 f"{type(tokenizer).__name__} is not a fast (Rust) tokenizer, and lossmask needs its offset "
@@ -76,6 +84,9 @@ class ChatTokenizer:
             )
         self.templates = templates
         self.template_name = template_name
+        # extra variables every render passes to the template (e.g. {"enable_thinking": False} for Qwen3),
+        # so that detection, verification and encoding all see the chat as training renders it
+        self.template_kwargs = dict(template_kwargs or {})
 
     def __repr__(self) -> str:
         return f"ChatTokenizer({self.name!r})"
@@ -88,6 +99,11 @@ class ChatTokenizer:
         ids = {int(i) for i, tok in self.tokenizer.added_tokens_decoder.items() if getattr(tok, "special", False)}
         ids.update(int(i) for i in self.tokenizer.all_special_ids)
         return frozenset(ids)
+
+    @cached_property
+    def added_ids(self) -> frozenset[int]:
+        """Ids of every added token (special or not): atomic in any text, never merged with neighbours."""
+        return frozenset(int(i) for i in self.tokenizer.added_tokens_decoder) | self.special_ids
 
     @property
     def eos_token_id(self) -> int | None:
@@ -136,7 +152,7 @@ class ChatTokenizer:
                 chat_template=self.template_for(tools=tools),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
-                **template_kwargs,
+                **{**self.template_kwargs, **template_kwargs},
             )
         except ChatTemplateError:
             raise
@@ -233,15 +249,24 @@ def _normalise_templates(template: Any) -> str | dict[str, str] | None:
     raise TypeError(f"chat_template must be a string, a dict or a list of named templates, got {type(template).__name__}")
 
 
-def load_tokenizer(obj: Any, *, template_name: str | None = None) -> ChatTokenizer:
+def load_tokenizer(
+    obj: Any, *, template_name: str | None = None, template_kwargs: Mapping[str, Any] | None = None
+) -> ChatTokenizer:
     """A ``ChatTokenizer`` over a tokenizer, processor, mlx-lm ``TokenizerWrapper`` or folder path.
 
     A path is loaded offline with ``AutoTokenizer.from_pretrained(path, local_files_only=True)``.
-    ``template_name`` picks one of several named chat templates (default: ``"default"``, or
+    ``template_kwargs`` are passed to every render (``{"enable_thinking": False}``: render as
+    training does). ``template_name`` picks one of several named chat templates (default: ``"default"``, or
     ``"tool_use"`` when rendering with tools).
     """
     if isinstance(obj, ChatTokenizer):
-        return obj
+        if template_name is None and template_kwargs is None:
+            return obj
+        return ChatTokenizer(
+            obj.tokenizer, chat_template=obj.templates, name=obj.name,
+            template_name=template_name if template_name is not None else obj.template_name,
+            template_kwargs={**obj.template_kwargs, **(template_kwargs or {})},
+        )
     if isinstance(obj, (str, os.PathLike)):
         path = os.fspath(obj)
         try:
@@ -255,19 +280,19 @@ def load_tokenizer(obj: Any, *, template_name: str | None = None) -> ChatTokeniz
                 f"could not load a tokenizer from {path!r} offline ({type(exc).__name__}: {exc}); pass a folder "
                 "holding tokenizer.json and tokenizer_config.json, or a loaded tokenizer"
             ) from exc
-        return ChatTokenizer(tokenizer, name=path, template_name=template_name)
+        return ChatTokenizer(tokenizer, name=path, template_name=template_name, template_kwargs=template_kwargs)
     # mlx-lm TokenizerWrapper: the Hugging Face tokenizer is at ._tokenizer (a HF fast tokenizer also
     # has ._tokenizer, but that one is the Rust object, which has no apply_chat_template)
     inner = getattr(obj, "_tokenizer", None)
     if inner is not None and hasattr(inner, "apply_chat_template"):
-        return ChatTokenizer(inner, template_name=template_name)
+        return ChatTokenizer(inner, template_name=template_name, template_kwargs=template_kwargs)
     # processor: template on the processor, ids from .tokenizer
     inner = getattr(obj, "tokenizer", None)
     if inner is not None and hasattr(inner, "apply_chat_template") and not hasattr(obj, "convert_tokens_to_ids"):
         template = getattr(obj, "chat_template", None) or inner.chat_template
-        return ChatTokenizer(inner, chat_template=template, template_name=template_name)
+        return ChatTokenizer(inner, chat_template=template, template_name=template_name, template_kwargs=template_kwargs)
     if hasattr(obj, "apply_chat_template") and hasattr(obj, "convert_tokens_to_ids"):
-        return ChatTokenizer(obj, template_name=template_name)
+        return ChatTokenizer(obj, template_name=template_name, template_kwargs=template_kwargs)
     raise TypeError(
         f"cannot use a {type(obj).__name__} as a tokenizer; pass a Hugging Face fast tokenizer, a processor, "
         "an mlx-lm TokenizerWrapper, or the path of a tokenizer folder"

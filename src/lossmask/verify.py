@@ -395,15 +395,30 @@ def _turn_start(ct: ChatTokenizer, conv: Conversation, messages, i: int, text: s
                 f"chat has {gap!r} between there and the assistant's content: the template has no generation "
                 "prompt, so the assistant header cannot be told from what the model generates"
             )
-    if not text.startswith(tail, text_at):
-        raise GroundTruthError(
-            f"the generation prompt before message {i} ends {tail!r}, but the rendered chat "
-            f"continues {text[text_at:text_at + len(tail) + 20]!r}; the template renders the turn boundary "
-            "differently with add_generation_prompt=True"
-        )
     no_prompt_anchor = locate_messages(no_prompt, before)[anchor][1] if anchor is not None and spans[anchor] is not None else 0
-    start = text_at + len(tail)
-    header_at = text_at + _common_prefix(tail, no_prompt[no_prompt_anchor:])
+    added_at = _common_prefix(tail, no_prompt[no_prompt_anchor:])  # where add_generation_prompt's text begins
+    if text.startswith(tail, text_at):
+        start = text_at + len(tail)
+    else:
+        # The prompt ends with a prefill this turn does not have (Qwen3 with enable_thinking=False
+        # writes '<think>\n\n</think>\n\n' in the prompt and in the last turn only): accepted when the
+        # turn's own text starts right where the two part, after some of the header.
+        shared = _common_prefix(tail, text[text_at:])
+        # part at a token boundary of the prompt ('<think>' and '<tool_call>' share '<t')
+        _, prompt_offsets = ct.encode_with_offsets(prompt)
+        boundaries = prompt_offsets[:, 0][prompt_offsets[:, 0] <= prompt_at + shared]
+        if boundaries.size:
+            shared = max(0, min(shared, int(boundaries.max()) - prompt_at))
+        own = spans[i][0] if spans[i] is not None else None
+        gap = text[text_at + shared : own] if own is not None else ""
+        if own is None or shared <= added_at or (gap.strip() and not messages[i].get("tool_calls")):
+            raise GroundTruthError(
+                f"the generation prompt before message {i} ends {tail!r}, but the rendered chat "
+                f"continues {text[text_at:text_at + len(tail) + 20]!r}; the template renders the turn boundary "
+                "differently with add_generation_prompt=True"
+            )
+        start = text_at + shared
+    header_at = text_at + added_at
     if header_at == start:
         # add_generation_prompt adds nothing (Llama-2, Mistral, Phi-3: the user turn writes the cue):
         # the header is the tail from its last special token on, or the whole tail
