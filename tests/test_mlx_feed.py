@@ -127,6 +127,12 @@ def test_clear_errors_where_mlx_lm_crashes_or_is_silent(tmp_path, tok, markers):
         next(lm.iterate_batches([([1, 2], 0)] * 4, 2, 16))
     with pytest.raises(ValueError, match="prompt_loss_weight=-1"):
         lm.make_loss(prompt_loss_weight=-1)
+    # markers of another template match nothing: every row would train nothing, which is an error, not silence
+    wrong = lossmask.Markers(response=[[4000, 4001]], end=[[7]])
+    with pytest.raises(lossmask.TooManyDroppedRows, match="train.jsonl: 3 of 3 rows"):
+        lm.load_dataset(write(tmp_path / "wrong", "train", chat_rows(3)), tok, markers=wrong)
+    kept, _, _ = lm.load_dataset(tmp_path / "wrong", tok, markers=wrong, max_drop_fraction=1.0, drop_untrained=False)
+    assert len(kept) == 3 and kept.counts.dropped["no_response"] == 3
 
 
 def _tiny_model(vocab_size):

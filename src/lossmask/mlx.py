@@ -36,6 +36,7 @@ from .kernels import mlx_kernel
 from .labels import label_batch
 from .markers import Markers
 from .outcomes import OutcomeCounts
+from .safety import DEFAULT_MAX_DROP_FRACTION, TooManyDroppedRows, check_drop_fraction
 
 SPLITS = ("train", "valid", "test")
 
@@ -68,12 +69,13 @@ class MaskedDataset:
 
     Rows are kept as flat buffers (``values``, ``offsets``). ``mask_prompt=False`` trains every token
     (mlx-lm's behaviour without ``--mask-prompt``). ``counts`` are the rows' outcomes (SPEC.md); rows
-    that train nothing are left out unless ``drop_untrained=False``. ``dataset[i]`` is
+    that train nothing are left out unless ``drop_untrained=False``; more than ``max_drop_fraction``
+    of them raises ``TooManyDroppedRows`` with the likely cause. ``dataset[i]`` is
     ``(tokens, 0)`` as mlx-lm's datasets give it.
     """
 
     def __init__(self, input_ids: Any, markers: Markers | None, *, mask_prompt: bool = True, drop_untrained: bool = True,
-                 name: str = "dataset"):
+                 max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION, name: str = "dataset"):
         if mask_prompt and not isinstance(markers, Markers):
             raise TypeError(f"{name}: mask_prompt=True needs markers (a lossmask.Markers, e.g. lossmask.detect_markers(tokenizer))")
         array = input_ids if not isinstance(input_ids, (list, tuple)) else batches.rows_from_pylist(list(input_ids))
@@ -84,6 +86,10 @@ class MaskedDataset:
         if mask_prompt:
             labelled = label_batch(array, markers)
             self.counts = labelled.counts
+            try:
+                check_drop_fraction(labelled.counts, max_drop_fraction=max_drop_fraction)
+            except TooManyDroppedRows as exc:
+                raise TooManyDroppedRows(f"{name}: {exc}", exc.counts) from None
             if drop_untrained and not labelled.keep.all():
                 import pyarrow as pa
 
@@ -198,6 +204,7 @@ def load_dataset(
     markers: Markers | None = None,
     mask_prompt: bool = True,
     drop_untrained: bool = True,
+    max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
     prompt_feature: str = "prompt",
     completion_feature: str = "completion",
     chat_feature: str = "messages",
@@ -225,7 +232,8 @@ def load_dataset(
             out.append([])
             continue
         ids, _ = tokenize_rows(read_jsonl(path), tokenizer, features=features, mask_prompt=mask_prompt, name=str(path))
-        out.append(MaskedDataset(ids, markers, mask_prompt=mask_prompt, drop_untrained=drop_untrained, name=str(path)))
+        out.append(MaskedDataset(ids, markers, mask_prompt=mask_prompt, drop_untrained=drop_untrained,
+                                 max_drop_fraction=max_drop_fraction, name=str(path)))
     return tuple(out)  # type: ignore[return-value]
 
 
