@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from functools import lru_cache
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import tokenizer_path
+from conftest import chat_tokenizer, tokenizer_path
 from lossmask import Markers
 from lossmask.detect import MarkerDetectionError
 from lossmask.policy import (
@@ -242,13 +241,6 @@ def test_bad_user_strings(bad):
 
 
 # -- real tokenizers ------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=None)
-def chat_tokenizer(family: str):
-    from lossmask.tokenizer import load_tokenizer
-
-    return load_tokenizer(str(tokenizer_path(family)))
 
 
 @pytest.mark.parametrize("family", ["qwen2.5", "llama-3", "gpt-oss", "glm-4"])

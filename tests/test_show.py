@@ -10,7 +10,7 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 
-from conftest import tokenizer_path
+from conftest import chat_tokenizer, tokenizer_path
 from lossmask import Markers, Resolution
 from lossmask.cli import main
 from lossmask.show import format_text, label_conversation, print_shown, to_html, token_pieces
@@ -53,7 +53,7 @@ def test_token_pieces_join_to_the_text():
 
 @lru_cache(maxsize=None)
 def sample(family: str):
-    return label_conversation(str(tokenizer_path(family)))
+    return label_conversation(chat_tokenizer(family))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -76,7 +76,7 @@ def test_sample_trains_assistant_turns_only(shown):
 
 
 def test_tool_call_trains_where_the_template_renders_tools():
-    s = label_conversation(str(tokenizer_path("qwen2.5")))
+    s = label_conversation(chat_tokenizer("qwen2.5"))
     text = format_text(s)
     assert '[<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>]' in text
     assert "[<tool_response>" not in text and "minus three" in text and not s.notes
@@ -120,7 +120,7 @@ def test_colour_output_uses_ansi_and_plain_output_brackets(shown):
 
 
 def test_no_markers_means_everything_trains_and_says_so():
-    path = str(tokenizer_path("qwen2.5"))
+    path = chat_tokenizer("qwen2.5")
     resolution = Resolution(None, "none", ("WARNING: NO LOSS MASKING",), "test")
     s = label_conversation(path, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], resolution=resolution)
     assert s.trained.all()
@@ -129,7 +129,7 @@ def test_no_markers_means_everything_trains_and_says_so():
 
 
 def test_given_markers_label_a_given_conversation():
-    path = str(tokenizer_path("qwen2.5"))
+    path = chat_tokenizer("qwen2.5")
     markers = Markers(response=[[151644, 77091, 198]], instruction=[[151644]], end=[[151645]])
     s = label_conversation(path, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
                            resolution=Resolution(markers, "user", (), "test"))

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import pytest
 
-from conftest import REPO_ROOT, tokenizer_families, tokenizer_path
+from conftest import REPO_ROOT, chat_tokenizer, tokenizer_families
 from lossmask.templates import load_table, match_template, normalise_model_name, parse_table, table_markdown, table_markers
 
 FAMILIES = [
@@ -138,19 +136,12 @@ def test_pattern_groups_allow_words_between_them():
     assert table.match("v2-fam").template == "a"  # groups must occur in order
 
 
-@lru_cache(maxsize=None)
-def _tokenizer(family: str):
-    from lossmask.tokenizer import load_tokenizer
-
-    return load_tokenizer(str(tokenizer_path(family)))
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_table_entry_verifies_exactly_on_the_real_tokenizer(family):
     """Each entry's strings, located in probes rendered by the family's own template, reproduce the ground truth."""
     from lossmask.verify import verify
 
-    ct = _tokenizer(family)
+    ct = chat_tokenizer(family)  # loaded once per session (tests/conftest.py)
     markers = table_markers(ct, family)
     report = verify(ct, markers)
     assert report.ok, str(report)
