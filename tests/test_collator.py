@@ -13,6 +13,10 @@ torch = pytest.importorskip("torch")
 from lossmask.collator import CompletionCollator, PromptWeightedLossMixin, prompt_weighted_loss  # noqa: E402
 
 from conftest import tokenizer_path  # noqa: E402
+from backend_cases import markers as random_markers  # noqa: E402
+from backend_cases import rows as random_rows  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 # ChatML-like ids; the pad id equals the end-of-turn id, as it often does (pad == eos)
 START, ASSISTANT, USER, NL, END = 1, 2, 3, 4, 5
@@ -102,6 +106,37 @@ def test_packed_rows_label_each_sequence():
     glued = [{"input_ids": [START, ASSISTANT, NL, 7, 8], "seq_lengths": [4, 1]}]
     labels = CompletionCollator(markers=MARKERS, pad_token_id=0)(glued)["labels"].numpy()
     np.testing.assert_array_equal(labels[0], [-100, -100, -100, 7, -100])
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=random_rows, m=random_markers(), side=st.sampled_from(["right", "left"]), padding_free=st.booleans(),
+       pack=st.integers(1, 3), multiple=st.sampled_from([None, 8]))
+def test_collator_equals_reference_per_sequence(batch, m, side, padding_free, pack, multiple):
+    from lossmask.kernels import reference
+
+    seqs = [list(r or []) for r in batch]
+    if not seqs:
+        return
+    examples = [  # `pack` sequences per row, with TRL's seq_lengths
+        {"input_ids": [t for s_ in seqs[i : i + pack] for t in s_], "seq_lengths": [len(s_) for s_ in seqs[i : i + pack]]}
+        for i in range(0, len(seqs), pack)
+    ]
+    out = CompletionCollator(markers=m, pad_token_id=0, padding_side=side, padding_free=padding_free,
+                             pad_to_multiple_of=multiple)(examples)
+    labels, ids = out["labels"].numpy(), out["input_ids"].numpy()
+    want = [np.where(reference.trained_positions(np.asarray(s_, np.int64), m)[0], s_, -100) for s_ in seqs]
+    if padding_free:
+        flat = np.concatenate(want) if want else np.zeros(0)
+        np.testing.assert_array_equal(labels[0, : len(flat)], flat)
+        assert (labels[0, len(flat):] == -100).all()
+        return
+    for r, example in enumerate(examples):
+        n = len(example["input_ids"])
+        real = slice(0, n) if side == "right" else slice(ids.shape[1] - n, ids.shape[1])
+        np.testing.assert_array_equal(ids[r, real], example["input_ids"])
+        row_want = np.concatenate(want[r * pack : r * pack + pack]) if n else np.zeros(0)
+        np.testing.assert_array_equal(labels[r, real], row_want)
+        assert (labels[r] != -100).sum() == (row_want != -100).sum()
 
 
 def test_row_labels_keep_and_rebuild():
