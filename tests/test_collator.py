@@ -160,8 +160,8 @@ def test_errors_say_what_to_pass():
     collate = CompletionCollator(markers=MARKERS, pad_token_id=0)
     with pytest.raises(ValueError, match="seq_lengths add up to 3 but the row has 4"):
         collate([{"input_ids": [1, 2, 3, 4], "seq_lengths": [1, 2]}])
-    with pytest.raises(ValueError, match="negative token id"):
-        collate([{"input_ids": [1, -100]}])
+    with pytest.raises(ValueError, match="row 1 holds the negative token id -100 at position 1"):
+        collate([{"input_ids": [1, 2]}, {"input_ids": [1, -100]}])
     with pytest.raises(TypeError, match="input_ids"):
         collate([{"text": "hi"}])
 

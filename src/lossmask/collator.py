@@ -80,22 +80,24 @@ class CompletionCollator:
         device = torch.device(self.device) if self.device is not None else torch.device("cpu")
         size = layout.n_rows * layout.width
         n_seqs = layout.seq_starts.shape[0]
-        # the batch is laid out with NumPy (single-threaded, no per-row Python), labelled in torch on `device`
+        negative = np.flatnonzero(layout.values < 0)
+        if negative.size:
+            r = int(np.searchsorted(layout.row_offsets, negative[0], side="right") - 1)
+            raise ValueError(
+                f"row {r} holds the negative token id {int(layout.values[negative[0]])} at position "
+                f"{int(negative[0] - layout.row_offsets[r])}; token ids must be >= 0 (already padded with -100? "
+                "pass the rows unpadded)"
+            )
+        # The batch is laid out on the host with NumPy (no per-row Python), then labelled in torch on
+        # `device` without a host sync: every index the labelling needs is known here.
         ids_np = np.full(size, self.pad_token_id, dtype=np.int64)
         ids_np[layout.flatpos] = layout.values
         seg_np = np.full(size, n_seqs, dtype=np.int64)
         seg_np[layout.flatpos] = np.repeat(np.arange(n_seqs, dtype=np.int64), layout.seq_ends - layout.seq_starts)
+        seq_first_np = layout.seq_starts[layout.seq_ends > layout.seq_starts]
         ids = torch.from_numpy(ids_np).to(device)
-        starts = torch.from_numpy(layout.seq_starts).to(device)
-        ends = torch.from_numpy(layout.seq_ends).to(device)
         result = torch_kernel.label_flat(ids, torch.from_numpy(seg_np).to(device), n_seqs, self.markers,
                                          last_turn_only=self.last_turn_only)
-        if bool((result.first_bad >= 0).any()):
-            s = int(torch.nonzero(result.first_bad >= 0)[0, 0])
-            raise ValueError(
-                f"row {int(layout.seq_row[s])} holds a negative token id; token ids must be >= 0 "
-                "(is it padded with -100 already? pass unpadded rows)"
-            )
         trained = result.trained
         if self.row_labels == "keep":
             given = _row_labels(examples, layout)
@@ -107,7 +109,7 @@ class CompletionCollator:
                 labels = torch.where(trained, ids, self.ignore_index)
         else:
             labels = torch.where(trained, ids, self.ignore_index)
-        seq_first = starts[ends > starts]
+        seq_first = torch.from_numpy(seq_first_np).to(device)
         labels[seq_first] = self.ignore_index  # nothing before a sequence start predicts it (TRL does the same)
 
         shape = (layout.n_rows, layout.width)
@@ -119,13 +121,12 @@ class CompletionCollator:
             out["position_ids"] = torch.from_numpy(position_ids).to(device).reshape(shape)
         if self.padding_free:
             # as TRL: every position 0 starts a sequence, tail padding included (each pad its own sequence)
-            seq_starts = torch.nonzero(out["position_ids"][0] == 0).flatten()
-            cu = torch.cat([seq_starts, seq_starts.new_tensor([size])]).to(torch.int32)
-            out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
-            out["max_length_q"] = out["max_length_k"] = int(cu.diff().max()) if cu.numel() > 1 else 0
-            out["seq_idx"] = torch.repeat_interleave(
-                torch.arange(cu.numel() - 1, dtype=torch.int32, device=device), cu.diff()
-            )[None]
+            cu = np.append(np.flatnonzero(position_ids == 0), size).astype(np.int32)
+            lengths = np.diff(cu)
+            out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.from_numpy(cu).to(device)
+            out["max_length_q"] = out["max_length_k"] = int(lengths.max(initial=0))
+            seq_idx = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+            out["seq_idx"] = torch.from_numpy(seq_idx).to(device)[None]
         else:
             out["attention_mask"] = real.to(torch.int64).reshape(shape)
         if self.prompt_loss_weight > 0:
