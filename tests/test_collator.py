@@ -254,3 +254,35 @@ def test_sft_trainer_steps_and_loss_counts_trained_tokens(tmp_path, prompt_loss_
         real = inputs["attention_mask"][:, 1:].reshape(-1).bool()
         weights = torch.where(trained, 1.0, torch.where(real, prompt_loss_weight, 0.0))
         torch.testing.assert_close(prompt_weighted_loss(logits, ids, inputs["loss_weights"]), (ce * weights).sum() / weights.sum())
+
+
+def test_sft_trainer_with_trl_packed_rows_padding_free(tmp_path):
+    """TRL refuses a custom collator with its own padding-free packing; rows packed beforehand with
+    trl's pack_dataset (bfd) go through this collator's padding-free mode, one label pass per sequence."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+    from trl.data_utils import pack_dataset
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path("lfm2"))
+    markers = lossmask.detect_markers(tok)
+    packed = pack_dataset(Dataset.from_dict({"input_ids": _chats(tok)}), 128, "bfd")
+    seen = []
+
+    class Recording(SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append(({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, num_items_in_batch))
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, max_length=None,
+                     logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = Recording(model=_tiny_llama(len(tok)), args=args, train_dataset=packed, processing_class=tok,
+                        data_collator=CompletionCollator(markers=markers, pad_token_id=tok.pad_token_id, padding_free=True))
+    trainer.train()
+    inputs, num_items = seen[-1]
+    cu = inputs["cu_seq_lens_q"].tolist()
+    ids = inputs["input_ids"][0].tolist()
+    want = lossmask.label_batch([ids[a:b] for a, b in zip(cu[:-1], cu[1:])], markers)
+    assert inputs["labels"][0].tolist() == [t for row in want.labels for t in row]
+    assert int(num_items) == int(want.trained_tokens.sum()) > 0
+    assert len(cu) > 2  # several sequences in the packed row, each labelled on its own
