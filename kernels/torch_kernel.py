@@ -2,14 +2,15 @@
 
 Equal to ``reference.py`` bit for bit. There is no loop over rows or tokens, only over the
 patterns. The tokens are one flat buffer cut into *segments* (rows, or the sequences of a packed
-row); positions outside every segment (padding) take part in nothing. For each pattern, shifted
-comparisons give its match starts, kept only where the whole match lies inside one segment. Match
-starts and ends become OPEN / CLOSE / mask_out events that carry their own absolute position, so
-"the latest event at or before ``i``" of SPEC.md is a running maximum (``cummax``) over the whole
-buffer: an event of an earlier segment is below the segment's first position and reads as "none".
-An event one past a segment's last token (a response header that ends the row) would land on the
-next segment's first position, so it is kept out of the running maxima; it still counts for
-"a response pattern occurs" and for ``max(OPEN)``, which are per-segment reductions (``scatter``).
+row), given as a segment id per position; positions outside every segment (padding) take part in
+nothing. For each pattern, shifted comparisons give its match starts, kept where the whole match
+lies in one segment (again a shifted comparison, of the segment ids: no gathers). Matches become
+OPEN / CLOSE / mask_out events at absolute positions, and "the latest event at or before ``i``" of
+SPEC.md is one running maximum (``cummax``) over the whole buffer, with an open at ``p`` coded
+``2p`` and a close ``2p + 1`` so that a tie is masked. A CLOSE at every segment's first position
+cuts off the events of the segments before it; an event one past a segment's last token (a
+response header that ends the row) is left out of the running maximum and counts only for "a
+response pattern occurs" and ``max(OPEN)``, which are per-segment reductions (``scatter``).
 
 Three entry points:
 
