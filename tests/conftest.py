@@ -46,3 +46,20 @@ def chat_tokenizer(family: str):
 
         _CHAT_TOKENIZERS[family] = load_tokenizer(tokenizer_path(family))
     return _CHAT_TOKENIZERS[family]
+
+
+_DETECTED: dict = {}
+
+
+def detected_markers(family: str):
+    """``(markers, report)`` of ``detect_markers_with_report`` on one family, once per test session
+    (warnings silenced: Falcon's no-stop-token warning is tested on its own)."""
+    if family not in _DETECTED:
+        import warnings
+
+        from lossmask.detect import detect_markers_with_report
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _DETECTED[family] = detect_markers_with_report(chat_tokenizer(family))
+    return _DETECTED[family]
