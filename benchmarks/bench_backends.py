@@ -38,14 +38,27 @@ def report(benchmark, name, n_tokens, numba_seconds):
           f"numba {n_tokens / numba_seconds / 1e6:,.1f} Mtok/s; ratio to numba {ratio:.3f}x")
 
 
-@pytest.mark.parametrize("backend", ["torch", "mlx"])
-def test_make_labels_backend(benchmark, rows, numba_seconds, backend):
+@pytest.fixture
+def torch_threads(request):
+    """Run with ``torch.set_num_threads(request.param)`` (None: torch's default), restored after."""
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    if request.param:
+        torch.set_num_threads(request.param)
+    yield torch.get_num_threads()
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("backend, torch_threads", [("torch", None), ("torch", 1), ("mlx", None)],
+                         ids=["torch", "torch-1-thread", "mlx"], indirect=["torch_threads"])
+def test_make_labels_backend(benchmark, rows, numba_seconds, backend, torch_threads):
     pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
     want = lossmask.make_labels(rows, CHATML)
     got = lossmask.make_labels(rows, CHATML, backend=backend)  # also warms up (MLX: eager, then compiled)
     assert got.equals(want)
     benchmark.pedantic(lossmask.make_labels, args=(rows, CHATML), kwargs=dict(backend=backend), rounds=3, warmup_rounds=1)
-    report(benchmark, f"make_labels {backend} (CPU)", len(rows.values), numba_seconds)
+    threads = f", {torch_threads} torch threads" if backend == "torch" else ""
+    report(benchmark, f"make_labels {backend} (CPU{threads})", len(rows.values), numba_seconds)
 
 
 def test_torch_label_padded(benchmark, rows, numba_seconds):
