@@ -7,13 +7,11 @@ name. docs/conformance.md is the same check as a table (benchmarks/conformance.p
 from __future__ import annotations
 
 import random
-import warnings
 
 import pytest
 
-from conftest import chat_tokenizer
+from conftest import chat_tokenizer, detected_markers
 from lossmask import verify
-from lossmask.detect import detect_markers_with_report
 from lossmask.verify import GroundTruth, build_truths, renderable_probes
 
 FAMILIES = [
@@ -40,9 +38,7 @@ STOP_TOKENS = {
 @pytest.mark.parametrize("family", FAMILIES)
 def test_detected_markers_verify_exactly(family):
     ct = chat_tokenizer(family)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Falcon's no-stop-token warning is tested in test_detect
-        markers, report = detect_markers_with_report(ct)
+    markers, report = detected_markers(family)
     assert report.ok, str(report)
     assert report.missing == 0 and report.extra == 0 and report.errors == 0
     assert {ct.decode(p) for p in markers.end} == STOP_TOKENS[family]
@@ -99,9 +95,7 @@ def random_conversations(seed: int, count: int) -> list[list[dict]]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_detected_markers_hold_on_unseen_conversations(family):
     ct = chat_tokenizer(family)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Falcon's no-stop-token warning is tested in test_detect
-        markers, _ = detect_markers_with_report(ct)
+    markers, _ = detected_markers(family)
     conversations = []
     for messages in random_conversations(seed=FAMILIES.index(family), count=12):
         try:

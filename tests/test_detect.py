@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import chat_tokenizer, tokenizer_path
+from conftest import chat_tokenizer, detected_markers, tokenizer_path
 from lossmask import ChatTokenizer, MarkerDetectionError, Markers, detect_markers, load_tokenizer, markers_from_strings, verify
 from lossmask.detect import detect_markers_with_report
 
@@ -15,7 +15,7 @@ def decoded(ct, patterns) -> set[str]:
 
 def test_detect_chatml_family_keeps_in_context_variants():
     ct = chat_tokenizer("qwen2.5")
-    markers, report = detect_markers_with_report(ct)
+    markers, report = detected_markers("qwen2.5")
     assert report.ok and report.tokens > 1000
     assert "<|im_start|>assistant\n" in decoded(ct, markers.response)
     assert "<|im_start|>assistant\n\n" in decoded(ct, markers.response)  # '\n' merged with content's '\n'
@@ -33,7 +33,7 @@ def test_detect_chatml_family_keeps_in_context_variants():
 )
 def test_detect_reads_the_stop_tokens_of_each_template(family, response, end, instruction):
     ct = chat_tokenizer(family)
-    markers = detect_markers(ct)
+    markers, _ = detected_markers(family)
     assert decoded(ct, markers.response) == response
     assert decoded(ct, markers.end) == end
     assert decoded(ct, markers.instruction) == instruction
@@ -85,6 +85,7 @@ def test_detect_accepts_a_path():
     markers = detect_markers(tokenizer_path("phi-4"))
     ct = chat_tokenizer("phi-4")
     assert decoded(ct, markers.response) == {"<|im_start|>assistant<|im_sep|>"}
+    assert markers == detected_markers("phi-4")[0]
 
 
 # -- markers_from_strings ------------------------------------------------------------------------
@@ -130,11 +131,11 @@ def test_load_tokenizer_result_is_reused_by_detection():
 
 
 def test_detection_notes_what_users_should_know():
-    _, glm = detect_markers_with_report(chat_tokenizer("glm-4"))
+    _, glm = detected_markers("glm-4")
     assert any("have no stop token" in note for note in glm.notes) and "note:" in str(glm)
-    _, alpaca = detect_markers_with_report(chat_tokenizer("alpaca"))
+    _, alpaca = detected_markers("alpaca")
     assert any("plain text ('### Response:')" in note for note in alpaca.notes)
-    _, qwen = detect_markers_with_report(chat_tokenizer("qwen3"))
+    _, qwen = detected_markers("qwen3")
     assert qwen.notes == ()
 
 
