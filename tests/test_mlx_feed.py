@@ -197,3 +197,14 @@ def test_mlx_lm_trainer_runs_with_feed(tmp_path, tok, markers):
     per_row = lossmask.label_batch([train_set[i][0] for i in range(len(train_set))], markers).trained_tokens
     assert len(set(per_row.tolist())) == 1  # every row trains as many tokens, so the total is known
     assert reports[-1]["trained_tokens"] == 6 * 2 * int(per_row[0])
+
+
+def test_accepts_mlx_lm_tokenizer_wrapper(tmp_path, tok, markers):
+    """mlx_lm.load returns a TokenizerWrapper; the feed takes it as it is."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    folder = write(tmp_path / "d", "train", chat_rows(4))
+    wrapped, _, _ = lm.load_dataset(folder, TokenizerWrapper(tok))
+    plain, _, _ = lm.load_dataset(folder, tok, markers=markers)
+    assert [wrapped[i][0] for i in range(4)] == [plain[i][0] for i in range(4)]
+    assert wrapped.counts.tokens_trained == plain.counts.tokens_trained
