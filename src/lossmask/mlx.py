@@ -30,6 +30,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import pyarrow as pa
 
 from . import batches
 from .kernels import mlx_kernel
@@ -91,8 +92,6 @@ class MaskedDataset:
             except TooManyDroppedRows as exc:
                 raise TooManyDroppedRows(f"{name}: {exc}", exc.counts) from None
             if drop_untrained and not labelled.keep.all():
-                import pyarrow as pa
-
                 array = array.filter(pa.array(labelled.keep))
         rows = batches.rows_from_arrow(array)
         lengths = rows.lengths.astype(np.int64)
@@ -176,8 +175,6 @@ def tokenize_rows(rows: Sequence[dict], tokenizer: Any, *, features: Features = 
         encoded = ct.encode_texts(texts)
         eos = ct.eos_token_id
         if eos is not None:  # mlx-lm appends EOS to text rows that lack it
-            import pyarrow as pa
-
             ids = [r if (r and r[-1] == eos) else r + [eos] for r in encoded.to_pylist()]
             encoded = pa.array(ids, type=pa.large_list(pa.int32()))
         return encoded, first
