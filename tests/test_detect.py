@@ -162,3 +162,15 @@ def test_glm_non_thinking_with_reasoning_is_refused():
     ct = load_tokenizer(chat_tokenizer("glm-4"), template_kwargs={"enable_thinking": False})
     with pytest.raises(MarkerDetectionError, match="do not reproduce its ground truth"):
         detect_markers(ct)
+
+
+def test_named_templates_render_tools_with_their_own_template():
+    """A tokenizer with {'default', 'tool_use'} templates: probes with tools use 'tool_use'."""
+    base = chat_tokenizer("qwen2.5")
+    template = base.template_for()
+    tool_use = template.replace("# Tools", "# Tool box")  # same markers, visibly another template
+    ct = ChatTokenizer(base.tokenizer, chat_template={"default": template, "tool_use": tool_use}, name="named")
+    markers, report = detect_markers_with_report(ct)
+    assert report.ok and markers == detected_markers("qwen2.5")[0]
+    tool = next(c for c in report.conversations if c.name == "tool")
+    assert "# Tool box" in tool.truth.text

@@ -135,3 +135,9 @@ def test_report_counts_every_token():
     report = verify(ct, _qwen_markers(ct), [CHAT])
     truth = report.conversations[0].truth
     assert report.tokens == len(truth.ids) and report.conversations[0].expected_trained == int(np.sum(truth.should_train))
+
+
+def test_verify_nothing_is_not_ok():
+    ct = chat_tokenizer("chatml")
+    report = verify(ct, _qwen_markers(ct), [])
+    assert not report.ok and report.summary() == "nothing checked: no conversations"

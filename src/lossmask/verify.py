@@ -490,6 +490,8 @@ class VerifyReport:
         return self.ok
 
     def summary(self) -> str:
+        if not self.conversations:
+            return "nothing checked: no conversations"
         verdict = "exact" if self.ok else "MISMATCH"
         text = (
             f"{verdict}: {len(self.conversations)} conversations, {self.tokens} tokens checked, "
