@@ -244,3 +244,14 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
     assert capsys.readouterr().err == ""
     mask_files(tmp_path / "in.parquet", tmp_path / "out.parquet", markers=MARKERS, progress=True)
     assert "masking" in capsys.readouterr().err
+
+
+def test_num_proc_gives_the_same_output(deepseek, tmp_path):
+    from pathlib import Path
+
+    chats = Path(__file__).resolve().parent.parent / "examples" / "chats.jsonl"
+    one = mask_files(chats, tmp_path / "one.parquet", tokenizer=deepseek, max_length=256, batch_size=16)
+    two = mask_files(chats, tmp_path / "two.parquet", tokenizer=deepseek, max_length=256, batch_size=16, num_proc=2)
+    assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
+    assert one.dropped == two.dropped and one.invalid_examples == two.invalid_examples
+    assert (one.rows_in, one.rows_out, one.tokens_trained) == (two.rows_in, two.rows_out, two.tokens_trained)

@@ -23,7 +23,8 @@ def _mask(args: argparse.Namespace) -> int:
             prompt_column=args.prompt_column, completion_column=args.completion_column,
             labels_column=args.labels_column, completion_mask=args.completion_mask, max_length=args.max_length,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
-            last_turn_only=args.last_turn_only, batch_size=args.batch_size,
+            last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
+            compression=args.compression, num_proc=args.num_proc,
             progress=False if args.no_progress else None, report=args.report,
         )
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
@@ -71,6 +72,12 @@ def _add_mask_command(commands) -> None:
                       help="abort, writing nothing, when more than F of the rows train nothing (default 0.30)")
     mask.add_argument("--last-turn-only", action="store_true", help="train only the last assistant turn of each row")
     mask.add_argument("--batch-size", type=int, default=16_384, metavar="ROWS", help="rows per batch (bounds memory)")
+    mask.add_argument("--label-dtype", choices=("int64", "int32"), default="int64",
+                      help="labels as int64 (the Hugging Face convention) or int32 (smaller files, faster writes)")
+    mask.add_argument("--compression", default="snappy", metavar="CODEC",
+                      help="Parquet compression of OUTPUT: snappy (default), zstd, lz4, gzip or none")
+    mask.add_argument("--num-proc", type=int, default=1, metavar="N",
+                      help="render and tokenise messages / prompt+completion rows in N processes")
     mask.add_argument("--report", metavar="FILE.json", help="write the report as JSON")
     mask.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
     mask.add_argument("--show", type=int, default=0, metavar="N", help="print the first N output rows, trained tokens marked")

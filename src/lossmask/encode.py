@@ -167,3 +167,19 @@ def _as_list32(arr: pa.Array) -> pa.Array:
     """list<int32> (the Hugging Face ``Sequence(int32)`` layout); only the offsets are rewritten."""
     target = pa.list_(pa.int32())
     return arr if arr.type == target else arr.cast(target)
+
+
+# -- worker processes (mask_files(num_proc=N)) -------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def start_worker(tokenizer: Any, options: Any) -> None:
+    """Process-pool initializer: the tokenizer and options arrive once per worker, not once per batch."""
+    _WORKER["tokenizer"], _WORKER["options"] = tokenizer, options
+
+
+def encode_in_worker(batch: pa.RecordBatch, kind: str, first_row: int) -> EncodedBatch:
+    table = pa.Table.from_batches([batch])
+    return encode_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row)
+

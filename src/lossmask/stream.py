@@ -57,6 +57,7 @@ def mask_files(
     batch_size: int = DEFAULT_BATCH_SIZE,
     row_group_size: int | None = None,
     compression: str = "snappy",
+    num_proc: int = 1,
     progress: bool | None = None,
     report: str | os.PathLike | None = None,
 ) -> MaskReport:
@@ -66,7 +67,8 @@ def mask_files(
     ``tokenizer`` through ``lossmask.resolve_markers`` (with ``model_name`` and ``strict``). A tokenizer
     is also needed for ``messages`` and ``prompt``/``completion`` input; ``chat_template`` (a Jinja
     file or string) replaces its template, for tokenizers that ship none. ``completion_mask=True`` (or a
-    column name) also writes TRL's 0/1 ``completion_mask``. ``progress`` shows a bar (default: when
+    column name) also writes TRL's 0/1 ``completion_mask``. ``num_proc`` > 1 renders and tokenises chat
+    and prompt/completion rows in that many processes (the rendering is per-row Python: the slow part). ``progress`` shows a bar (default: when
     stderr is a terminal). ``report``: a path to write the JSON report to. Returns the ``MaskReport``;
     raises ``TooManyDroppedRows`` (and writes nothing) when more than ``max_drop_fraction`` of the rows
     would train nothing.
@@ -82,6 +84,8 @@ def mask_files(
         raise ValueError(f"batch_size={batch_size!r} must be a positive number of rows (e.g. {DEFAULT_BATCH_SIZE})")
     if not 0.0 <= max_drop_fraction <= 1.0:
         raise ValueError(f"max_drop_fraction={max_drop_fraction!r} must be a fraction in [0, 1] (e.g. 0.30)")
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise ValueError(f"num_proc={num_proc!r} must be a positive number of processes")
     started = time.perf_counter()
     dataset, source = open_dataset(input, input_format=input_format)
     kind = input_kind(dataset.schema, options, source=source)
@@ -108,16 +112,13 @@ def mask_files(
         writer = pq.ParquetWriter(temporary, schema, compression=compression, use_dictionary=other_columns or False,
                                   write_statistics=other_columns or False)
         with _BackgroundWriter(writer, schema, row_group_size, tally) as background:
-            first_row = 0
-            read_started = time.perf_counter()
-            for batch in _batches(dataset, batch_size, source):
-                tally.time("read", time.perf_counter() - read_started)
+            encode = num_proc > 1 and kind != "input_ids"
+            for batch, first_row, encoded in _encoded_batches(dataset, batch_size, source, tally, kind, options,
+                                                             tokenizer, num_proc if encode else 1):
                 out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
-                                 first_row=first_row, source=source)
+                                 first_row=first_row, source=source, encoded=encoded)
                 background.put(out)
-                first_row += batch.num_rows
                 show(batch.num_rows, tally)
-                read_started = time.perf_counter()
         show(None, tally)
         _check_drops(tally, max_drop_fraction, tokenizer, options)
         tally.seconds["total"] = time.perf_counter() - started
@@ -192,6 +193,46 @@ class _BackgroundWriter:
                 raise
         if exc_type is None and self.error is not None:
             raise self.error
+
+
+def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc):
+    """``(batch, first_row, encoded)`` in input order; with ``num_proc`` > 1 the batches are rendered and
+    tokenised in worker processes, up to ``2 * num_proc`` batches ahead (``encoded`` is None otherwise)."""
+    batches = _batches(dataset, batch_size, source)
+    first_row = 0
+    if num_proc == 1:
+        read_started = time.perf_counter()
+        for batch in batches:
+            tally.time("read", time.perf_counter() - read_started)
+            yield batch, first_row, None
+            first_row += batch.num_rows
+            read_started = time.perf_counter()
+        return
+    import collections
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from .encode import encode_in_worker, start_worker
+
+    # spawn, not fork: the parent holds threads (the Rust tokenizer's pool, numba's, the writer)
+    with ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"), initializer=start_worker,
+                             initargs=(tokenizer, options)) as pool:
+        pending: collections.deque = collections.deque()
+        for batch in batches:
+            pending.append((batch, first_row, pool.submit(encode_in_worker, batch, kind, first_row)))
+            first_row += batch.num_rows
+            if len(pending) >= 2 * num_proc:
+                yield _finish(pending.popleft(), tally)
+        while pending:
+            yield _finish(pending.popleft(), tally)
+
+
+def _finish(item, tally):
+    batch, first_row, future = item
+    started = time.perf_counter()
+    encoded = future.result()
+    tally.time("encode_wait", time.perf_counter() - started)
+    return batch, first_row, encoded
 
 
 def open_dataset(input: Any, *, input_format: str | None = None):

@@ -145,8 +145,12 @@ def mask_batch(
     kind: str | None = None,
     first_row: int = 0,
     source: str = "input",
+    encoded: Any = None,
 ) -> pa.Table:
     """Label one batch; return the rows to keep (as a Table) and add what happened to ``tally``.
+
+    ``encoded``: the batch's ``encode.EncodedBatch`` when it was rendered and tokenised elsewhere
+    (in a worker process); otherwise chat and prompt/completion rows are encoded here with ``tokenizer``.
 
     ``markers=None`` trains every token (the policy's "no masking" outcome, e.g. raw text).
     ``first_row`` is the batch's first row in the whole input, so that errors and invalid rows
@@ -159,16 +163,17 @@ def mask_batch(
         input_ids = table.column(options.input_ids_column)
         prompt_lengths = None
     else:
-        if tokenizer is None:
+        if tokenizer is None and encoded is None:
             raise ValueError(
                 f"{source}: column {options.messages_column if kind == 'messages' else options.prompt_column!r} "
                 "needs a tokenizer to render and tokenise it; pass tokenizer= (--tokenizer DIR), or give pre-tokenised "
                 f"{options.input_ids_column!r} with markers"
             )
         started = time.perf_counter()
-        from .encode import encode_table
+        if encoded is None:
+            from .encode import encode_table
 
-        encoded = encode_table(tokenizer, table, kind, options, first_row=first_row)
+            encoded = encode_table(tokenizer, table, kind, options, first_row=first_row)
         for row, message in encoded.errors:
             tally.add_invalid(row, message)
         tally.time("tokenize", time.perf_counter() - started)
