@@ -252,13 +252,18 @@ def test_from_messages_time_split(benchmark, tmp_path):
     seconds = report.seconds
     total = seconds["total"]
     stages = {k: seconds.get(k, 0.0) for k in ("read", "read_messages", "render", "tokenize_text", "engine", "write")}
+    parallel_started = time.perf_counter()
+    lossmask.mask_files(tmp_path / "chats.parquet", tmp_path / "out2.parquet", tokenizer=tok, markers=markers,
+                        progress=False, num_proc=2, batch_size=2048)
+    parallel = time.perf_counter() - parallel_started
     subset = chats[:2000]
     per_row, _ = best_of(lambda: [tok.render(c) for c in subset], 1)
     batched, _ = best_of(lambda: render_chats(tok, subset), 1)
     benchmark.extra_info.update({f"{k}_share": v / total for k, v in stages.items()},
                                 rows_per_s=report.rows_in / total, tokens_per_s=report.tokens_in / total,
-                                batched_render_ratio=per_row / batched)
+                                batched_render_ratio=per_row / batched, num_proc_2_ratio=total / parallel)
     print(f"\nfrom messages: {report.rows_in:,} chats, {report.tokens_in:,} tokens in {total:.2f} s "
           f"({report.rows_in / total:,.0f} rows/s, {report.tokens_in / total:,.0f} tokens/s); shares of the time: "
           + ", ".join(f"{k} {v / total:.0%}" for k, v in stages.items())
-          + f" (write runs on its own thread); batched rendering {per_row / batched:.2f}x rendering row by row")
+          + f" (write runs on its own thread); batched rendering {per_row / batched:.2f}x rendering row by row; "
+          f"num_proc=2 (process start-up included): {parallel:.2f} s, {total / parallel:.2f}x")
