@@ -106,6 +106,8 @@ def _label_batch(batch: pa.Table, *, markers, options, tokenizer, counter) -> pa
     """One worker batch: labels via ``mask_batch``; the batch's counts go to the job's counter."""
     tally = Tally()
     out = mask_batch(batch, markers, options, tally, tokenizer=tokenizer, source="ray batch")
+    # Ray hands a worker no global row index: rows are numbered within their batch
+    tally.invalid_examples = [f"{example} (row numbered within its Ray batch)" for example in tally.invalid_examples]
     _ray().get(counter.add.remote(tally.to_dict()))
     return out
 
