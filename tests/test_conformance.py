@@ -105,3 +105,19 @@ def test_detected_markers_hold_on_unseen_conversations(family):
         conversations.append(messages)
     report = verify(ct, markers, conversations)
     assert report.ok, str(report)
+
+
+def test_conformance_script_writes_the_table(tmp_path):
+    import importlib.util
+
+    from conftest import REPO_ROOT, tokenizer_path
+
+    tokenizer_path("chatml")  # skips when the fixtures are absent
+    spec = importlib.util.spec_from_file_location("conformance_script", REPO_ROOT / "benchmarks" / "conformance.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "conformance.md"
+    assert script.main(["--out", str(out), "chatml", "falcon"]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert "**2 of 2 families exact.**" in text
+    assert "| chatml | real base + 2 added tokens | detected | `<\\|im_start\\|> assistant\\n` | `<\\|im_end\\|>` |" in text
