@@ -166,3 +166,11 @@ def test_template_kwargs_reach_every_render():
     assert ct.encode_chats([CHAT[:1]], add_generation_prompt=True).input_ids.to_pylist()[0] == ct.encode(
         ct.render(CHAT[:1], add_generation_prompt=True)
     )
+
+
+def test_encode_chats_all_rejected_and_generators():
+    ct = chat_tokenizer("gemma-2")
+    rejected = ct.encode_chats([[{"role": "system", "content": "x"}], {"nope": 1}])
+    assert rejected.input_ids.to_pylist() == [None, None] and [r for r, _ in rejected.errors] == [0, 1]
+    rows = iter([CHAT[:1]])
+    assert ct.encode_chats(rows).input_ids.to_pylist() == [ct.encode(ct.render(CHAT[:1]))]
