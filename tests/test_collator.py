@@ -139,6 +139,15 @@ def test_collator_equals_reference_per_sequence(batch, m, side, padding_free, pa
         assert (labels[r] != -100).sum() == (row_want != -100).sum()
 
 
+def test_rows_as_lists_numpy_or_tensors():
+    collate = CompletionCollator(markers=MARKERS, pad_token_id=0)
+    want = collate([{"input_ids": r} for r in ROWS])
+    for convert in (lambda r: np.asarray(r, dtype=np.int32), lambda r: torch.tensor(r, dtype=torch.int64)):
+        got = collate([{"input_ids": convert(r)} for r in ROWS])
+        for key in want:
+            torch.testing.assert_close(got[key], want[key])
+
+
 def test_row_labels_keep_and_rebuild():
     examples = [{"input_ids": ROWS[1], "labels": list(ROWS[1])}]  # what TRL's preparation writes
     rebuilt = CompletionCollator(markers=MARKERS, pad_token_id=0)(examples)["labels"].numpy()[0]

@@ -156,6 +156,8 @@ class _Layout:
             ids = [example["input_ids"] for example in examples]
         except (KeyError, TypeError):
             raise TypeError("each row must be a dict with an 'input_ids' list of token ids (tokenise first)") from None
+        if isinstance(ids[0], torch.Tensor):  # a dataset formatted as torch
+            ids = [row.cpu().numpy() if isinstance(row, torch.Tensor) else row for row in ids]
         rows = batches.rows_from_arrow(batches.rows_from_pylist(ids))
         values, row_starts = rows.values, rows.starts.astype(np.int64)
         lengths = rows.lengths.astype(np.int64)
