@@ -44,7 +44,8 @@ import pyarrow as pa
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("detected", "standalone", "table")
-REASONS = ("no_response", "empty_response", "empty")
+REASONS = ("no_response", "empty_response", "empty")  # lossmask's (SPEC.md); outcome codes 1, 2, 3
+NO_INSTRUCTION = "no_instruction"  # the standalone collator's own: the instruction pattern never occurs (code 4)
 DEFAULT_ROWS = 200
 DEFAULT_MAX_LENGTHS = (512, 1024, 4096)
 REPEAT = 3  # timings: the best of this many runs
@@ -119,7 +120,8 @@ def label_standalone(rows: Sequence[np.ndarray], markers: Standalone | None) -> 
     """Per-row Python labelling in the style of the pre-2025 TRL completion-only collator.
 
     Returns a boolean "trained" array per row and an outcome code per row (0 trained, then
-    ``REASONS`` in order). ``markers`` None trains every token.
+    ``REASONS`` in order, 4 when only the instruction pattern is missing). ``markers`` None trains
+    every token.
     """
     trained, outcomes = [], np.zeros(len(rows), dtype=np.int8)
     for r, row in enumerate(rows):
@@ -140,7 +142,10 @@ def label_standalone(rows: Sequence[np.ndarray], markers: Standalone | None) -> 
         if len(row) == 0:
             outcomes[r] = 3
         elif not mask.any():
-            outcomes[r] = 1 if markers is not None and not _matches(row, markers.response) else 2
+            if markers is None or _matches(row, markers.response):
+                outcomes[r] = 4 if markers is not None and not _matches(row, markers.instruction) else 2
+            else:
+                outcomes[r] = 1
     return trained, outcomes
 
 
@@ -297,7 +302,8 @@ def measure(
     family: str, source: str, max_length: int | None, truths: Sequence[Any], labelled: Labelled, note: str
 ) -> dict:
     """One record: drops per reason, wrong rows and tokens, stop tokens trained, against the cut truths."""
-    dropped = dict.fromkeys(REASONS, 0)
+    reasons = (*REASONS, NO_INSTRUCTION)
+    dropped = dict.fromkeys(reasons if source == "standalone" else REASONS, 0)
     rows_wrong = wrongly_trained = wrongly_masked = tokens = expected = 0
     stops = stops_trained = 0
     for truth, trained, outcome in zip(truths, labelled.trained, labelled.outcomes):
@@ -310,7 +316,7 @@ def measure(
         rows_wrong += bool(extra or missing)
         if not trained.any():
             # every assistant token cut away by truncation: a drop by truncation, whatever the labeller saw
-            dropped["empty_response" if not should.any() else REASONS[int(outcome) - 1]] += 1
+            dropped["empty_response" if not should.any() else reasons[int(outcome) - 1]] += 1
         for turn in truth.turns:
             if turn.stop is not None and turn.stop < len(should):
                 stops += 1
@@ -395,9 +401,12 @@ def run_family(path: Path, *, rows: int, max_lengths: Sequence[int], seed: int =
         ids = [np.asarray(r, dtype=np.int64) for r, keep in zip(encoded.input_ids.to_pylist(), ok) if keep]
         kept = [(t, i) for t, i in zip(truths, ids) if _checkable(t, i)]
         unchecked = len(chats) - len(kept)
+        why = ""
         if unchecked:
-            print(f"{family}: {unchecked} of {len(chats)} rows not checked ({len(encoded.errors)} rejected by the "
-                  f"template, {sum(not isinstance(t, GroundTruth) for t in truths)} without a ground truth)", file=sys.stderr)
+            no_truth = sum(not isinstance(t, GroundTruth) for t in truths)
+            why = (f"{len(encoded.errors)} rejected by the template, {no_truth} without a ground truth, "
+                   f"{unchecked - len(encoded.errors) - no_truth} with an assistant text the ground truth cannot locate")
+            print(f"{family}: {unchecked} of {len(chats)} rows not checked ({why})", file=sys.stderr)
         truths, ids = [t for t, _ in kept], [i for _, i in kept]
         sources = source_markers(ct, family)
     finally:
@@ -415,6 +424,7 @@ def run_family(path: Path, *, rows: int, max_lengths: Sequence[int], seed: int =
             record = measure(family, source, max_length, truths, labelled, note)
             record["setup_seconds"] = round(setup, 3)
             record["unchecked"] = unchecked
+            record["unchecked_why"] = why
             records.append(record)
     return records
 
@@ -449,7 +459,7 @@ def totals(records: Sequence[dict], source: str, max_length: int | None) -> dict
     return {
         "families": len(chosen),
         "rows": sum(r["rows"] for r in chosen),
-        "dropped": {k: sum(r["dropped"][k] for r in chosen) for k in REASONS},
+        "dropped": {k: sum(r["dropped"].get(k, 0) for r in chosen) for k in (*REASONS, NO_INSTRUCTION)},
         "rows_wrong": sum(r["rows_wrong"] for r in chosen),
         "tokens": sum(r["tokens"] for r in chosen),
         "tokens_wrongly_trained": sum(r["tokens_wrongly_trained"] for r in chosen),
@@ -488,7 +498,8 @@ def render_markdown(records: Sequence[dict], *, rows: int, max_lengths: Sequence
         "- **detected**: `lossmask.detect_markers` (read off the template, verified), lossmask's engine;",
         "- **standalone**: role strings tokenised on their own (a hand-kept table, else a guess from the special",
         "  tokens, else no masking) and applied per row with the rule of the pre-2025 TRL completion-only",
-        "  collator; a row without the response or instruction pattern is ignored (dropped);",
+        "  collator; a row without the response pattern (`no_response`) or without the instruction pattern",
+        "  (`no_instruction`, this collator's own reason) is ignored, i.e. dropped;",
         "- **table**: lossmask's template table for the folder's name (`markers_from_strings`), used only when",
         "  `verify` finds it exact (as `resolve_markers` does), else the full sequence trains.",
         "",
@@ -537,6 +548,12 @@ def render_markdown(records: Sequence[dict], *, rows: int, max_lengths: Sequence
                     f"| {family} | {r['source']} | {r['rows']} | {_drops(r['dropped'])} | {r['rows_wrong']} | "
                     f"{r['tokens_wrongly_trained']} | {r['tokens_wrongly_masked']} | {stop} | {r['seconds']:.4f} | {note} |"
                 )
+    unchecked = {r["family"]: r for r in records if r["unchecked"] and r["max_length"] is None and r["source"] == "detected"}
+    if unchecked:
+        lines += ["", "Rows not checked (left out of every count above and below, for every source alike):", ""]
+        lines += [f"- **{f}**: {r['unchecked']} of {r['rows'] + r['unchecked']} rows: {r['unchecked_why']}" for f, r in unchecked.items()]
+        if "falcon" in unchecked:
+            lines.append("  (Falcon's template rewrites `\\n\\n` as `\\n` inside every content, so `verify` does not find the text.)")
     for max_length in max_lengths:
         lines += [
             "",

@@ -34,6 +34,8 @@ def test_standalone_collator_rule():
     trained, outcomes = dropped_rows.label_standalone(rows, markers)
     assert trained[0].tolist() == [False] * 5 + [True, True] + [False] * 4 + [True]
     assert not trained[1].any() and outcomes.tolist() == [0, 1, 3]
+    _, outcomes = dropped_rows.label_standalone([np.array([1, 7, 8, 2])], markers)
+    assert outcomes.tolist() == [4]  # the response occurs, the instruction never does: ignored all the same
     everything, _ = dropped_rows.label_standalone(rows[:1], None)  # no markers: the full sequence trains
     assert everything[0].all()
 
@@ -63,7 +65,7 @@ def test_benchmark_on_a_few_families(tokenizers_dir, tmp_path):
         assert KEYS <= set(r), KEYS - set(r)
         assert r["family"] in FAMILIES and r["source"] in ("detected", "standalone", "table")
         assert r["max_length"] in (None, 128, 512)
-        assert set(r["dropped"]) == {"no_response", "empty_response", "empty"}
+        assert {"no_response", "empty_response", "empty"} <= set(r["dropped"]) <= {"no_response", "empty_response", "empty", "no_instruction"}
         assert all(isinstance(n, int) and n >= 0 for n in r["dropped"].values())
         assert 0 <= r["rows_wrong"] <= r["rows"] > 0
         assert r["stop_token_trained"] is None or 0 <= r["stop_token_trained"] <= 1
