@@ -201,7 +201,7 @@ def padded_bounds(
         mask = attention_mask.to(device=input_ids.device).bool()
         lengths = mask.sum(dim=1)
         # the first real position: right padding starts at 0, left padding ends at the width
-        lo = torch.where(lengths > 0, mask.to(torch.int8).argmax(dim=1), 0).to(torch.int64)
+        lo = torch.where(lengths > 0, mask.to(torch.int32).argmax(dim=1), 0).to(torch.int64)
         span = torch.arange(width, device=input_ids.device)
         expected = (span >= lo[:, None]) & (span < (lo + lengths)[:, None])
         if not torch.equal(expected, mask):

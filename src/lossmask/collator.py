@@ -38,7 +38,8 @@ class CompletionCollator:
     - ``prompt_loss_weight``: 0 drops prompt tokens from the loss; > 0 adds ``loss_weights`` for
       ``prompt_weighted_loss`` / ``PromptWeightedLossMixin``.
     - ``device``: where to build the batch and its labels (``"cuda"``); ``None`` keeps it on the CPU and
-      lets the trainer move it. Keep ``None`` with DataLoader worker processes.
+      lets the trainer move it. With ``"cuda"`` use ``dataloader_num_workers=0`` and
+      ``dataloader_pin_memory=False`` (only CPU tensors can be pinned).
 
     Rows packed by TRL carry ``seq_lengths``; each packed sequence is labelled on its own.
     """
