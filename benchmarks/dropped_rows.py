@@ -338,13 +338,6 @@ def measure(
     }
 
 
-def _quiet() -> Any:
-    manager = warnings.catch_warnings()
-    manager.__enter__()
-    warnings.simplefilter("ignore")
-    return manager
-
-
 def source_markers(ct: Any, family: str) -> dict[str, tuple[Any, str, float]]:
     """``{source: (markers, note, seconds to get them)}``; markers None means the full sequence trains."""
     from lossmask import MarkerDetectionError, detect_markers
@@ -390,8 +383,8 @@ def run_family(path: Path, *, rows: int, max_lengths: Sequence[int], seed: int =
     from lossmask.verify import GroundTruth, build_truths, renderable_probes
 
     family = path.name
-    guard = _quiet()
-    try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # detection's notes (no stop token...) and transformers' length warnings
         ct = load_tokenizer(path)
         probes = {p.name for p in renderable_probes(ct)}
         chats = synthetic_chats(rows, seed=seed, system="system" in probes, tools="tool" in probes)
@@ -409,8 +402,6 @@ def run_family(path: Path, *, rows: int, max_lengths: Sequence[int], seed: int =
             print(f"{family}: {unchecked} of {len(chats)} rows not checked ({why})", file=sys.stderr)
         truths, ids = [t for t, _ in kept], [i for _, i in kept]
         sources = source_markers(ct, family)
-    finally:
-        guard.__exit__(None, None, None)
     records = []
     for max_length in (None, *max_lengths):
         cut = ids if max_length is None else [r[:max_length] for r in ids]
