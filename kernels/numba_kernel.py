@@ -151,8 +151,7 @@ def _label_row(values, lo, hi, tokens, offsets, kinds, flags, last_turn_only, ig
     return 0, (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE), first_bad
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def _label_rows(values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask):
+def _label_rows_body(values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask):
     n_rows = starts.shape[0]
     trained_tokens = np.zeros(n_rows, dtype=np.int64)
     outcomes = np.zeros(n_rows, dtype=np.int8)
@@ -167,10 +166,18 @@ def _label_rows(values, starts, ends, tokens, offsets, kinds, flags, last_turn_o
     return trained_tokens, outcomes, first_bad
 
 
+# One body, two compilations: waking the thread pool costs more than it saves on small batches (a
+# collator's 16 rows), and far more on a loaded machine.
+_label_rows_parallel = njit(cache=True, parallel=True, nogil=True)(_label_rows_body)
+_label_rows_serial = njit(cache=True, nogil=True)(_label_rows_body)
+PARALLEL_MIN_TOKENS = 1 << 18
+
+
 def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
     """Backend entry point (see ``lossmask.kernels``)."""
     c = markers.compiled()
-    return _label_rows(
+    kernel = _label_rows_parallel if values.shape[0] >= PARALLEL_MIN_TOKENS else _label_rows_serial
+    return kernel(
         values, starts, ends, c.tokens, c.offsets, c.kinds, c.flags,
         bool(last_turn_only), out.dtype.type(ignore_index), out, bool(write_mask),
     )

@@ -92,3 +92,21 @@ def test_one_huge_row_and_many_empty_rows():
     slow = lossmask.label_batch(rows, markers, backend="numpy")
     assert fast.labels == slow.labels
     np.testing.assert_array_equal(fast.outcomes, slow.outcomes)
+
+
+def test_parallel_and_serial_kernels_agree(monkeypatch):
+    """Small batches run serially; force the parallel compilation onto random data too."""
+    from lossmask.kernels import numba_kernel
+
+    rng = np.random.default_rng(11)
+    markers = Markers(response=[[1, 2], [1, 2, 2]], instruction=[[1]], end=[[3], [3, 4]], mask_out=[[5, 0]])
+    rows = [rng.integers(0, VOCAB, rng.integers(0, 80)).tolist() for _ in range(3000)]
+    for last_turn_only in (False, True):
+        serial = lossmask.label_batch(rows, markers, last_turn_only=last_turn_only)
+        monkeypatch.setattr(numba_kernel, "PARALLEL_MIN_TOKENS", 0)
+        parallel = lossmask.label_batch(rows, markers, last_turn_only=last_turn_only)
+        monkeypatch.undo()
+        reference = lossmask.label_batch(rows, markers, last_turn_only=last_turn_only, backend="numpy")
+        assert serial.labels == parallel.labels == reference.labels
+        np.testing.assert_array_equal(parallel.outcomes, reference.outcomes)
+        np.testing.assert_array_equal(parallel.trained_tokens, reference.trained_tokens)
