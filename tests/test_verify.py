@@ -141,3 +141,24 @@ def test_verify_nothing_is_not_ok():
     ct = chat_tokenizer("chatml")
     report = verify(ct, _qwen_markers(ct), [])
     assert not report.ok and report.summary() == "nothing checked: no conversations"
+
+
+R1_STYLE = [
+    {"role": "user", "content": "Q1?"}, {"role": "assistant", "content": "<think>\nR one\n</think>\n\nA one."},
+    {"role": "user", "content": "Q2?"}, {"role": "assistant", "content": "<think>\nR two\n</think>\n\nA two."},
+]
+
+
+@pytest.mark.parametrize(
+    "family, expected",
+    [
+        # the template drops the reasoning of every turn: only what it keeps can train
+        ("deepseek-v3", ["\n\nA one.<｜end▁of▁sentence｜>", "\n\nA two.<｜end▁of▁sentence｜>"]),
+        # reasoning parsed out of the content, kept in the last turn only, reformatted by GLM
+        ("qwen3", ["A one.<|im_end|>", "<think>\nR two\n</think>\n\nA two.<|im_end|>"]),
+        ("glm-4", ["\n<think></think>\nA one.<|user|>", "\n<think>R two</think>\nA two."]),
+        ("chatml", ["<think>\nR one\n</think>\n\nA one.<|im_end|>", "<think>\nR two\n</think>\n\nA two.<|im_end|>"]),
+    ],
+)
+def test_reasoning_written_in_the_content(family, expected):
+    assert trained_spans(ground_truth(chat_tokenizer(family), R1_STYLE)) == expected

@@ -134,6 +134,13 @@ def probe_conversations(*, system: bool = True, tools: bool = True, reasoning: b
                 user("Is 9 prime?"), assistant("No: 9 = 3 x 3.", "Nine is three times three."),
             )),
         ]
+    if reasoning:
+        probes += [
+            Conversation("reasoning-in-content", (  # R1-style datasets: templates parse </think> out
+                user("Is 11 prime?"), assistant("<think>\nEleven has no divisor.\n</think>\n\nYes, 11 is prime."),
+                user("Is 15 prime?"), assistant("<think>\nFifteen is three times five.\n</think>\n\nNo: 15 = 3 x 5."),
+            )),
+        ]
     if tools:
         call = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
         probes += [
@@ -188,7 +195,12 @@ def _pieces(message: Mapping[str, Any]) -> list[str]:
         if isinstance(message.get(key), str) and message[key].strip():
             pieces.append(message[key])
     content = message.get("content")
-    if isinstance(content, str) and content.strip():
+    if isinstance(content, str) and "</think>" in content:
+        # reasoning written into the content (R1-style): templates move, reformat or drop the
+        # part before </think>, so each part is looked for on its own
+        reasoning, _, answer = content.partition("</think>")
+        pieces += [part for part in (reasoning.replace("<think>", "", 1), answer) if part.strip()]
+    elif isinstance(content, str) and content.strip():
         pieces.append(content)
     elif isinstance(content, list):  # multimodal-style [{"type": "text", "text": ...}]
         pieces += [part["text"] for part in content if isinstance(part, Mapping) and isinstance(part.get("text"), str) and part["text"].strip()]
@@ -389,7 +401,7 @@ def _turn_start(ct: ChatTokenizer, conv: Conversation, messages, i: int, text: s
         )
     if prompt == no_prompt and spans[i] is not None and not messages[i].get("tool_calls"):
         gap = text[text_at + len(tail) : spans[i][0]]
-        if gap.strip():
+        if gap.replace("<think>", "", 1).strip():  # R1-style content starts with its own <think>
             raise GroundTruthError(
                 f"add_generation_prompt=True adds nothing after message {i - 1}, and the rendered "
                 f"chat has {gap!r} between there and the assistant's content: the template has no generation "
