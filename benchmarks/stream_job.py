@@ -82,7 +82,8 @@ def copy(src: str, dst: str) -> dict:
     fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
     dataset = ds.dataset(src, format=fmt)  # as mask_files reads
     rows = 0
-    with pq.ParquetWriter(dst, dataset.schema, compression="zstd") as writer:
+    # the writer settings of mask_files: snappy, no dictionary or statistics on the token column
+    with pq.ParquetWriter(dst, dataset.schema, compression="snappy", use_dictionary=["id"], write_statistics=["id"]) as writer:
         for batch in dataset.scanner(batch_size=16_384, batch_readahead=1, fragment_readahead=1).to_batches():
             writer.write_table(pa.Table.from_batches([batch]))
             rows += batch.num_rows
