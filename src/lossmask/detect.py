@@ -120,7 +120,7 @@ def _notes(ct: ChatTokenizer, markers: Markers, truths: Sequence[GroundTruth]) -
     elif unstopped:
         notes.append(
             f"{len(unstopped)} of {len(turns)} probed assistant turns have no stop token (the template writes "
-            "none after the last turn of a chat), so nothing after their content is trained"
+            "none after them, e.g. after the last turn of a chat), so nothing after their content is trained"
         )
     if markers.mask_out:
         texts = ", ".join(repr(ct.decode(p)) for p in markers.mask_out)
