@@ -174,3 +174,31 @@ def test_named_templates_render_tools_with_their_own_template():
     assert report.ok and markers == detected_markers("qwen2.5")[0]
     tool = next(c for c in report.conversations if c.name == "tool")
     assert "# Tool box" in tool.truth.text
+
+
+def test_end_of_turn_token_added_without_the_special_flag():
+    """Community ChatML fine-tunes often add <|im_start|>/<|im_end|> as plain added tokens (EOS </s>):
+    <|im_end|> still ends the turn, so it is still the trained stop token."""
+    import json
+
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from test_conformance import random_conversations
+
+    folder = tokenizer_path("chatml")
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    for token in data["added_tokens"]:
+        if token["content"] in ("<|im_start|>", "<|im_end|>"):
+            token["special"] = False
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(data)), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    template = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"]
+    ct = ChatTokenizer(hf, chat_template=template, name="chatml, plain added tokens")
+    assert hf.convert_tokens_to_ids("<|im_end|>") not in ct.special_ids
+    markers, report = detect_markers_with_report(ct)
+    assert report.ok and decoded(ct, markers.end) == {"<|im_end|>"}
+    single_turn = [m for m in random_conversations(seed=4, count=12) if len(m) <= 3]
+    assert single_turn and verify(ct, markers, single_turn).ok

@@ -307,6 +307,7 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
     ids, offsets = ct.encode_with_offsets(text)
     spans = locate_messages(text, messages)
     special = np.fromiter((int(t) in ct.special_ids for t in ids), dtype=bool, count=len(ids))
+    added = np.fromiter((int(t) in ct.added_ids for t in ids), dtype=bool, count=len(ids))
     starts = offsets[:, 0]
 
     assistant_turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
@@ -328,10 +329,12 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
             between = text[content_end : following[0]]
             closing = between[: _common_prefix(alone[alone_end:], between)]
             stop = _last_special(special, offsets, content_end, content_end + len(closing))
-            if stop is not None:
-                closings.append(closing)
-            else:  # no end-of-turn token of its own: the first special token that follows stops it
+            if stop is None:  # no end-of-turn token of its own: the first special token that follows stops it
                 stop = _first_special(special, starts, content_end, following[0])
+            if stop is None:  # an end-of-turn token added without the special flag (community ChatML)
+                stop = _last_special(added, offsets, content_end, content_end + len(closing))
+            if stop is not None and offsets[stop, 1] <= content_end + len(closing):
+                closings.append(closing)
             turns.append(_make_turn(i, header, start, content_end, stop, offsets, following[0]))
         else:
             pending_last.append((i, start, header, content_end))
@@ -339,9 +342,14 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
         rest = text[content_end:]
         known = [c for c in closings if rest.startswith(c)]
         if known:
-            stop = _last_special(special, offsets, content_end, content_end + len(max(known, key=len)))
+            hi = content_end + len(max(known, key=len))
+            stop = _last_special(special, offsets, content_end, hi)
+            if stop is None:
+                stop = _last_special(added, offsets, content_end, hi)
         else:
             stop = _first_special(special, starts, content_end, len(text))
+            if stop is None:  # an end-of-turn token added without the special flag
+                stop = _first_special(added, starts, content_end, len(text))
         turns.append(_make_turn(i, header, start, content_end, stop, offsets, len(text)))
 
     should = np.zeros(len(ids), dtype=bool)
