@@ -159,3 +159,26 @@ def test_train_on_responses_only_with_a_real_trainer(deepseek, chats, tmp_path):
     result = trainer.train()
     assert np.isfinite(result.training_loss)
     assert np.isfinite(trainer.evaluate()["eval_loss"])
+
+
+def test_train_on_responses_only_with_trl_sft_trainer(deepseek, chats, tmp_path):
+    """TRL tokenises at init (its own input_ids); the drop-in labels those ids and trains a step."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    trl = pytest.importorskip("trl")
+    config = transformers.LlamaConfig(
+        vocab_size=len(deepseek.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+    )
+    data = chats.select(range(40)).filter(lambda r: len(r["messages"]) > 1 and all(m.get("content") for m in r["messages"]))
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+                         use_cpu=True, save_strategy="no", max_length=256)
+    trainer = trl.SFTTrainer(model=transformers.LlamaForCausalLM(config), args=args, train_dataset=data,
+                             processing_class=deepseek.tokenizer)
+    train_on_responses_only(trainer, verbose=False)
+    assert isinstance(trainer.data_collator, PadByPosition)
+    ours = trainer.train_dataset
+    markers = lossmask.resolve_markers(deepseek).markers
+    assert list(ours["labels"]) == lossmask.make_labels(list(ours["input_ids"]), markers)
+    assert ours.num_rows == data.num_rows - 1  # TRL's max_length cut the long row right after the header
+    assert np.isfinite(trainer.train().training_loss)
