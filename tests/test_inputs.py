@@ -33,8 +33,15 @@ def test_sliced_arrays_keep_their_offset():
     arr = pa.array([[5]] * 3 + ROWS + [[1, 2, 3]], type=pa.large_list(pa.int32()))
     sliced = arr.slice(3, len(ROWS))
     out = lossmask.make_labels(sliced, M)
-    assert out.offset == sliced.offset
     assert out.to_pylist() == EXPECTED
+    # labelled over the slice's own values: no buffer the size of the parent
+    assert len(out.values) == sum(map(len, ROWS))
+    # a slice from the start still shares the input's offsets buffer
+    head = arr.slice(0, 5)
+    assert lossmask.make_labels(head, M).buffers()[1].address == head.buffers()[1].address
+    # a slice with null rows keeps them null
+    with_nulls = pa.array([[1, 2, 5]] + ROWS + [None, [1, 2, 6]], type=pa.list_(pa.int64())).slice(1)
+    assert lossmask.make_labels(with_nulls, M).to_pylist() == EXPECTED + [None, [-100, -100, 6]]
     # a slice of the child (values with their own offset) is read at the right place too
     child_sliced = pa.ListArray.from_arrays(pa.array([0, 3, 5], pa.int32()), pa.array([9, 9, 1, 2, 8, 1, 2, 7], pa.int64()).slice(2))
     assert lossmask.make_labels(child_sliced, M).to_pylist() == [[-100, -100, 8], [-100, -100]]

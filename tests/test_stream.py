@@ -255,15 +255,3 @@ def test_num_proc_gives_the_same_output(deepseek, tmp_path):
     assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
     assert one.dropped == two.dropped and one.invalid_examples == two.invalid_examples
     assert (one.rows_in, one.rows_out, one.tokens_trained) == (two.rows_in, two.rows_out, two.tokens_trained)
-
-
-@pytest.mark.parametrize("list_type", [pa.list_(pa.int32()), pa.large_list(pa.int64())])
-def test_compact_keeps_rows_and_labels_of_a_slice(list_type):
-    from lossmask.table import compact
-
-    whole = pa.array([[1, 2, 9, 4], None, [5, 1, 2, 7, 4], [], [1, 2, 3]], type=list_type)
-    part = whole.slice(1, 3)
-    small = compact(part)
-    assert small.type == part.type and small.to_pylist() == part.to_pylist()
-    assert len(small.values) == 5  # only the slice's own values
-    assert lossmask.make_labels(small, MARKERS).to_pylist() == lossmask.make_labels(part, MARKERS).to_pylist()

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 
 
 @dataclass(frozen=True)
@@ -22,13 +23,15 @@ class TokenRows:
     """Rows as the kernels see them: row ``r`` is ``values[starts[r]:ends[r]]``.
 
     ``first_row`` is the index of row 0 in the caller's whole input (chunks of a ChunkedArray
-    start further on), so that errors name the row the user knows.
+    start further on), so that errors name the row the user knows. ``base`` is where ``values[0]``
+    lies in the Arrow child array: a slice is labelled over its own values only, not its parent's.
     """
 
     values: np.ndarray
     starts: np.ndarray
     ends: np.ndarray
     first_row: int = 0
+    base: int = 0
 
     @property
     def lengths(self) -> np.ndarray:
@@ -81,8 +84,11 @@ def rows_from_arrow(arr: pa.Array, *, first_row: int = 0) -> TokenRows:
         _raise_on_null_inside_row(child, starts, ends, first_row)
     # The data buffer itself, not child.to_numpy(): a null outside every row must not force a copy.
     dtype = np.dtype(child.type.to_pandas_dtype())
-    values = np.frombuffer(child.buffers()[1], dtype=dtype)[child.offset : child.offset + len(child)]
-    return TokenRows(values, starts, ends, first_row)
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    values = np.frombuffer(child.buffers()[1], dtype=dtype)[child.offset + lo : child.offset + hi]
+    if lo:  # a batch sliced out of a bigger array (a Parquet row group, a Dataset batch): re-base, O(rows)
+        starts, ends = starts - lo, ends - lo
+    return TokenRows(values, starts, ends, first_row, base=lo)
 
 
 def _raise_on_null_inside_row(child: pa.Array, starts: np.ndarray, ends: np.ndarray, first_row: int) -> None:
@@ -98,17 +104,26 @@ def _raise_on_null_inside_row(child: pa.Array, starts: np.ndarray, ends: np.ndar
         )
 
 
-def labels_to_arrow(arr: pa.Array, values: pa.Buffer, dtype: np.dtype) -> pa.Array:
-    """A list array shaped like ``arr`` (same offsets and validity buffers, no copy) over ``values``."""
+def labels_to_arrow(arr: pa.Array, values: pa.Buffer, dtype: np.dtype, *, base: int = 0) -> pa.Array:
+    """A list array shaped like ``arr`` over the label ``values`` of its rows.
+
+    With ``base == 0`` (a whole array, or a slice from its start) the offsets and validity buffers are
+    the input's own, not copied; a slice further in gets offsets re-based by ``base``.
+    """
     value_type = pa.from_numpy_dtype(dtype)
     list_type = pa.list_(value_type) if pa.types.is_list(arr.type) else pa.large_list(value_type)
     buffers = arr.buffers()
     if buffers[1] is None:
         return pa.array([], type=list_type)
     child = pa.Array.from_buffers(value_type, values.size // dtype.itemsize, [None, values])
-    return pa.Array.from_buffers(
-        list_type, len(arr), [buffers[0], buffers[1]], null_count=arr.null_count, offset=arr.offset, children=[child]
-    )
+    if base == 0:
+        return pa.Array.from_buffers(
+            list_type, len(arr), [buffers[0], buffers[1]], null_count=arr.null_count, offset=arr.offset, children=[child]
+        )
+    offsets = pa.compute.subtract(arr.offsets, pa.scalar(base, arr.offsets.type))
+    array_class = pa.ListArray if pa.types.is_list(arr.type) else pa.LargeListArray
+    mask = arr.is_null() if arr.null_count else None
+    return array_class.from_arrays(offsets, child, type=list_type, mask=mask)
 
 
 def rows_from_pylist(rows: list, *, first_row: int = 0) -> pa.Array:

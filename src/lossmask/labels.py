@@ -139,7 +139,7 @@ def _label_arrow_chunks(chunks, run, out_dtype, *, chunked_type=None) -> Labelle
         rows = batches.rows_from_arrow(chunk, first_row=first_row)
         buffer = _label_buffer(chunk, rows, out_dtype)
         per_row.append(run(rows, np.frombuffer(buffer, dtype=out_dtype)))
-        labels.append(batches.labels_to_arrow(chunk, buffer, out_dtype))
+        labels.append(batches.labels_to_arrow(chunk, buffer, out_dtype, base=rows.base))
         first_row += len(chunk)
     if chunked_type is None:
         return _assemble(labels[0], per_row)
@@ -153,16 +153,12 @@ def _label_buffer(chunk: pa.Array, rows: TokenRows, dtype: np.dtype) -> pa.Buffe
 
     Allocated from Arrow's memory pool, which keeps freed pages for reuse: batch after batch, the
     labels land in memory that is already mapped, instead of paying a page fault per 4 KiB. The
-    kernel writes every position inside a row; only what lies outside all rows (before a slice,
-    after it, under a null row) is zeroed here.
+    values span exactly the rows (``rows_from_arrow``) and the kernel writes every position inside a
+    row; only values under null rows are not, so those batches are zeroed first.
     """
     buffer = pa.allocate_buffer(rows.values.shape[0] * dtype.itemsize)
-    out = np.frombuffer(buffer, dtype=dtype)
-    if chunk.null_count or not len(rows):
-        out[:] = 0
-    else:
-        out[: rows.starts[0]] = 0
-        out[rows.ends[-1] :] = 0
+    if chunk.null_count:
+        np.frombuffer(buffer, dtype=dtype)[:] = 0
     return buffer
 
 

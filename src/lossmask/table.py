@@ -187,7 +187,6 @@ def mask_batch(
     started = time.perf_counter()
     if isinstance(input_ids, pa.ChunkedArray):
         input_ids = input_ids.combine_chunks() if input_ids.num_chunks != 1 else input_ids.chunk(0)
-    input_ids = compact(input_ids)
     if prompt_lengths is not None:
         labels, trained, outcomes, counts = _label_by_position(input_ids, prompt_lengths, options)
     elif markers is None:
@@ -222,25 +221,6 @@ def mask_batch(
     tally.rows_out += table.num_rows
     tally.time("label", time.perf_counter() - started)
     return table
-
-
-def compact(arr: pa.Array) -> pa.Array:
-    """The same rows over only their own values: offsets rebased to 0, the child sliced (zero-copy).
-
-    Readers hand out batches that are slices of a bigger array (a Parquet row group, a dataset's
-    table), whose child still holds every value of the whole. The engine sizes its label buffer by
-    the child, so without this each batch would allocate and zero labels for the whole row group.
-    """
-    offsets = _offsets(arr)
-    if offsets.size == 0:
-        return arr
-    start, end = int(offsets[0]), int(offsets[-1])
-    if start == 0 and end == len(arr.values):
-        return arr
-    cls = pa.ListArray if pa.types.is_list(arr.type) else pa.LargeListArray
-    mask = arr.is_null() if arr.null_count else None
-    return cls.from_arrays(pa.array(offsets - offsets.dtype.type(start)), arr.values.slice(start, end - start),
-                           type=arr.type, mask=mask)
 
 
 _ROW = re.compile(r"\brow (\d+)\b")
