@@ -39,7 +39,7 @@ def chat_tokenizer(tokenizer: Any):
 
 def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0) -> EncodedBatch:
     """Render and tokenise the chat (``kind="messages"``) or prompt/completion rows of ``table``."""
-    from .table import messages_from_arrow
+    from .masking import messages_from_arrow
 
     tok = chat_tokenizer(tokenizer)
     started = time.perf_counter()

@@ -21,7 +21,7 @@ import pyarrow as pa
 from .markers import Markers
 from .report import MaskReport, Tally
 from .safety import DEFAULT_MAX_DROP_FRACTION
-from .table import MaskOptions, input_kind, mask_batch, output_schema
+from .masking import MaskOptions, input_kind, mask_batch, output_schema
 
 DEFAULT_BATCH_SIZE = 16_384
 MIN_ROWS_FOR_STREAMING_CHECK = 1_000  # an IterableDataset is checked once this many rows have gone by

@@ -24,7 +24,7 @@ import pyarrow as pa
 from .markers import Markers
 from .report import MaskReport, Tally
 from .safety import DEFAULT_MAX_DROP_FRACTION
-from .table import MaskOptions, mask_batch
+from .masking import MaskOptions, mask_batch
 
 DEFAULT_BATCH_SIZE = 16_384
 

@@ -20,7 +20,7 @@ import pyarrow as pa
 from .markers import Markers
 from .report import MaskReport, Tally
 from .safety import DEFAULT_MAX_DROP_FRACTION, TooManyDroppedRows, check_drop_fraction
-from .table import MaskOptions, input_kind, mask_batch, output_schema
+from .masking import MaskOptions, input_kind, mask_batch, output_schema
 
 DEFAULT_BATCH_SIZE = 16_384
 

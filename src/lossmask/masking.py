@@ -1,0 +1,323 @@
+"""Mask one Arrow batch: the step that files (``stream``), Hugging Face datasets (``hf``) and Ray (``ray``) share.
+
+A batch comes in as a ``pyarrow.RecordBatch`` or ``Table`` with one of three input shapes:
+
+- ``input_ids``: token ids already (list of integers); labelled as they are, zero-copy;
+- ``messages``: chat rows (list of ``{role, content, ...}``), rendered with the tokenizer's chat template
+  and tokenised in one batch call; rows the template rejects are dropped as ``invalid``;
+- ``prompt`` / ``completion``: conversational (lists of messages, joined into one chat) or plain strings
+  (tokenised as prompt then completion plus EOS; the completion trains, the prompt does not, by position).
+
+The batch goes out with its columns in their order, ``input_ids`` added when it was tokenised here,
+then ``labels`` (and ``completion_mask`` on request); rows that train nothing are removed unless
+``keep_dropped``. What happened is added to a ``Tally``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .labels import label_batch
+from .markers import Markers
+from .outcomes import Outcome, OutcomeCounts
+from .report import Tally
+
+INPUT_KINDS = ("input_ids", "messages", "prompt_completion")
+
+
+@dataclass(frozen=True)
+class MaskOptions:
+    """How a batch is masked; resolved once at the entry point (``mask_files``, ``hf.mask_dataset``, ...)."""
+
+    input_ids_column: str = "input_ids"
+    messages_column: str = "messages"
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
+    labels_column: str = "labels"
+    completion_mask_column: str | None = None  # write TRL's 0/1 completion_mask under this name
+    max_length: int | None = None
+    keep_dropped: bool = False
+    last_turn_only: bool = False
+    ignore_index: int = -100
+    label_dtype: str = "int64"
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and (isinstance(self.max_length, bool) or not isinstance(self.max_length, int)
+                                            or self.max_length < 1):
+            raise ValueError(f"max_length={self.max_length!r} must be a positive integer (or None for no truncation)")
+        names = [self.labels_column] + ([self.completion_mask_column] if self.completion_mask_column else [])
+        if len(set(names)) != len(names):
+            raise ValueError(f"labels_column and completion_mask_column must differ, both are {self.labels_column!r}")
+
+
+def input_kind(schema: pa.Schema, options: MaskOptions, *, source: str = "input") -> str:
+    """Which input shape a schema holds (``input_ids`` first), or an error naming the columns it has."""
+    names = set(schema.names)
+    if options.input_ids_column in names:
+        field = schema.field(options.input_ids_column)
+        if not (pa.types.is_list(field.type) or pa.types.is_large_list(field.type)) or not pa.types.is_integer(
+            field.type.value_type
+        ):
+            raise TypeError(
+                f"{source}: column {options.input_ids_column!r} has type {field.type}, not a list of integer token ids; "
+                f"cast it to list<int32>, or pass the column that holds token ids (--input-ids-column / input_ids_column=)"
+            )
+        return "input_ids"
+    if options.messages_column in names:
+        field = schema.field(options.messages_column)
+        if _text_or_chat(field.type) != "chat":
+            raise TypeError(
+                f"{source}: column {options.messages_column!r} has type {field.type}, not a list of messages "
+                "({role, content} structs or JSON objects); pass the chat column (--messages-column / messages_column=)"
+            )
+        return "messages"
+    if options.prompt_column in names and options.completion_column in names:
+        kinds = {_text_or_chat(schema.field(c).type) for c in (options.prompt_column, options.completion_column)}
+        if None in kinds or len(kinds) != 1:
+            raise TypeError(
+                f"{source}: columns {options.prompt_column!r} ({schema.field(options.prompt_column).type}) and "
+                f"{options.completion_column!r} ({schema.field(options.completion_column).type}) must both be strings "
+                "or both be lists of messages"
+            )
+        return "prompt_completion"
+    raise ValueError(
+        f"{source}: no input column found: expected {options.input_ids_column!r} (token ids), "
+        f"{options.messages_column!r} (chat messages) or {options.prompt_column!r} + {options.completion_column!r}; "
+        f"the columns are {schema.names}. Name yours with --input-ids-column / --messages-column / --prompt-column "
+        "(input_ids_column= ... in the API)"
+    )
+
+
+def _text_or_chat(arrow_type: pa.DataType) -> str | None:
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return "text"
+    if (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and _is_message(arrow_type.value_type):
+        return "chat"
+    return None
+
+
+def _is_message(arrow_type: pa.DataType) -> bool:
+    """A message is a struct, or a JSON object (``arrow.json``, as ``datasets`` stores rows of varying keys)."""
+    if pa.types.is_struct(arrow_type):
+        return True
+    return getattr(arrow_type, "extension_name", None) == "arrow.json"
+
+
+def output_schema(schema: pa.Schema, options: MaskOptions, kind: str) -> pa.Schema:
+    """The schema every output batch has: input columns, then input_ids (when tokenised), labels, completion_mask."""
+    added = [options.labels_column] + ([options.completion_mask_column] if options.completion_mask_column else [])
+    if kind != "input_ids":
+        added.insert(0, options.input_ids_column)
+    clash = [name for name in added if name in schema.names and not (kind == "input_ids" and name == options.input_ids_column)]
+    if clash:
+        raise ValueError(
+            f"the input already has column(s) {clash}, which masking writes; drop them first or choose other names "
+            "(--labels-column / labels_column=, --completion-mask NAME)"
+        )
+    fields = list(schema)
+    if kind == "input_ids":
+        large = pa.types.is_large_list(schema.field(options.input_ids_column).type)
+    else:
+        large = False
+        fields.append(pa.field(options.input_ids_column, pa.list_(pa.int32())))
+    wrap = pa.large_list if large else pa.list_
+    fields.append(pa.field(options.labels_column, wrap(pa.from_numpy_dtype(np.dtype(options.label_dtype)))))
+    if options.completion_mask_column:
+        fields.append(pa.field(options.completion_mask_column, wrap(pa.int8())))
+    return pa.schema(fields, metadata=schema.metadata)
+
+
+def mask_batch(
+    batch: pa.RecordBatch | pa.Table,
+    markers: Markers | None,
+    options: MaskOptions,
+    tally: Tally,
+    *,
+    tokenizer: Any = None,
+    kind: str | None = None,
+    first_row: int = 0,
+    source: str = "input",
+    encoded: Any = None,
+) -> pa.Table:
+    """Label one batch; return the rows to keep (as a Table) and add what happened to ``tally``.
+
+    ``encoded``: the batch's ``encode.EncodedBatch`` when it was rendered and tokenised elsewhere
+    (in a worker process); otherwise chat and prompt/completion rows are encoded here with ``tokenizer``.
+
+    ``markers=None`` trains every token (the policy's "no masking" outcome, e.g. raw text).
+    ``first_row`` is the batch's first row in the whole input, so that errors and invalid rows
+    are named by the row the user knows.
+    """
+    table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
+    kind = kind or input_kind(table.schema, options, source=source)
+    keep_valid = None
+    if kind == "input_ids":
+        input_ids = table.column(options.input_ids_column)
+        prompt_lengths = None
+    else:
+        if tokenizer is None and encoded is None:
+            raise ValueError(
+                f"{source}: column {options.messages_column if kind == 'messages' else options.prompt_column!r} "
+                "needs a tokenizer to render and tokenise it; pass tokenizer= (--tokenizer DIR), or give pre-tokenised "
+                f"{options.input_ids_column!r} with markers"
+            )
+        started = time.perf_counter()
+        if encoded is None:
+            from .encode import encode_table
+
+            encoded = encode_table(tokenizer, table, kind, options, first_row=first_row)
+        for row, message in encoded.errors:
+            tally.add_invalid(row, message)
+        tally.time("tokenize", time.perf_counter() - started)
+        for stage, seconds in encoded.seconds.items():
+            tally.time(stage, seconds)
+        keep_valid = encoded.valid
+        table = table.filter(pa.array(keep_valid)) if not keep_valid.all() else table
+        input_ids = encoded.input_ids
+        prompt_lengths = encoded.prompt_lengths
+
+    started = time.perf_counter()
+    if isinstance(input_ids, pa.ChunkedArray):
+        input_ids = input_ids.combine_chunks() if input_ids.num_chunks != 1 else input_ids.chunk(0)
+    if prompt_lengths is not None:
+        labels, trained, outcomes, counts = _label_by_position(input_ids, prompt_lengths, options)
+    elif markers is None:
+        labels, trained, outcomes, counts = _label_everything(input_ids, options)
+    else:
+        engine_started = time.perf_counter()
+        try:
+            result = label_batch(
+                input_ids, markers, backend=options.backend, last_turn_only=options.last_turn_only,
+                ignore_index=options.ignore_index, dtype=options.label_dtype,
+            )
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{source}: column {options.input_ids_column!r}: {_renumber(str(exc), first_row, keep_valid)}") from None
+        labels, trained, outcomes, counts = result.labels, result.trained_tokens, result.outcomes, result.counts
+        tally.time("engine", time.perf_counter() - engine_started)
+    tally.counts = tally.counts + counts
+    if tally.dropped_example is None and counts.rows_dropped:
+        r = int(np.flatnonzero(outcomes != Outcome.TRAINED)[0])
+        tally.dropped_example = (input_ids[r].as_py() or [], labels[r].as_py() or [])
+    columns = {}
+    if kind != "input_ids":
+        columns[options.input_ids_column] = input_ids
+    columns[options.labels_column] = labels
+    if options.completion_mask_column:
+        columns[options.completion_mask_column] = _mask_from_labels(labels, options.ignore_index)
+    for name, column in columns.items():
+        table = table.append_column(name, column)
+    if not options.keep_dropped:
+        keep = outcomes == Outcome.TRAINED
+        if not keep.all():
+            table = table.filter(pa.array(keep))
+    tally.rows_out += table.num_rows
+    tally.time("label", time.perf_counter() - started)
+    return table
+
+
+_ROW = re.compile(r"\brow (\d+)\b")
+
+
+def _renumber(message: str, first_row: int, valid: np.ndarray | None) -> str:
+    """Engine errors count rows from the batch start; name the row of the whole input instead."""
+    index = np.flatnonzero(valid) if valid is not None else None
+
+    def absolute(match: re.Match) -> str:
+        r = int(match.group(1))
+        if index is not None and r < index.size:
+            r = int(index[r])
+        return f"row {first_row + r}"
+
+    return _ROW.sub(absolute, message, count=1)
+
+
+def _offsets(arr: pa.Array) -> np.ndarray:
+    offsets_type = np.int32 if pa.types.is_list(arr.type) else np.int64
+    buffer = arr.buffers()[1]
+    if buffer is None:
+        return np.zeros(len(arr) + 1, dtype=offsets_type)
+    return np.frombuffer(buffer, dtype=offsets_type)[arr.offset : arr.offset + len(arr) + 1]
+
+
+def _with_values(arr: pa.Array, values: np.ndarray) -> pa.Array:
+    """A list array with ``arr``'s offsets and validity (no copy) holding ``values`` (one per child value)."""
+    value_type = pa.from_numpy_dtype(values.dtype)
+    list_type = pa.list_(value_type) if pa.types.is_list(arr.type) else pa.large_list(value_type)
+    buffers = arr.buffers()
+    if buffers[1] is None:
+        return pa.array([], type=list_type)
+    child = pa.Array.from_buffers(value_type, values.shape[0], [None, pa.py_buffer(np.ascontiguousarray(values))])
+    return pa.Array.from_buffers(
+        list_type, len(arr), [buffers[0], buffers[1]], null_count=arr.null_count, offset=arr.offset, children=[child]
+    )
+
+
+def _child_values(arr: pa.Array) -> np.ndarray:
+    return arr.values.to_numpy(zero_copy_only=False)
+
+
+def _row_lengths(arr: pa.Array) -> np.ndarray:
+    lengths = np.diff(_offsets(arr)).astype(np.int64)
+    if arr.null_count:
+        lengths[~np.asarray(arr.is_valid())] = 0
+    return lengths
+
+
+def _label_everything(input_ids: pa.Array, options: MaskOptions):
+    """No markers (the policy decided not to mask): every token trains."""
+    lengths = _row_lengths(input_ids)
+    values = _child_values(input_ids).astype(options.label_dtype)  # a null row stays null (validity is reused)
+    outcomes = np.where(lengths > 0, Outcome.TRAINED, Outcome.EMPTY).astype(np.int8)
+    trained = lengths
+    return _with_values(input_ids, values), trained, outcomes, OutcomeCounts.from_rows(outcomes, trained, lengths)
+
+
+def _label_by_position(input_ids: pa.Array, prompt_lengths: np.ndarray, options: MaskOptions):
+    """Plain-text prompt/completion: the first ``prompt_lengths[r]`` tokens of row ``r`` are masked, the rest trains."""
+    offsets = _offsets(input_ids).astype(np.int64)
+    lengths = np.diff(offsets)
+    values = _child_values(input_ids).astype(options.label_dtype)
+    region = values[offsets[0] : offsets[-1]]  # the rows' values, contiguous in a valid list array
+    prompt = np.minimum(prompt_lengths.astype(np.int64), lengths)
+    position = np.arange(region.shape[0], dtype=np.int64) - np.repeat(offsets[:-1] - offsets[0], lengths)
+    region[position < np.repeat(prompt, lengths)] = options.ignore_index
+    trained = lengths - prompt
+    outcomes = np.where(lengths == 0, Outcome.EMPTY, np.where(trained > 0, Outcome.TRAINED, Outcome.EMPTY_RESPONSE))
+    outcomes = outcomes.astype(np.int8)
+    return _with_values(input_ids, values), trained, outcomes, OutcomeCounts.from_rows(outcomes, trained, lengths)
+
+
+def _mask_from_labels(labels: Any, ignore_index: int) -> pa.Array:
+    if isinstance(labels, pa.ChunkedArray):
+        return pa.chunked_array([_mask_from_labels(c, ignore_index) for c in labels.chunks])
+    values = _child_values(labels)
+    return _with_values(labels, (values != ignore_index).astype(np.int8))
+
+
+def messages_from_arrow(column: pa.Array | pa.ChunkedArray) -> list[list[dict] | None]:
+    """Arrow chat rows as Python messages; keys that are null in a message are left out.
+
+    JSON readers give every message every key seen anywhere in the file (``tool_calls: null`` on a
+    plain user turn); templates test ``'tool_calls' in message`` or ``is defined``, so the null keys go.
+    """
+    rows = column.to_pylist()
+    return [None if row is None else [_message(m) for m in row] for row in rows]
+
+
+def _message(message: Any) -> Any:
+    if isinstance(message, str):  # a JSON object (arrow.json)
+        try:
+            message = json.loads(message)
+        except ValueError:
+            return message
+    if isinstance(message, dict):
+        return {k: v for k, v in message.items() if v is not None}
+    return message
