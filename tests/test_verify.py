@@ -162,3 +162,17 @@ R1_STYLE = [
 )
 def test_reasoning_written_in_the_content(family, expected):
     assert trained_spans(ground_truth(chat_tokenizer(family), R1_STYLE)) == expected
+
+
+def test_dropped_system_prompt_whose_text_reappears_later():
+    """Mistral v3 renders the system prompt only when the chat ends with a user turn: the prompt
+    before turn 1 holds it, the whole chat does not, and a later message quotes it."""
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Q1?"}, {"role": "assistant", "content": "A1."},
+        {"role": "user", "content": "Q2: Be brief. Why?"}, {"role": "assistant", "content": "A2."},
+    ]
+    ct = chat_tokenizer("mistral-v3")
+    truth = ground_truth(ct, chat)
+    assert "Be brief." not in truth.text.split("Q2")[0]  # dropped before Q2
+    assert trained_spans(truth) == [" A1.</s>", " A2.</s>"]

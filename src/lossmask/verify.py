@@ -306,6 +306,9 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
     text = ct.render(messages, tools=tools)
     ids, offsets = ct.encode_with_offsets(text)
     spans = locate_messages(text, messages)
+    # anchors compare the prompt with the chat: both located stripped, so that a content whose
+    # edge whitespace coincides with template text in one rendering and not the other still lines up
+    stripped_spans = locate_messages(text, messages, stripped=True)
     special = np.fromiter((int(t) in ct.special_ids for t in ids), dtype=bool, count=len(ids))
     added = np.fromiter((int(t) in ct.added_ids for t in ids), dtype=bool, count=len(ids))
     starts = offsets[:, 0]
@@ -315,7 +318,7 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
     closings: list[str] = []  # per-turn closings seen in this conversation (with a special token)
     pending_last: list[tuple[int, int, str, int]] = []
     for i in assistant_turns:
-        start, header = _turn_start(ct, conv, messages, i, text, spans, offsets, special)
+        start, header = _turn_start(ct, conv, messages, i, text, spans, stripped_spans, offsets, special)
         # look for the turn's own text after its header (content may repeat header text: 'assistant')
         span = _shift(locate_messages(text[start:], [messages[i]], stripped=True)[0], start)
         content_end = span[1] if span is not None else start
@@ -383,7 +386,9 @@ def _first_special(special, starts, lo, hi) -> int | None:
     return int(hits[0]) if hits.size else None
 
 
-def _turn_start(ct: ChatTokenizer, conv: Conversation, messages, i: int, text: str, spans, offsets, special) -> tuple[int, str]:
+def _turn_start(
+    ct: ChatTokenizer, conv: Conversation, messages, i: int, text: str, spans, anchors, offsets, special
+) -> tuple[int, str]:
     """Where assistant turn ``i`` starts training in ``text``, and the header text before it."""
     starts, ends = offsets[:, 0], offsets[:, 1]
     before = messages[:i]
@@ -395,13 +400,28 @@ def _turn_start(ct: ChatTokenizer, conv: Conversation, messages, i: int, text: s
         raise GroundTruthError(
             f"the template cannot render the generation prompt before message {i}: {exc}"
         ) from exc
-    prompt_spans = locate_messages(prompt, before)
+    prompt_spans = locate_messages(prompt, before, stripped=True)
     anchor = _last_located(prompt_spans)
-    if anchor is None or spans[anchor] is None:
+    if anchor is None:
         prompt_at, text_at = 0, 0
-    else:
-        prompt_at, text_at = prompt_spans[anchor][1], spans[anchor][1]
+    else:  # (-1: not found in the chat in order; looked for below)
+        prompt_at, text_at = prompt_spans[anchor][1], anchors[anchor][1] if anchors[anchor] is not None else -1
     tail = prompt[prompt_at:]
+    if anchor is not None and (text_at < 0 or not text.startswith(tail, text_at)):
+        # the in-order search may have taken a look-alike (a dropped system prompt's text that
+        # reappears later): prefer the occurrence of the anchor's text that the prompt's tail follows
+        anchor_text = prompt[prompt_spans[anchor][0] : prompt_at]
+        at = text.find(anchor_text)
+        while at >= 0:
+            if text.startswith(tail, at + len(anchor_text)):
+                text_at = at + len(anchor_text)
+                break
+            at = text.find(anchor_text, at + 1)
+        if text_at < 0:
+            raise GroundTruthError(
+                f"message {anchor} ({messages[anchor].get('role')}) is in the generation prompt before message {i} "
+                "but could not be found in the rendered chat"
+            )
     if prompt == no_prompt and not tail:
         raise GroundTruthError(
             f"the template writes nothing after message {i - 1} even with add_generation_prompt=True "
@@ -415,7 +435,8 @@ def _turn_start(ct: ChatTokenizer, conv: Conversation, messages, i: int, text: s
                 f"chat has {gap!r} between there and the assistant's content: the template has no generation "
                 "prompt, so the assistant header cannot be told from what the model generates"
             )
-    no_prompt_anchor = locate_messages(no_prompt, before)[anchor][1] if anchor is not None and spans[anchor] is not None else 0
+    located = locate_messages(no_prompt, before, stripped=True)
+    no_prompt_anchor = located[anchor][1] if anchor is not None and located[anchor] else 0
     added_at = _common_prefix(tail, no_prompt[no_prompt_anchor:])  # where add_generation_prompt's text begins
     if text.startswith(tail, text_at):
         start = text_at + len(tail)
