@@ -86,8 +86,9 @@ def _label_row(values, lo, hi, tokens, offsets, kinds, flags, last_turn_only, ig
     while i <= hi:  # i == hi only settles a response pattern that ends the row
         # Events at i from patterns that end at i-1 (checked backwards) ...
         if i > lo and _flag(values[i - 1], flags) & ENDS_PATTERN:
-            for k in range(n_patterns):
-                if kinds[k] == RESPONSE or kinds[k] == END:
+            previous = values[i - 1]
+            for k in range(n_patterns):  # last token first: the cheapest test rules out most patterns
+                if tokens[offsets[k + 1] - 1] == previous and (kinds[k] == RESPONSE or kinds[k] == END):
                     if _matches(values, i - (offsets[k + 1] - offsets[k]), lo, hi, tokens, offsets[k], offsets[k + 1]):
                         if kinds[k] == RESPONSE:
                             last_open = i
@@ -102,7 +103,7 @@ def _label_row(values, lo, hi, tokens, offsets, kinds, flags, last_turn_only, ig
         flag = _flag(v, flags)
         if flag & STARTS_PATTERN:
             for k in range(n_patterns):
-                if kinds[k] != END and _matches(values, i, lo, hi, tokens, offsets[k], offsets[k + 1]):
+                if tokens[offsets[k]] == v and kinds[k] != END and _matches(values, i, lo, hi, tokens, offsets[k], offsets[k + 1]):
                     if kinds[k] == MASK_OUT:
                         masked_until = max(masked_until, i + offsets[k + 1] - offsets[k])
                     else:
