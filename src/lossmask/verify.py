@@ -306,8 +306,6 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
     text = ct.render(messages, tools=tools)
     ids, offsets = ct.encode_with_offsets(text)
     spans = locate_messages(text, messages)
-    # anchors compare the prompt with the chat: both located stripped, so that a content whose
-    # edge whitespace coincides with template text in one rendering and not the other still lines up
     stripped_spans = locate_messages(text, messages, stripped=True)
     special = np.fromiter((int(t) in ct.special_ids for t in ids), dtype=bool, count=len(ids))
     added = np.fromiter((int(t) in ct.added_ids for t in ids), dtype=bool, count=len(ids))
@@ -386,8 +384,39 @@ def _first_special(special, starts, lo, hi) -> int | None:
     return int(hits[0]) if hits.size else None
 
 
+def _anchor(prompt: str, before, text: str, spans, stripped_spans) -> tuple[int | None, int, int, bool]:
+    """``(message, end in prompt, end in text, stripped)``: the last message of the generation prompt
+    found in both renderings, where the prompt's tail follows it in the chat when possible.
+
+    Tried in order: the messages as written (a content's trailing whitespace, when the template
+    keeps it, belongs to the content, not to the header after it); stripped (a trimmed edge that
+    coincides with template text in one rendering only); then any occurrence of the anchor's text
+    that the tail follows (the in-order search took a look-alike, e.g. a dropped system prompt that
+    a later message quotes). ``end in text`` is -1 when the anchor is nowhere in the chat.
+    """
+    fallback = None
+    for stripped, chat_spans in ((False, spans), (True, stripped_spans)):
+        prompt_spans = locate_messages(prompt, before, stripped=stripped)
+        anchor = _last_located(prompt_spans)
+        if anchor is None:
+            return None, 0, 0, stripped
+        prompt_at = prompt_spans[anchor][1]
+        tail = prompt[prompt_at:]
+        if chat_spans[anchor] is not None and text.startswith(tail, chat_spans[anchor][1]):
+            return anchor, prompt_at, chat_spans[anchor][1], stripped
+        anchor_text = prompt[prompt_spans[anchor][0] : prompt_at]
+        at = text.find(anchor_text)
+        while at >= 0:
+            if text.startswith(tail, at + len(anchor_text)):
+                return anchor, prompt_at, at + len(anchor_text), stripped
+            at = text.find(anchor_text, at + 1)
+        if fallback is None:  # no tail match anywhere: the prefill case, decided by the caller
+            fallback = (anchor, prompt_at, chat_spans[anchor][1] if chat_spans[anchor] is not None else -1, stripped)
+    return fallback
+
+
 def _turn_start(
-    ct: ChatTokenizer, conv: Conversation, messages, i: int, text: str, spans, anchors, offsets, special
+    ct: ChatTokenizer, conv: Conversation, messages, i: int, text: str, spans, stripped_spans, offsets, special
 ) -> tuple[int, str]:
     """Where assistant turn ``i`` starts training in ``text``, and the header text before it."""
     starts, ends = offsets[:, 0], offsets[:, 1]
@@ -400,28 +429,13 @@ def _turn_start(
         raise GroundTruthError(
             f"the template cannot render the generation prompt before message {i}: {exc}"
         ) from exc
-    prompt_spans = locate_messages(prompt, before, stripped=True)
-    anchor = _last_located(prompt_spans)
-    if anchor is None:
-        prompt_at, text_at = 0, 0
-    else:  # (-1: not found in the chat in order; looked for below)
-        prompt_at, text_at = prompt_spans[anchor][1], anchors[anchor][1] if anchors[anchor] is not None else -1
+    anchor, prompt_at, text_at, stripped = _anchor(prompt, before, text, spans, stripped_spans)
     tail = prompt[prompt_at:]
-    if anchor is not None and (text_at < 0 or not text.startswith(tail, text_at)):
-        # the in-order search may have taken a look-alike (a dropped system prompt's text that
-        # reappears later): prefer the occurrence of the anchor's text that the prompt's tail follows
-        anchor_text = prompt[prompt_spans[anchor][0] : prompt_at]
-        at = text.find(anchor_text)
-        while at >= 0:
-            if text.startswith(tail, at + len(anchor_text)):
-                text_at = at + len(anchor_text)
-                break
-            at = text.find(anchor_text, at + 1)
-        if text_at < 0:
-            raise GroundTruthError(
-                f"message {anchor} ({messages[anchor].get('role')}) is in the generation prompt before message {i} "
-                "but could not be found in the rendered chat"
-            )
+    if text_at < 0:
+        raise GroundTruthError(
+            f"message {anchor} ({messages[anchor].get('role')}) is in the generation prompt before message {i} "
+            "but could not be found in the rendered chat"
+        )
     if prompt == no_prompt and not tail:
         raise GroundTruthError(
             f"the template writes nothing after message {i - 1} even with add_generation_prompt=True "
@@ -435,7 +449,7 @@ def _turn_start(
                 f"chat has {gap!r} between there and the assistant's content: the template has no generation "
                 "prompt, so the assistant header cannot be told from what the model generates"
             )
-    located = locate_messages(no_prompt, before, stripped=True)
+    located = locate_messages(no_prompt, before, stripped=stripped)
     no_prompt_anchor = located[anchor][1] if anchor is not None and located[anchor] else 0
     added_at = _common_prefix(tail, no_prompt[no_prompt_anchor:])  # where add_generation_prompt's text begins
     if text.startswith(tail, text_at):
