@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .batches import labels_to_arrow
 from .labels import label_batch
 from .markers import Markers
 from .outcomes import Outcome, OutcomeCounts
@@ -249,15 +250,8 @@ def _offsets(arr: pa.Array) -> np.ndarray:
 
 def _with_values(arr: pa.Array, values: np.ndarray) -> pa.Array:
     """A list array with ``arr``'s offsets and validity (no copy) holding ``values`` (one per child value)."""
-    value_type = pa.from_numpy_dtype(values.dtype)
-    list_type = pa.list_(value_type) if pa.types.is_list(arr.type) else pa.large_list(value_type)
-    buffers = arr.buffers()
-    if buffers[1] is None:
-        return pa.array([], type=list_type)
-    child = pa.Array.from_buffers(value_type, values.shape[0], [None, pa.py_buffer(np.ascontiguousarray(values))])
-    return pa.Array.from_buffers(
-        list_type, len(arr), [buffers[0], buffers[1]], null_count=arr.null_count, offset=arr.offset, children=[child]
-    )
+    values = np.ascontiguousarray(values)
+    return labels_to_arrow(arr, pa.py_buffer(values), values.dtype)
 
 
 def _child_values(arr: pa.Array) -> np.ndarray:
