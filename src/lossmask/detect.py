@@ -30,7 +30,7 @@ import numpy as np
 
 from .markers import Markers
 from .tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
-from .verify import GroundTruth, VerifyReport, build_truths, check, renderable_probes
+from .verify import GroundTruth, VerifyReport, build_truths, check, renderable_probes, vocabulary_probes
 
 _HOW_TO_FIX = (
     "pass markers yourself (lossmask.Markers(response=[[...]], end=[[...]]), or "
@@ -64,6 +64,8 @@ def detect_markers_with_report(tokenizer: Any) -> tuple[Markers, VerifyReport]:
             f"{_HOW_TO_FIX}"
         )
     truths = build_truths(ct, probes)
+    headers = sorted({turn.header for t in truths if isinstance(t, GroundTruth) for turn in t.turns})
+    truths += build_truths(ct, vocabulary_probes(ct, headers))
     failed = [t for t in truths if not isinstance(t, GroundTruth)]
     if failed:
         name, error = failed[0]

@@ -185,6 +185,42 @@ def _boundary_probes(turns: int = 8) -> list[Conversation]:
     return probes
 
 
+_WHITESPACE_TOKEN_CHARS = frozenset(" \n\t\rĠĊĉč▁")  # raw and byte-level / SentencePiece spellings
+
+
+def vocabulary_probes(tokenizer: Any, headers: Sequence[str], *, turns: int = 8) -> list[Conversation]:
+    """Probes for the whitespace tokens of this vocabulary that can merge with a header's edge.
+
+    A header that ends with whitespace (``assistant\n``) merges with a content that starts with
+    whitespace into one token (``\n\n``, ``\n    ``) whenever the vocabulary has one; a header that
+    starts with whitespace (`` [/INST]``, ``\n\nUser:``) merges with a content that ends with it. Each
+    whitespace-only token of the vocabulary that starts (ends) with a header's last (first)
+    character gives one assistant content that starts (a user and an assistant content that end)
+    with the rest of it, unless the built-in boundary probes already try that string.
+    """
+    ct = load_tokenizer(tokenizer)
+    ends = {h[-1] for h in headers if h and h[-1].isspace()}
+    starts = {h[0] for h in headers if h and h[0].isspace()}
+    if not ends and not starts:
+        return []
+    vocab = ct.tokenizer.get_vocab()
+    ids = [i for t, i in vocab.items() if t and all(c in _WHITESPACE_TOKEN_CHARS for c in t)]
+    ids += [vocab[t] for t in ("<0x0A>", "<0x09>", "<0x0D>") if t in vocab]
+    texts = {ct.tokenizer.decode([i]) for i in ids}
+    known = set(_boundary_whitespace())
+    leading = sorted({t[1:] for t in texts for c in ends if len(t) > 1 and t.startswith(c) and not t.strip()} - known)
+    trailing = sorted({t[:-1] for t in texts for c in starts if len(t) > 1 and t.endswith(c) and not t.strip()} - known)
+    pairs = [(lead, "") for lead in leading] + [("", trail) for trail in trailing]
+    probes = []
+    for first in range(0, len(pairs), turns):
+        messages: list[dict] = []
+        for k, (lead, trail) in enumerate(pairs[first : first + turns], start=first):
+            messages.append({"role": "user", "content": f"vocabulary question {k}{trail}"})
+            messages.append(_assistant(f"{lead}vocabulary answer {k}{trail}"))
+        probes.append(Conversation(f"vocabulary-{first // turns}", tuple(messages)))
+    return probes
+
+
 # -- locating messages in rendered text --------------------------------------------------------
 
 
