@@ -202,3 +202,15 @@ def test_end_of_turn_token_added_without_the_special_flag():
     assert report.ok and decoded(ct, markers.end) == {"<|im_end|>"}
     single_turn = [m for m in random_conversations(seed=4, count=12) if len(m) <= 3]
     assert single_turn and verify(ct, markers, single_turn).ok
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "olmo-2", "gemma-3"])
+def test_vocabulary_whitespace_merges_with_the_header(family):
+    """Contents that start with newline + spaces (code), newline runs or tabs: the header's '\\n'
+    merges with them into vocabulary tokens the fixed probes never produce."""
+    ct = chat_tokenizer(family)
+    markers, report = detected_markers(family)
+    assert any(c.name.startswith("vocabulary-") for c in report.conversations)
+    leads = ["\n" + " " * k for k in range(1, 17)] + ["\n" * k for k in range(1, 12)] + ["\t" * k for k in range(1, 6)]
+    chats = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": f"{lead}x = 1"}] for lead in leads]
+    assert verify(ct, markers, chats).ok
