@@ -176,3 +176,15 @@ def test_dropped_system_prompt_whose_text_reappears_later():
     truth = ground_truth(ct, chat)
     assert "Be brief." not in truth.text.split("Q2")[0]  # dropped before Q2
     assert trained_spans(truth) == [" A1.</s>", " A2.</s>"]
+
+
+def test_a_reply_the_template_rewrites_is_not_checkable_rather_than_judged():
+    """Falcon's template turns blank lines into single newlines: no truth can be read off that turn."""
+    ct = chat_tokenizer("falcon")
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "One.\n\nTwo."}]
+    from lossmask.verify import GroundTruthError
+
+    with pytest.raises(GroundTruthError, match="assistant message 1 does not occur"):
+        ground_truth(ct, conv)
+    report = verify(ct, Markers(response=[[ct.encode("Assistant:")[-1]]]), [conv])
+    assert not report.ok and report.errors == 1 and report.extra == 0

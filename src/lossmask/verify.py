@@ -355,6 +355,13 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
         start, header = _turn_start(ct, conv, messages, i, text, spans, stripped_spans, offsets, special)
         # look for the turn's own text after its header (content may repeat header text: 'assistant')
         span = _shift(locate_messages(text[start:], [messages[i]], stripped=True)[0], start)
+        if span is None and _pieces(messages[i]):
+            # the template rewrote the reply (Falcon turns blank lines into single newlines): what it
+            # renders is not the message, so no truth can be read off it; say so rather than guess
+            raise GroundTruthError(
+                f"{conv.name}: the text of assistant message {i} does not occur in the rendered conversation "
+                "(the template rewrites it), so its ground truth cannot be established"
+            )
         content_end = span[1] if span is not None else start
         content_end = max(content_end, start)
         following = next((spans[j] for j in range(i + 1, len(messages)) if spans[j] is not None), None)
