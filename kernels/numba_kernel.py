@@ -152,25 +152,40 @@ def _label_row(values, lo, hi, tokens, offsets, kinds, flags, last_turn_only, ig
     return 0, (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE), first_bad
 
 
-def _label_rows_body(values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask):
+@njit(cache=True, nogil=True, inline="always")
+def _label_into(r, values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask,
+                trained_tokens, outcomes, first_bad):
+    n, code, bad = _label_row(
+        values, starts[r], ends[r], tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask
+    )
+    trained_tokens[r] = n
+    outcomes[r] = code
+    first_bad[r] = bad
+
+
+# Two drivers, one per schedule: waking the thread pool costs more than it saves on small batches
+# (a collator's 16 rows), and far more on a loaded machine. They must be two Python functions: numba
+# keys its on-disk cache by function, so one body compiled twice would load one schedule for both.
+@njit(cache=True, parallel=True, nogil=True)
+def _label_rows_parallel(values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask):
     n_rows = starts.shape[0]
-    trained_tokens = np.zeros(n_rows, dtype=np.int64)
-    outcomes = np.zeros(n_rows, dtype=np.int8)
-    first_bad = np.full(n_rows, -1, dtype=np.int64)
+    trained_tokens, outcomes, first_bad = np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int8), np.full(n_rows, -1, np.int64)
     for r in prange(n_rows):
-        n, code, bad = _label_row(
-            values, starts[r], ends[r], tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask
-        )
-        trained_tokens[r] = n
-        outcomes[r] = code
-        first_bad[r] = bad
+        _label_into(r, values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask,
+                    trained_tokens, outcomes, first_bad)
     return trained_tokens, outcomes, first_bad
 
 
-# One body, two compilations: waking the thread pool costs more than it saves on small batches (a
-# collator's 16 rows), and far more on a loaded machine.
-_label_rows_parallel = njit(cache=True, parallel=True, nogil=True)(_label_rows_body)
-_label_rows_serial = njit(cache=True, nogil=True)(_label_rows_body)
+@njit(cache=True, nogil=True)
+def _label_rows_serial(values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask):
+    n_rows = starts.shape[0]
+    trained_tokens, outcomes, first_bad = np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int8), np.full(n_rows, -1, np.int64)
+    for r in range(n_rows):
+        _label_into(r, values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask,
+                    trained_tokens, outcomes, first_bad)
+    return trained_tokens, outcomes, first_bad
+
+
 PARALLEL_MIN_TOKENS = 1 << 18
 
 

@@ -110,3 +110,12 @@ def test_parallel_and_serial_kernels_agree(monkeypatch):
         assert serial.labels == parallel.labels == reference.labels
         np.testing.assert_array_equal(parallel.outcomes, reference.outcomes)
         np.testing.assert_array_equal(parallel.trained_tokens, reference.trained_tokens)
+
+
+def test_the_two_schedules_are_two_functions():
+    """numba caches by Python function: one body behind both would load one schedule for both."""
+    from lossmask.kernels import numba_kernel
+
+    parallel, serial = numba_kernel._label_rows_parallel, numba_kernel._label_rows_serial
+    assert parallel.py_func.__qualname__ != serial.py_func.__qualname__
+    assert parallel.targetoptions.get("parallel") and not serial.targetoptions.get("parallel")
