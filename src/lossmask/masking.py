@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .batches import labels_to_arrow
+from .batches import TokenRows, labels_to_arrow, rows_from_arrow
 from .labels import label_batch
 from .markers import Markers
 from .outcomes import Outcome, OutcomeCounts
@@ -240,60 +240,43 @@ def _renumber(message: str, first_row: int, valid: np.ndarray | None) -> str:
     return _ROW.sub(absolute, message, count=1)
 
 
-def _offsets(arr: pa.Array) -> np.ndarray:
-    offsets_type = np.int32 if pa.types.is_list(arr.type) else np.int64
-    buffer = arr.buffers()[1]
-    if buffer is None:
-        return np.zeros(len(arr) + 1, dtype=offsets_type)
-    return np.frombuffer(buffer, dtype=offsets_type)[arr.offset : arr.offset + len(arr) + 1]
-
-
-def _with_values(arr: pa.Array, values: np.ndarray) -> pa.Array:
-    """A list array with ``arr``'s offsets and validity (no copy) holding ``values`` (one per child value)."""
+def _with_values(arr: pa.Array, rows: TokenRows, values: np.ndarray) -> pa.Array:
+    """A list array shaped like ``arr`` holding ``values``, one per value of ``rows`` (from ``rows_from_arrow``)."""
     values = np.ascontiguousarray(values)
-    return labels_to_arrow(arr, pa.py_buffer(values), values.dtype)
-
-
-def _child_values(arr: pa.Array) -> np.ndarray:
-    return arr.values.to_numpy(zero_copy_only=False)
-
-
-def _row_lengths(arr: pa.Array) -> np.ndarray:
-    lengths = np.diff(_offsets(arr)).astype(np.int64)
-    if arr.null_count:
-        lengths[~np.asarray(arr.is_valid())] = 0
-    return lengths
+    return labels_to_arrow(arr, pa.py_buffer(values), values.dtype, base=rows.base)
 
 
 def _label_everything(input_ids: pa.Array, options: MaskOptions):
     """No markers (the policy decided not to mask): every token trains."""
-    lengths = _row_lengths(input_ids)
-    values = _child_values(input_ids).astype(options.label_dtype)  # a null row stays null (validity is reused)
+    rows = rows_from_arrow(input_ids)
+    lengths = rows.lengths
+    values = rows.values.astype(options.label_dtype)  # a null row stays null (its validity is kept)
     outcomes = np.where(lengths > 0, Outcome.TRAINED, Outcome.EMPTY).astype(np.int8)
     trained = lengths
-    return _with_values(input_ids, values), trained, outcomes, OutcomeCounts.from_rows(outcomes, trained, lengths)
+    return _with_values(input_ids, rows, values), trained, outcomes, OutcomeCounts.from_rows(outcomes, trained, lengths)
 
 
 def _label_by_position(input_ids: pa.Array, prompt_lengths: np.ndarray, options: MaskOptions):
     """Plain-text prompt/completion: the first ``prompt_lengths[r]`` tokens of row ``r`` are masked, the rest trains."""
-    offsets = _offsets(input_ids).astype(np.int64)
-    lengths = np.diff(offsets)
-    values = _child_values(input_ids).astype(options.label_dtype)
-    region = values[offsets[0] : offsets[-1]]  # the rows' values, contiguous in a valid list array
+    rows = rows_from_arrow(input_ids)
+    lengths = rows.lengths.astype(np.int64)
+    # the values each row spans, a null row's included, so that positions line up with the buffer
+    spans = np.diff(np.append(rows.starts, rows.values.shape[0])).astype(np.int64)
+    values = rows.values.astype(options.label_dtype)
     prompt = np.minimum(prompt_lengths.astype(np.int64), lengths)
-    position = np.arange(region.shape[0], dtype=np.int64) - np.repeat(offsets[:-1] - offsets[0], lengths)
-    region[position < np.repeat(prompt, lengths)] = options.ignore_index
+    position = np.arange(values.shape[0], dtype=np.int64) - np.repeat(rows.starts.astype(np.int64), spans)
+    values[position < np.repeat(prompt, spans)] = options.ignore_index
     trained = lengths - prompt
     outcomes = np.where(lengths == 0, Outcome.EMPTY, np.where(trained > 0, Outcome.TRAINED, Outcome.EMPTY_RESPONSE))
     outcomes = outcomes.astype(np.int8)
-    return _with_values(input_ids, values), trained, outcomes, OutcomeCounts.from_rows(outcomes, trained, lengths)
+    return _with_values(input_ids, rows, values), trained, outcomes, OutcomeCounts.from_rows(outcomes, trained, lengths)
 
 
 def _mask_from_labels(labels: Any, ignore_index: int) -> pa.Array:
     if isinstance(labels, pa.ChunkedArray):
         return pa.chunked_array([_mask_from_labels(c, ignore_index) for c in labels.chunks])
-    values = _child_values(labels)
-    return _with_values(labels, (values != ignore_index).astype(np.int8))
+    rows = rows_from_arrow(labels)
+    return _with_values(labels, rows, (rows.values != ignore_index).astype(np.int8))
 
 
 def messages_from_arrow(column: pa.Array | pa.ChunkedArray) -> list[list[dict] | None]:

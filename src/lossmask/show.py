@@ -27,15 +27,7 @@ import numpy as np
 from .labels import make_labels
 from .markers import KINDS, Markers
 from .policy import Resolution, resolve_markers
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+from .verify import WEATHER_TOOL
 
 _CALL = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
 
