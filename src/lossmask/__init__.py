@@ -14,6 +14,7 @@ from __future__ import annotations
 from .detect import MarkerDetectionError, detect_markers, markers_from_strings
 from .labels import LabelledBatch, label_batch, make_labels, trainable_mask
 from .markers import Markers
+from .options import MaskOptions
 from .outcomes import Outcome, OutcomeCounts
 from .policy import (
     FullSequenceWarning,
@@ -39,6 +40,7 @@ __all__ = [
     "MarkerDetectionError",
     "MarkerFallbackWarning",
     "MarkerResolutionError",
+    "MaskOptions",
     "MaskReport",
     "Markers",
     "Outcome",

@@ -13,18 +13,21 @@ def _example(args: argparse.Namespace) -> int:
 
 
 def _mask(args: argparse.Namespace) -> int:
+    from .options import MaskOptions
     from .stream import mask_files, preview_rows
 
     try:
-        report = mask_files(
-            args.input, args.output, tokenizer=args.tokenizer, chat_template=args.chat_template,
-            model_name=args.model_name, markers=args.markers, strict=args.strict, input_format=args.input_format,
+        options = MaskOptions.resolve(
             input_ids_column=args.input_ids_column, messages_column=args.messages_column,
             prompt_column=args.prompt_column, completion_column=args.completion_column,
             labels_column=args.labels_column, completion_mask=args.completion_mask, max_length=args.max_length,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
             last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
-            compression=args.compression, num_proc=args.num_proc,
+        )
+        report = mask_files(
+            args.input, args.output, tokenizer=args.tokenizer, chat_template=args.chat_template,
+            model_name=args.model_name, markers=args.markers, strict=args.strict, input_format=args.input_format,
+            options=options, compression=args.compression, num_proc=args.num_proc,
             progress=False if args.no_progress else None, report=args.report,
         )
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:

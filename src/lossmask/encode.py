@@ -7,6 +7,7 @@ works on Arrow buffers.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +40,6 @@ def chat_tokenizer(tokenizer: Any):
 
 def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0) -> EncodedBatch:
     """Render and tokenise the chat (``kind="messages"``) or prompt/completion rows of ``table``."""
-    from .masking import messages_from_arrow
-
     tok = chat_tokenizer(tokenizer)
     started = time.perf_counter()
     if kind == "messages":
@@ -183,3 +182,23 @@ def encode_in_worker(batch: pa.RecordBatch, kind: str, first_row: int) -> Encode
     table = pa.Table.from_batches([batch])
     return encode_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row)
 
+
+def messages_from_arrow(column: pa.Array | pa.ChunkedArray) -> list[list[dict] | None]:
+    """Arrow chat rows as Python messages; keys that are null in a message are left out.
+
+    JSON readers give every message every key seen anywhere in the file (``tool_calls: null`` on a
+    plain user turn); templates test ``'tool_calls' in message`` or ``is defined``, so the null keys go.
+    """
+    rows = column.to_pylist()
+    return [None if row is None else [_message(m) for m in row] for row in rows]
+
+
+def _message(message: Any) -> Any:
+    if isinstance(message, str):  # a JSON object (arrow.json)
+        try:
+            message = json.loads(message)
+        except ValueError:
+            return message
+    if isinstance(message, dict):
+        return {k: v for k, v in message.items() if v is not None}
+    return message

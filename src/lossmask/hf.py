@@ -20,10 +20,9 @@ import pyarrow as pa
 
 from .markers import Markers
 from .report import MaskReport, Tally
-from .safety import DEFAULT_MAX_DROP_FRACTION
-from .masking import MaskOptions, input_kind, mask_batch, output_schema
+from .masking import input_kind, mask_batch, output_schema
+from .options import MaskOptions
 
-DEFAULT_BATCH_SIZE = 16_384
 MIN_ROWS_FOR_STREAMING_CHECK = 1_000  # an IterableDataset is checked once this many rows have gone by
 
 
@@ -36,28 +35,19 @@ def mask_dataset(
     strict: bool = False,
     response_part: str | Sequence[str] | None = None,
     instruction_part: str | Sequence[str] | None = None,
-    input_ids_column: str = "input_ids",
-    messages_column: str = "messages",
-    prompt_column: str = "prompt",
-    completion_column: str = "completion",
-    labels_column: str = "labels",
-    completion_mask: str | bool | None = None,
-    max_length: int | None = None,
-    keep_dropped: bool = False,
-    max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
-    last_turn_only: bool = False,
-    ignore_index: int = -100,
-    backend: str | None = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    options: MaskOptions | None = None,
     return_report: bool = False,
     verbose: bool = False,
+    **option_fields: Any,
 ):
     """Add ``labels`` to a Hugging Face ``Dataset``, ``DatasetDict`` or ``IterableDataset``.
 
     Markers: ``markers`` (a ``Markers``, its dict or a JSON file), else ``response_part`` /
     ``instruction_part`` strings located in the tokenizer's rendered template, else the policy
     (``lossmask.resolve_markers``: detection, then the template table by ``model_name``).
-    Rows that train nothing are removed (``keep_dropped`` keeps them) and counted; more than
+    How rows are read, labelled and kept is ``options`` (a ``lossmask.MaskOptions``) or its fields as
+    keywords (``max_length=``, ``keep_dropped=``, ``completion_mask=``, ``batch_size=``...). Rows that
+    train nothing are removed (``keep_dropped`` keeps them) and counted; more than
     ``max_drop_fraction`` of them raises ``TooManyDroppedRows``.
 
     Returns the masked dataset of the same kind; with ``return_report=True``, ``(dataset, report)``
@@ -66,20 +56,13 @@ def mask_dataset(
     """
     import datasets
 
-    from .stream import _completion_mask_name, load_chat_tokenizer
+    from .stream import load_chat_tokenizer
 
-    options = MaskOptions(
-        input_ids_column=input_ids_column, messages_column=messages_column, prompt_column=prompt_column,
-        completion_column=completion_column, labels_column=labels_column,
-        completion_mask_column=_completion_mask_name(completion_mask), max_length=max_length,
-        keep_dropped=keep_dropped, last_turn_only=last_turn_only, ignore_index=ignore_index, backend=backend,
-    )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r} must be a positive number of rows")
+    options = MaskOptions.resolve(options, **option_fields)
     chat = load_chat_tokenizer(tokenizer) if tokenizer is not None else None
     resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
                                           response_part=response_part, instruction_part=instruction_part)
-    job = _Job(options, resolved, source, tuple(messages), chat, max_drop_fraction, batch_size, verbose)
+    job = _Job(options, resolved, source, tuple(messages), chat, verbose)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         results = {split: job.run(part, name=split) for split, part in dataset.items()}
         out = type(dataset)({split: result[0] for split, result in results.items()})
@@ -110,8 +93,6 @@ class _Job:
     source: str
     messages: tuple[str, ...]
     tokenizer: Any
-    max_drop_fraction: float
-    batch_size: int
     verbose: bool
 
     def run(self, dataset: Any, *, name: str):
@@ -129,16 +110,16 @@ class _Job:
         out_schema = output_schema(schema, self.options, kind)
         tally, parts, first_row = Tally(), [], 0
         if getattr(dataset, "_indices", None) is None:  # no select/shuffle mapping: the table's own batches, zero-copy
-            batches = dataset.data.table.to_batches(max_chunksize=self.batch_size)
+            batches = dataset.data.table.to_batches(max_chunksize=self.options.batch_size)
         else:
-            batches = dataset.with_format("arrow").iter(batch_size=self.batch_size)
+            batches = dataset.with_format("arrow").iter(batch_size=self.options.batch_size)
         for table in batches:
             parts.append(mask_batch(table, self.markers, self.options, tally, tokenizer=self.tokenizer, kind=kind,
                                     first_row=first_row, source=name))
             first_row += table.num_rows
         from .stream import _check_drops
 
-        _check_drops(tally, self.max_drop_fraction, self.tokenizer, self.options)
+        _check_drops(tally, self.tokenizer, self.options)
         table = pa.concat_tables([p.cast(out_schema) for p in parts]) if parts else out_schema.empty_table()
         features = datasets.Features({**dataset.features, **_new_features(out_schema, schema)})
         info = dataset.info.copy()
@@ -164,11 +145,11 @@ class _Job:
             out = mask_batch(table, markers, options, tally, tokenizer=tokenizer, first_row=state["first_row"], source=name)
             state["first_row"] += table.num_rows
             if tally.rows_in >= MIN_ROWS_FOR_STREAMING_CHECK:  # over the rows seen so far (no end to wait for)
-                _check_drops(tally, self.max_drop_fraction, tokenizer, options)
+                _check_drops(tally, tokenizer, options)
             return out
 
         fmt = getattr(dataset, "_formatting", None)
-        out = dataset.with_format("arrow").map(label, batched=True, batch_size=self.batch_size)
+        out = dataset.with_format("arrow").map(label, batched=True, batch_size=self.options.batch_size)
         out = out.with_format(getattr(fmt, "format_type", None))
         return out, lambda: self._report(tally, name, quiet=True)
 
@@ -199,11 +180,9 @@ def train_on_responses_only(
     tokenizer: Any = None,
     model_name: str | None = None,
     strict: bool = False,
-    max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
-    keep_dropped: bool = False,
-    last_turn_only: bool = False,
-    max_length: int | None = None,
+    options: MaskOptions | None = None,
     verbose: bool = True,
+    **option_fields: Any,
 ):
     """Mask a ``transformers.Trainer`` / ``trl.SFTTrainer``'s datasets so that only responses train.
 
@@ -211,7 +190,9 @@ def train_on_responses_only(
     in the tokenizer's rendered chat template (never tokenised on their own), and without them the
     markers come from the policy (``lossmask.resolve_markers``). The train and eval datasets get
     ``labels`` (rows that train nothing removed and reported), and the trainer's collator is replaced
-    by ``PadByPosition``, which pads ``labels`` with -100 by position. Returns the trainer.
+    by ``PadByPosition``, which pads ``labels`` with -100 by position. ``options`` (a ``MaskOptions``) or
+    its fields as keywords (``max_length=``, ``keep_dropped=``, ``max_drop_fraction=``...) say how rows
+    are labelled and kept. Returns the trainer.
     """
     tok = tokenizer if tokenizer is not None else _trainer_tokenizer(trainer)
     model_name = model_name or _model_name(trainer)
@@ -220,8 +201,8 @@ def train_on_responses_only(
     chat = load_chat_tokenizer(tok)
     resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
                                           response_part=response_part, instruction_part=instruction_part)
-    options = MaskOptions(keep_dropped=keep_dropped, last_turn_only=last_turn_only, max_length=max_length)
-    job = _Job(options, resolved, source, tuple(messages), chat, max_drop_fraction, DEFAULT_BATCH_SIZE, verbose)
+    options = MaskOptions.resolve(options, **option_fields)
+    job = _Job(options, resolved, source, tuple(messages), chat, verbose)
     if verbose:
         for message in messages:
             print(f"lossmask: {message}", file=sys.stderr)

@@ -15,48 +15,22 @@ then ``labels`` (and ``completion_mask`` on request); rows that train nothing ar
 
 from __future__ import annotations
 
-import json
 import re
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from .batches import TokenRows, labels_to_arrow, rows_from_arrow
+from .encode import encode_table
 from .labels import label_batch
 from .markers import Markers
+from .options import MaskOptions
 from .outcomes import Outcome, OutcomeCounts
 from .report import Tally
 
 INPUT_KINDS = ("input_ids", "messages", "prompt_completion")
-
-
-@dataclass(frozen=True)
-class MaskOptions:
-    """How a batch is masked; resolved once at the entry point (``mask_files``, ``hf.mask_dataset``, ...)."""
-
-    input_ids_column: str = "input_ids"
-    messages_column: str = "messages"
-    prompt_column: str = "prompt"
-    completion_column: str = "completion"
-    labels_column: str = "labels"
-    completion_mask_column: str | None = None  # write TRL's 0/1 completion_mask under this name
-    max_length: int | None = None
-    keep_dropped: bool = False
-    last_turn_only: bool = False
-    ignore_index: int = -100
-    label_dtype: str = "int64"
-    backend: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_length is not None and (isinstance(self.max_length, bool) or not isinstance(self.max_length, int)
-                                            or self.max_length < 1):
-            raise ValueError(f"max_length={self.max_length!r} must be a positive integer (or None for no truncation)")
-        names = [self.labels_column] + ([self.completion_mask_column] if self.completion_mask_column else [])
-        if len(set(names)) != len(names):
-            raise ValueError(f"labels_column and completion_mask_column must differ, both are {self.labels_column!r}")
 
 
 def input_kind(schema: pa.Schema, options: MaskOptions, *, source: str = "input") -> str:
@@ -172,8 +146,6 @@ def mask_batch(
             )
         started = time.perf_counter()
         if encoded is None:
-            from .encode import encode_table
-
             encoded = encode_table(tokenizer, table, kind, options, first_row=first_row)
         for row, message in encoded.errors:
             tally.add_invalid(row, message)
@@ -277,24 +249,3 @@ def _mask_from_labels(labels: Any, ignore_index: int) -> pa.Array:
         return pa.chunked_array([_mask_from_labels(c, ignore_index) for c in labels.chunks])
     rows = rows_from_arrow(labels)
     return _with_values(labels, rows, (rows.values != ignore_index).astype(np.int8))
-
-
-def messages_from_arrow(column: pa.Array | pa.ChunkedArray) -> list[list[dict] | None]:
-    """Arrow chat rows as Python messages; keys that are null in a message are left out.
-
-    JSON readers give every message every key seen anywhere in the file (``tool_calls: null`` on a
-    plain user turn); templates test ``'tool_calls' in message`` or ``is defined``, so the null keys go.
-    """
-    rows = column.to_pylist()
-    return [None if row is None else [_message(m) for m in row] for row in rows]
-
-
-def _message(message: Any) -> Any:
-    if isinstance(message, str):  # a JSON object (arrow.json)
-        try:
-            message = json.loads(message)
-        except ValueError:
-            return message
-    if isinstance(message, dict):
-        return {k: v for k, v in message.items() if v is not None}
-    return message

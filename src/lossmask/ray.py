@@ -23,10 +23,8 @@ import pyarrow as pa
 
 from .markers import Markers
 from .report import MaskReport, Tally
-from .safety import DEFAULT_MAX_DROP_FRACTION
-from .masking import MaskOptions, mask_batch
-
-DEFAULT_BATCH_SIZE = 16_384
+from .masking import mask_batch
+from .options import MaskOptions
 
 
 def _ray():
@@ -44,45 +42,29 @@ def mask_dataset(
     markers: Markers | dict | str | None = None,
     model_name: str | None = None,
     strict: bool = False,
-    input_ids_column: str = "input_ids",
-    messages_column: str = "messages",
-    prompt_column: str = "prompt",
-    completion_column: str = "completion",
-    labels_column: str = "labels",
-    completion_mask: str | bool | None = None,
-    max_length: int | None = None,
-    keep_dropped: bool = False,
-    max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
-    last_turn_only: bool = False,
-    ignore_index: int = -100,
-    backend: str | None = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    options: MaskOptions | None = None,
     output: str | os.PathLike | None = None,
+    **option_fields: Any,
 ) -> tuple[Any, MaskReport]:
     """Label a ``ray.data.Dataset`` with ``map_batches`` on pyarrow batches; return ``(dataset, report)``.
 
-    The options are those of ``lossmask.mask_files``. The dataset is produced once (the counts need a
+    The options are those of ``lossmask.mask_files``: ``options`` (a ``MaskOptions``) or its fields as keywords. The dataset is produced once (the counts need a
     full pass): with ``output`` (a folder path or URI) it is written there as Parquet and read back
     lazily, otherwise it is materialised in the object store. Raises ``TooManyDroppedRows`` when
     more than ``max_drop_fraction`` of all rows train nothing (for a local ``output``, nothing is left
     at that path then).
     """
     ray = _ray()
-    from .stream import _check_drops, _completion_mask_name, load_chat_tokenizer, resolve_job_markers
+    from .stream import _check_drops, load_chat_tokenizer, resolve_job_markers
 
-    options = MaskOptions(
-        input_ids_column=input_ids_column, messages_column=messages_column, prompt_column=prompt_column,
-        completion_column=completion_column, labels_column=labels_column,
-        completion_mask_column=_completion_mask_name(completion_mask), max_length=max_length,
-        keep_dropped=keep_dropped, last_turn_only=last_turn_only, ignore_index=ignore_index, backend=backend,
-    )
+    options = MaskOptions.resolve(options, **option_fields)
     if not isinstance(dataset, ray.data.Dataset):
         raise TypeError(f"lossmask.ray.mask_dataset takes a ray.data.Dataset, got {type(dataset).__name__}")
     chat = load_chat_tokenizer(tokenizer) if tokenizer is not None else None
     resolved, source, messages = resolve_job_markers(markers, tokenizer=chat, model_name=model_name, strict=strict)
     counter = ray.remote(num_cpus=0)(_Counter).remote()
     labelled = dataset.map_batches(
-        _label_batch, batch_format="pyarrow", batch_size=batch_size, zero_copy_batch=True,
+        _label_batch, batch_format="pyarrow", batch_size=options.batch_size, zero_copy_batch=True,
         fn_kwargs={"markers": resolved, "options": options, "tokenizer": chat, "counter": counter},
     )
     if output is None:
@@ -91,12 +73,12 @@ def mask_dataset(
         result = _write(labelled, os.fspath(output))
     tally = Tally.from_dict(ray.get(counter.total.remote()))
     try:
-        _check_drops(tally, max_drop_fraction, chat, options)
+        _check_drops(tally, chat, options)
     except ValueError:
         if output is not None:
             _remove(os.fspath(output))
         raise
-    report = MaskReport.build(tally, markers=resolved, markers_source=source, keep_dropped=keep_dropped,
+    report = MaskReport.build(tally, markers=resolved, markers_source=source, keep_dropped=options.keep_dropped,
                               input="ray dataset", output=None if output is None else os.fspath(output),
                               messages=messages)
     return result, report

@@ -19,10 +19,9 @@ import pyarrow as pa
 
 from .markers import Markers
 from .report import MaskReport, Tally
-from .safety import DEFAULT_MAX_DROP_FRACTION, TooManyDroppedRows, check_drop_fraction
-from .masking import MaskOptions, input_kind, mask_batch, output_schema
-
-DEFAULT_BATCH_SIZE = 16_384
+from .masking import input_kind, mask_batch, output_schema
+from .options import MaskOptions
+from .safety import TooManyDroppedRows, check_drop_fraction
 
 FORMATS = {
     ".parquet": "parquet", ".pq": "parquet",
@@ -41,49 +40,28 @@ def mask_files(
     markers: Markers | dict | str | os.PathLike | None = None,
     strict: bool = False,
     input_format: str | None = None,
-    input_ids_column: str = "input_ids",
-    messages_column: str = "messages",
-    prompt_column: str = "prompt",
-    completion_column: str = "completion",
-    labels_column: str = "labels",
-    completion_mask: str | bool | None = None,
-    max_length: int | None = None,
-    keep_dropped: bool = False,
-    max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
-    last_turn_only: bool = False,
-    ignore_index: int = -100,
-    label_dtype: str = "int64",
-    backend: str | None = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    options: MaskOptions | None = None,
     row_group_size: int | None = None,
     compression: str = "snappy",
     num_proc: int = 1,
     progress: bool | None = None,
     report: str | os.PathLike | None = None,
+    **option_fields: Any,
 ) -> MaskReport:
     """Label every row of ``input`` and write the rows that train something to the Parquet file ``output``.
 
     Markers come from ``markers`` (a ``Markers``, its dict, or a JSON file) or, when not given, from
-    ``tokenizer`` through ``lossmask.resolve_markers`` (with ``model_name`` and ``strict``). A tokenizer
+    ``tokenizer`` through ``lossmask.resolve_markers`` (with ``model_name`` and ``strict``). How rows are
+    read, labelled and kept is ``options`` (a ``MaskOptions``) or its fields as keywords
+    (``max_length=2048, keep_dropped=True, completion_mask=True, batch_size=...``). A tokenizer
     is also needed for ``messages`` and ``prompt``/``completion`` input; ``chat_template`` (a Jinja
-    file or string) replaces its template, for tokenizers that ship none. ``completion_mask=True`` (or a
-    column name) also writes TRL's 0/1 ``completion_mask``. ``num_proc`` > 1 renders and tokenises chat
+    file or string) replaces its template, for tokenizers that ship none. ``num_proc`` > 1 renders and tokenises chat
     and prompt/completion rows in that many processes (the rendering is per-row Python: the slow part). ``progress`` shows a bar (default: when
     stderr is a terminal). ``report``: a path to write the JSON report to. Returns the ``MaskReport``;
-    raises ``TooManyDroppedRows`` (and writes nothing) when more than ``max_drop_fraction`` of the rows
+    raises ``TooManyDroppedRows`` (and writes nothing) when more than ``options.max_drop_fraction`` of the rows
     would train nothing.
     """
-    options = MaskOptions(
-        input_ids_column=input_ids_column, messages_column=messages_column, prompt_column=prompt_column,
-        completion_column=completion_column, labels_column=labels_column,
-        completion_mask_column=_completion_mask_name(completion_mask), max_length=max_length,
-        keep_dropped=keep_dropped, last_turn_only=last_turn_only, ignore_index=ignore_index,
-        label_dtype=label_dtype, backend=backend,
-    )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r} must be a positive number of rows (e.g. {DEFAULT_BATCH_SIZE})")
-    if not 0.0 <= max_drop_fraction <= 1.0:
-        raise ValueError(f"max_drop_fraction={max_drop_fraction!r} must be a fraction in [0, 1] (e.g. 0.30)")
+    options = MaskOptions.resolve(options, **option_fields)
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"num_proc={num_proc!r} must be a positive number of processes")
     started = time.perf_counter()
@@ -113,14 +91,14 @@ def mask_files(
                                   write_statistics=other_columns or False)
         with _BackgroundWriter(writer, schema, row_group_size, tally) as background:
             encode = num_proc > 1 and kind != "input_ids"
-            for batch, first_row, encoded in _encoded_batches(dataset, batch_size, source, tally, kind, options,
+            for batch, first_row, encoded in _encoded_batches(dataset, options.batch_size, source, tally, kind, options,
                                                              tokenizer, num_proc if encode else 1):
                 out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
                                  first_row=first_row, source=source, encoded=encoded)
                 background.put(out)
                 show(batch.num_rows, tally)
         show(None, tally)
-        _check_drops(tally, max_drop_fraction, tokenizer, options)
+        _check_drops(tally, tokenizer, options)
         tally.seconds["total"] = time.perf_counter() - started
         os.replace(temporary, output)
     except BaseException:
@@ -129,7 +107,7 @@ def mask_files(
             os.remove(temporary)
         raise
     result = MaskReport.build(
-        tally, markers=resolved, markers_source=markers_source, keep_dropped=keep_dropped,
+        tally, markers=resolved, markers_source=markers_source, keep_dropped=options.keep_dropped,
         input=source, output=output, messages=messages,
     )
     if report is not None:
@@ -398,7 +376,7 @@ def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, inpu
     return "\n".join(lines)
 
 
-def _check_drops(tally: Tally, max_drop_fraction: float, tokenizer: Any, options: MaskOptions) -> None:
+def _check_drops(tally: Tally, tokenizer: Any, options: MaskOptions) -> None:
     """The safety net: the engine's outcomes first (its message names the cause), then rows rejected as invalid."""
     example = None
     if tally.dropped_example is not None:
@@ -407,6 +385,7 @@ def _check_drops(tally: Tally, max_drop_fraction: float, tokenizer: Any, options
         ids, labels = tally.dropped_example
         decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
         example = format_row(ids, labels, decode, ignore_index=options.ignore_index)
+    max_drop_fraction = options.max_drop_fraction
     check_drop_fraction(tally.counts, max_drop_fraction=max_drop_fraction, example=example)
     rows_in = tally.rows_in
     untrained = tally.invalid + tally.counts.rows_dropped
@@ -418,16 +397,6 @@ def _check_drops(tally: Tally, max_drop_fraction: float, tokenizer: Any, options
             "Fix those rows (roles the chat template accepts, non-empty messages), or raise max_drop_fraction.",
             tally.counts,
         )
-
-
-def _completion_mask_name(completion_mask: str | bool | None) -> str | None:
-    if completion_mask is True:
-        return "completion_mask"
-    if completion_mask in (None, False):
-        return None
-    if isinstance(completion_mask, str) and completion_mask:
-        return completion_mask
-    raise TypeError(f"completion_mask={completion_mask!r}: pass True, False or a column name")
 
 
 def _temporary_name(output: str) -> str:

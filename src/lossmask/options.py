@@ -1,0 +1,87 @@
+"""``MaskOptions``: how a masking job labels its rows, one value passed from the entry point down.
+
+``mask_files``, ``hf.mask_dataset``, ``hf.train_on_responses_only`` and ``ray.mask_dataset`` each take
+``options=MaskOptions(...)`` and, for convenience, the same fields as keywords
+(``mask_files(..., max_length=2048)``); ``MaskOptions.resolve`` turns either into one checked value,
+so the list of fields lives here alone and a misspelt keyword names the ones that exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .safety import DEFAULT_MAX_DROP_FRACTION
+
+DEFAULT_BATCH_SIZE = 16_384
+LABEL_DTYPES = ("int64", "int32")
+
+
+@dataclass(frozen=True)
+class MaskOptions:
+    """How rows are read, labelled, kept and checked; every field has the default a job uses."""
+
+    # which columns hold the input, and what the output columns are called
+    input_ids_column: str = "input_ids"
+    messages_column: str = "messages"
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
+    labels_column: str = "labels"
+    completion_mask_column: str | None = None  # write TRL's 0/1 completion_mask under this name
+    # how rows are tokenised and labelled
+    max_length: int | None = None
+    last_turn_only: bool = False
+    ignore_index: int = -100
+    label_dtype: str = "int64"
+    backend: str | None = None
+    # what happens to rows that train nothing
+    keep_dropped: bool = False
+    max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION
+    # how much is read at a time
+    batch_size: int = DEFAULT_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and not _positive_int(self.max_length):
+            raise ValueError(f"max_length={self.max_length!r} must be a positive integer (or None for no truncation)")
+        if not _positive_int(self.batch_size):
+            raise ValueError(f"batch_size={self.batch_size!r} must be a positive number of rows (e.g. {DEFAULT_BATCH_SIZE})")
+        if isinstance(self.max_drop_fraction, bool) or not isinstance(self.max_drop_fraction, (int, float)) \
+                or not 0.0 <= self.max_drop_fraction <= 1.0:
+            raise ValueError(f"max_drop_fraction={self.max_drop_fraction!r} must be a fraction in [0, 1] (e.g. 0.30)")
+        if self.label_dtype not in LABEL_DTYPES:
+            raise ValueError(f"label_dtype={self.label_dtype!r}; pass one of {LABEL_DTYPES}")
+        names = [self.labels_column] + ([self.completion_mask_column] if self.completion_mask_column else [])
+        if len(set(names)) != len(names):
+            raise ValueError(f"labels_column and completion_mask_column must differ, both are {self.labels_column!r}")
+
+    @classmethod
+    def resolve(cls, options: "MaskOptions | None" = None, /, **fields: Any) -> "MaskOptions":
+        """``options`` with ``fields`` replaced (or the defaults with them); ``completion_mask=True`` or a
+        column name stands for ``completion_mask_column``. Unknown names raise ``TypeError`` listing the known."""
+        if options is not None and not isinstance(options, cls):
+            raise TypeError(f"options={options!r}: pass a lossmask.MaskOptions (or its fields as keywords)")
+        if "completion_mask" in fields:
+            fields["completion_mask_column"] = completion_mask_column(fields.pop("completion_mask"))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise TypeError(f"unknown masking option(s) {unknown}; MaskOptions has {sorted(known | {'completion_mask'})}")
+        if options is None:
+            return cls(**fields)
+        return dataclasses.replace(options, **fields) if fields else options
+
+
+def completion_mask_column(completion_mask: str | bool | None) -> str | None:
+    """``True`` -> ``"completion_mask"``, ``False``/``None`` -> no column, a string -> that column name."""
+    if completion_mask is True:
+        return "completion_mask"
+    if completion_mask in (None, False):
+        return None
+    if isinstance(completion_mask, str) and completion_mask:
+        return completion_mask
+    raise TypeError(f"completion_mask={completion_mask!r}: pass True, False or a column name")
+
+
+def _positive_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
