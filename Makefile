@@ -26,6 +26,7 @@ bench: $(STAMP)
 setup: $(STAMP)
 
 # torch is pinned to the CPU wheel the test machines carry (a bare `torch` pulls a multi-GB CUDA build).
+# `all` includes `fast` (fastokens), so the tests comparing it with tokenizers run.
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

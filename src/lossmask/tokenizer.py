@@ -16,6 +16,7 @@ This module renders and encodes; it knows nothing about markers (see ``detect.py
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -46,6 +47,28 @@ class EncodedChats:
     def ok(self) -> np.ndarray:
         """A boolean per row: did the template render it?"""
         return ~np.asarray(self.input_ids.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+
+
+@dataclass(frozen=True)
+class FlatIds:
+    """Token ids of many texts, flat: text ``i`` is ``ids[offsets[i]:offsets[i + 1]]``.
+
+    ``ids`` is int32, ``offsets`` int64 (``len(texts) + 1`` of them). ``spans`` (only when asked for) is an
+    ``(len(ids), 2)`` int64 array: each token's ``[start, end)`` character span in its own text.
+    """
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    spans: np.ndarray | None = None
+
+    def to_arrow(self, *, max_length: int | None = None) -> pa.LargeListArray:
+        """A ``LargeList<int32>`` array over the same buffers; ``max_length`` keeps each row's first tokens."""
+        arr = pa.LargeListArray.from_arrays(pa.array(self.offsets), pa.array(self.ids))
+        if max_length is not None and len(self.offsets) > 1 and int(np.diff(self.offsets).max()) > max_length:
+            import pyarrow.compute as pc
+
+            arr = pc.list_slice(arr, 0, max_length)
+        return arr
 
 
 class ChatTokenizer:
@@ -175,11 +198,52 @@ class ChatTokenizer:
         offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         return ids, offsets
 
+    def encode_flat(self, texts: Sequence[str], *, char_offsets: bool = False) -> FlatIds:
+        """Token ids of many rendered texts in one batch call, flat (``FlatIds``); no special tokens added.
+
+        The one place a tokeniser library is chosen: ``fastokens`` where it is installed and supports this
+        tokenizer (proven against ``tokenizers`` on the first texts of each job, see ``fast_tokens``), else
+        Hugging Face ``tokenizers``. ``char_offsets=True`` also returns each token's character span, which
+        only ``tokenizers`` gives (so it encodes those calls).
+        """
+        texts = texts if isinstance(texts, list) else list(texts)
+        if not char_offsets and texts:
+            flat = self.fast_tokens.encode(texts, self._encode_reference)
+            if flat is not None:
+                return FlatIds(*flat)
+        return FlatIds(*self._encode_reference(texts, char_offsets=char_offsets))
+
+    def _encode_reference(self, texts: Sequence[str], *, char_offsets: bool = False):
+        """``(ids, offsets[, spans])`` with Hugging Face ``tokenizers``: flattened without a NumPy array per row."""
+        backend = self.tokenizer.backend_tokenizer
+        texts = list(texts)
+        encodings = (backend.encode_batch if char_offsets else backend.encode_batch_fast)(texts, add_special_tokens=False)
+        lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(encodings))
+        offsets = np.zeros(len(encodings) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        total = int(offsets[-1])
+        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=total)
+        if not char_offsets:
+            return ids, offsets
+        spans = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(e.offsets for e in encodings)),
+                            dtype=np.int64, count=2 * total).reshape(total, 2)
+        return ids, offsets, spans
+
+    @cached_property
+    def fast_tokens(self):
+        """This tokenizer's ``fast_tokens.FastTokens`` (``fastokens``, loaded on a thread on first use)."""
+        from .fast_tokens import FastTokens
+
+        return FastTokens(self.tokenizer, self.name)
+
+    def begin_job(self) -> None:
+        """A job starts: begin loading the fast tokeniser now, and prove it again on the job's first texts."""
+        self.fast_tokens.begin_job()
+        self.fast_tokens.start()
+
     def encode_texts(self, texts: Sequence[str], *, max_length: int | None = None) -> pa.LargeListArray:
         """Token ids of many rendered texts in one batch call: a ``LargeList<int32>`` array."""
-        encodings = self.tokenizer.backend_tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
-        rows = [e.ids if max_length is None else e.ids[:max_length] for e in encodings]
-        return _large_list(rows)
+        return self.encode_flat(texts).to_arrow(max_length=max_length)
 
     def encode_chats(
         self,
@@ -214,7 +278,7 @@ class ChatTokenizer:
                 errors.append((row, f"row {row}: {exc}"))
                 continue
             rendered_rows.append(row)
-        encoded = self.encode_texts(texts, max_length=max_length) if texts else _large_list([])
+        encoded = self.encode_texts(texts, max_length=max_length)
         n = len(rendered_rows) + len(errors)
         if not errors:
             return EncodedChats(encoded, ())
@@ -223,14 +287,6 @@ class ChatTokenizer:
         take[np.asarray(rendered_rows, dtype=np.int64)] = np.arange(len(rendered_rows))
         indices = pa.array(take, mask=take < 0)
         return EncodedChats(encoded.take(indices), tuple(errors))
-
-
-def _large_list(rows: Sequence[Sequence[int]]) -> pa.LargeListArray:
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate([np.asarray(r, dtype=np.int32) for r in rows]) if rows else np.zeros(0, np.int32)
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values.astype(np.int32, copy=False)))
 
 
 def _normalise_templates(template: Any) -> str | dict[str, str] | None:
