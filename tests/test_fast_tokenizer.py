@@ -79,7 +79,7 @@ def test_disagreement_switches_back_naming_the_text():
     from conftest import tokenizer_path
 
     other = load_tokenizer(tokenizer_path("llama-3.1"))
-    wrong = FastTokens(other.tokenizer, "llama-3.1 ids for a qwen2.5 job")
+    wrong = FastTokens(other, "llama-3.1 ids for a qwen2.5 job")
     texts = ["same text in both? no", "The capital of France is Paris."]
     reference = ct._encode_reference
     with pytest.warns(FastTokenizerWarning, match=r"differ on text 0 of the first batch at token \d+"):

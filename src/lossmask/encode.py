@@ -38,8 +38,32 @@ def chat_tokenizer(tokenizer: Any):
     return tokenizer if isinstance(tokenizer, ChatTokenizer) else load_tokenizer(tokenizer)
 
 
+@dataclass(frozen=True)
+class RenderedBatch:
+    """The texts the template wrote for the rows of a batch (``valid`` marks them), before tokenisation."""
+
+    texts: list[str]
+    valid: np.ndarray
+    errors: list[tuple[int, str]]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
 def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0) -> EncodedBatch:
     """Render and tokenise the chat (``kind="messages"``) or prompt/completion rows of ``table``."""
+    tok = chat_tokenizer(tokenizer)
+    if kind != "messages" and is_text_pairs(table, options):
+        return _encode_text_pairs(tok, table.column(options.prompt_column), table.column(options.completion_column),
+                                  options, first_row=first_row)
+    return tokenize_rendered(tok, render_table(tok, table, kind, options, first_row=first_row), options)
+
+
+def is_text_pairs(table: pa.Table, options: Any) -> bool:
+    prompts = table.schema.field(options.prompt_column).type
+    return pa.types.is_string(prompts) or pa.types.is_large_string(prompts)
+
+
+def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0) -> RenderedBatch:
+    """Render the chat (``kind="messages"``) or conversational prompt/completion rows of ``table``."""
     tok = chat_tokenizer(tokenizer)
     started = time.perf_counter()
     if kind == "messages":
@@ -48,8 +72,6 @@ def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     else:
         prompts = table.column(options.prompt_column)
         completions = table.column(options.completion_column)
-        if pa.types.is_string(prompts.type) or pa.types.is_large_string(prompts.type):
-            return _encode_text_pairs(tok, prompts, completions, options, first_row=first_row)
         conversations = [
             None if p is None or c is None else p + c
             for p, c in zip(messages_from_arrow(prompts), messages_from_arrow(completions))
@@ -68,17 +90,21 @@ def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     texts, failures = render_chats(tok, chats)
     rendered = time.perf_counter()
     ok = np.array([text is not None for text in texts], dtype=bool)
-    input_ids = tok.encode_texts([text for text in texts if text is not None], max_length=options.max_length)
-    done = time.perf_counter()
     valid = np.zeros(table.num_rows, dtype=bool)
     rows = np.asarray(rows, dtype=np.int64)
     valid[rows[ok]] = True
     errors += [(first_row + int(rows[local]), message) for local, message in failures]
     errors.sort()
-    return EncodedBatch(
-        _as_list32(input_ids), valid, errors,
-        seconds={"read_messages": convert - started, "render": rendered - convert, "tokenize_text": done - rendered},
-    )
+    return RenderedBatch([text for text in texts if text is not None], valid, errors,
+                         seconds={"read_messages": convert - started, "render": rendered - convert})
+
+
+def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any) -> EncodedBatch:
+    """Token ids of a rendered batch (one batch call into the tokeniser), as ``list<int32>``."""
+    started = time.perf_counter()
+    input_ids = chat_tokenizer(tokenizer).encode_texts(rendered.texts, max_length=options.max_length)
+    seconds = {**rendered.seconds, "tokenize_text": time.perf_counter() - started}
+    return EncodedBatch(_as_list32(input_ids), rendered.valid, rendered.errors, seconds=seconds)
 
 
 def render_chats(tok, chats: list) -> tuple[list[str | None], list[tuple[int, str]]]:
@@ -173,14 +199,23 @@ def _as_list32(arr: pa.Array) -> pa.Array:
 _WORKER: dict[str, Any] = {}
 
 
-def start_worker(tokenizer: Any, options: Any) -> None:
-    """Process-pool initializer: the tokenizer and options arrive once per worker, not once per batch."""
+def start_worker(threads: int, tokenizer: Any, options: Any) -> None:
+    """Process-pool initializer: the tokenizer and options arrive once per worker, not once per batch.
+
+    ``threads`` caps the Rust thread pools of this worker (set before any tokeniser runs), so that the
+    workers and the parent share the cores instead of each starting one thread per core.
+    """
+    import os
+
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
     _WORKER["tokenizer"], _WORKER["options"] = tokenizer, options
 
 
-def encode_in_worker(batch: pa.RecordBatch, kind: str, first_row: int) -> EncodedBatch:
+def render_in_worker(batch: pa.RecordBatch, kind: str, first_row: int) -> RenderedBatch:
+    """Render one batch in a worker; the parent tokenises it (one fast tokeniser, loaded once, all cores)."""
     table = pa.Table.from_batches([batch])
-    return encode_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row)
+    return render_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row)
 
 
 def messages_from_arrow(column: pa.Array | pa.ChunkedArray) -> list[list[dict] | None]:

@@ -60,6 +60,8 @@ def mask_dataset(
 
     options = MaskOptions.resolve(options, **option_fields)
     chat = load_chat_tokenizer(tokenizer) if tokenizer is not None else None
+    if chat is not None and _will_encode(dataset, options):
+        chat.begin_job()  # the fast tokeniser loads on a thread while markers are resolved
     resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
                                           response_part=response_part, instruction_part=instruction_part)
     job = _Job(options, resolved, source, tuple(messages), chat, verbose)
@@ -69,6 +71,13 @@ def mask_dataset(
         return (out, {split: result[1] for split, result in results.items()}) if return_report else out
     out, report = job.run(dataset, name=getattr(dataset, "split", None) or "dataset")
     return (out, report) if return_report else out
+
+
+def _will_encode(dataset: Any, options: MaskOptions) -> bool:
+    """Whether some split has no token ids yet (so it will be rendered and tokenised)."""
+    names = getattr(dataset, "column_names", None)
+    splits = names.values() if isinstance(names, dict) else [names]
+    return any(split is None or options.input_ids_column not in split for split in splits)
 
 
 def _resolve(markers, chat, *, model_name, strict, response_part, instruction_part):
@@ -81,8 +90,12 @@ def _resolve(markers, chat, *, model_name, strict, response_part, instruction_pa
                          "pass the tokenizer too")
     from .policy import resolve_markers
 
-    resolution = resolve_markers(chat, model_name=model_name, strict=strict,
-                                 response_part=response_part, instruction_part=instruction_part)
+    from .stream import _resolve_cached
+
+    resolution = _resolve_cached(chat, lambda: resolve_markers(chat, model_name=model_name, strict=strict,
+                                                               response_part=response_part, instruction_part=instruction_part),
+                                 model_name=model_name, strict=strict, response_part=response_part,
+                                 instruction_part=instruction_part)
     return resolution.markers, resolution.source, tuple(resolution.messages)
 
 

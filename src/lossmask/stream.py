@@ -68,6 +68,8 @@ def mask_files(
     dataset, source = open_dataset(input, input_format=input_format)
     kind = input_kind(dataset.schema, options, source=source)
     tokenizer = load_chat_tokenizer(tokenizer, chat_template=chat_template) if tokenizer is not None else None
+    if tokenizer is not None and kind != "input_ids":
+        tokenizer.begin_job()  # the fast tokeniser loads on a thread while markers are resolved
     if kind == "prompt_completion" and is_text_pairs(dataset.schema, options):
         if tokenizer is None:
             raise ValueError(f"{source}: prompt/completion text needs a tokenizer (--tokenizer DIR / tokenizer=)")
@@ -80,7 +82,10 @@ def mask_files(
     output = os.fspath(output)
     tally = Tally()
     temporary = _temporary_name(output)
-    show = _progress_bar(progress, total=_count_rows(dataset))
+    total_rows = _count_rows(dataset)
+    show = _progress_bar(progress, total=total_rows)
+    renders = kind == "messages" or (kind == "prompt_completion" and markers_source != "position")
+    workers, batch_size = plan_workers(num_proc, total_rows, options.batch_size, renders=renders)
     try:
         import pyarrow.parquet as pq
 
@@ -90,9 +95,8 @@ def mask_files(
         writer = pq.ParquetWriter(temporary, schema, compression=compression, use_dictionary=other_columns or False,
                                   write_statistics=other_columns or False)
         with _BackgroundWriter(writer, schema, row_group_size, tally) as background:
-            encode = num_proc > 1 and kind != "input_ids"
-            for batch, first_row, encoded in _encoded_batches(dataset, options.batch_size, source, tally, kind, options,
-                                                             tokenizer, num_proc if encode else 1):
+            for batch, first_row, encoded in _encoded_batches(dataset, batch_size, source, tally, kind, options,
+                                                             tokenizer, workers):
                 out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
                                  first_row=first_row, source=source, encoded=encoded)
                 background.put(out)
@@ -173,9 +177,40 @@ class _BackgroundWriter:
             raise self.error
 
 
+MIN_ROWS_PER_WORKER = 2_000  # below this, starting a process (imports, tokenizer) costs more than it renders
+MIN_WORKER_BATCH = 512
+
+
+def plan_workers(num_proc: int, rows: int | None, batch_size: int, *, renders: bool) -> tuple[int, int]:
+    """``(processes, batch size)`` for a job: as many render processes as the work pays for, batches small enough
+    that each gets several, and the job itself in one process when rendering is not what it does.
+
+    Only rendering (per-row Jinja, under the GIL) runs in workers; the parent tokenises (the Rust tokeniser
+    uses every core on its own) and labels. A job of ``rows`` rows uses at most ``rows // MIN_ROWS_PER_WORKER``
+    workers (one process when fewer than 2), with batches of ``rows / (4 * workers)`` rows (at least
+    ``MIN_WORKER_BATCH``, at most ``batch_size``), so the last batch does not leave one worker running alone.
+    """
+    if num_proc <= 1 or not renders:
+        return 1, batch_size
+    if rows is not None:
+        num_proc = min(num_proc, rows // MIN_ROWS_PER_WORKER)
+        if num_proc <= 1:
+            return 1, batch_size
+        return num_proc, min(batch_size, max(MIN_WORKER_BATCH, -(-rows // (4 * num_proc))))
+    return num_proc, min(batch_size, 4 * MIN_WORKER_BATCH)
+
+
+def _worker_threads(workers: int) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        cores = os.cpu_count() or 1
+    return max(1, cores // workers)
+
+
 def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc):
-    """``(batch, first_row, encoded)`` in input order; with ``num_proc`` > 1 the batches are rendered and
-    tokenised in worker processes, up to ``2 * num_proc`` batches ahead (``encoded`` is None otherwise)."""
+    """``(batch, first_row, encoded)`` in input order; with ``num_proc`` > 1 the batches are rendered in worker
+    processes, up to ``2 * num_proc`` batches ahead, and tokenised here (``encoded`` is None otherwise)."""
     batches = _batches(dataset, batch_size, source)
     first_row = 0
     if num_proc == 1:
@@ -190,27 +225,27 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from .encode import encode_in_worker, start_worker
+    from .encode import render_in_worker, start_worker, tokenize_rendered
 
     # spawn, not fork: the parent holds threads (the Rust tokenizer's pool, numba's, the writer)
     with ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"), initializer=start_worker,
-                             initargs=(tokenizer, options)) as pool:
+                             initargs=(_worker_threads(num_proc), tokenizer, options)) as pool:
         pending: collections.deque = collections.deque()
+
+        def finish():
+            batch, first, future = pending.popleft()
+            started = time.perf_counter()
+            rendered = future.result()
+            tally.time("encode_wait", time.perf_counter() - started)
+            return batch, first, tokenize_rendered(tokenizer, rendered, options)
+
         for batch in batches:
-            pending.append((batch, first_row, pool.submit(encode_in_worker, batch, kind, first_row)))
+            pending.append((batch, first_row, pool.submit(render_in_worker, batch, kind, first_row)))
             first_row += batch.num_rows
             if len(pending) >= 2 * num_proc:
-                yield _finish(pending.popleft(), tally)
+                yield finish()
         while pending:
-            yield _finish(pending.popleft(), tally)
-
-
-def _finish(item, tally):
-    batch, first_row, future = item
-    started = time.perf_counter()
-    encoded = future.result()
-    tally.time("encode_wait", time.perf_counter() - started)
-    return batch, first_row, encoded
+            yield finish()
 
 
 def open_dataset(input: Any, *, input_format: str | None = None):
@@ -324,8 +359,20 @@ def resolve_job_markers(markers: Any, *, tokenizer: Any, model_name: str | None,
         from .detect import detect_markers
 
         return detect_markers(tokenizer), "detected", ()
-    resolution = resolve_markers(tokenizer, model_name=model_name, strict=strict)
+    resolution = _resolve_cached(tokenizer, lambda: resolve_markers(tokenizer, model_name=model_name, strict=strict),
+                                 model_name=model_name, strict=strict)
     return resolution.markers, resolution.source, tuple(resolution.messages)
+
+
+def _resolve_cached(tokenizer: Any, resolve, **arguments: Any):
+    """``resolve()`` through the on-disk marker cache (``marker_cache``) when the tokenizer is a ``ChatTokenizer``."""
+    from .tokenizer import ChatTokenizer
+
+    if not isinstance(tokenizer, ChatTokenizer):
+        return resolve()
+    from .marker_cache import resolve_cached
+
+    return resolve_cached(tokenizer, resolve, **arguments)
 
 
 def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | None = None):

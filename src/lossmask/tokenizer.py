@@ -114,6 +114,10 @@ class ChatTokenizer:
     def __repr__(self) -> str:
         return f"ChatTokenizer({self.name!r})"
 
+    def __getstate__(self) -> dict:
+        """What a worker process gets: no serialised copy of the vocabulary, no fast tokeniser (it loads its own)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("tokenizer_json", "fast_tokens")}
+
     # -- facts about the vocabulary --------------------------------------------------------
 
     @cached_property
@@ -230,11 +234,16 @@ class ChatTokenizer:
         return ids, offsets, spans
 
     @cached_property
+    def tokenizer_json(self) -> str:
+        """The tokenizer serialised as ``tokenizer.json`` (its live state: added tokens included)."""
+        return self.tokenizer.backend_tokenizer.to_str()
+
+    @cached_property
     def fast_tokens(self):
         """This tokenizer's ``fast_tokens.FastTokens`` (``fastokens``, loaded on a thread on first use)."""
         from .fast_tokens import FastTokens
 
-        return FastTokens(self.tokenizer, self.name)
+        return FastTokens(self, self.name)
 
     def begin_job(self) -> None:
         """A job starts: begin loading the fast tokeniser now, and prove it again on the job's first texts."""

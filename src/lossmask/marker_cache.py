@@ -1,0 +1,145 @@
+"""Resolved markers kept on disk, so that a job on a tokenizer seen before skips detection (~0.8 s).
+
+The key is a SHA-256 of everything the resolution depends on: the tokenizer as it is serialised
+(``tokenizer.json``, added tokens included), the chat template(s), template name and kwargs, the
+arguments of ``resolve_markers`` (model name, strict, user strings), the versions of ``transformers``
+and ``tokenizers`` (they render and tokenise the probes) and the bytes of lossmask's own detection
+code and template table, so a change to any of them is a miss, never a stale answer. What is stored is
+the outcome (markers, source, messages, reason, table entry) and the warnings resolution emitted, which
+a hit emits again. Only successful resolutions are stored; errors are recomputed each time.
+
+Where: ``$LOSSMASK_CACHE_DIR``, else ``$XDG_CACHE_HOME/lossmask``, else ``~/.cache/lossmask``
+(``markers/<key>.json``). ``LOSSMASK_CACHE=0`` turns the cache off; an unreadable or unwritable cache is
+ignored (the markers are resolved as without it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from .markers import Markers
+
+CODE_FILES = ("detect.py", "verify.py", "policy.py", "templates.py", "markers.py", "tokenizer.py", "data/templates.json")
+FORMAT = 1
+
+
+def cache_dir() -> Path | None:
+    """The folder of the marker cache, or None when ``LOSSMASK_CACHE=0``."""
+    if os.environ.get("LOSSMASK_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    root = os.environ.get("LOSSMASK_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lossmask")
+    return Path(root) / "markers"
+
+
+def resolve_cached(ct: Any, resolve: Callable[[], Any], **arguments: Any):
+    """``resolve()`` (a ``policy.Resolution``), or the stored outcome of the same resolution.
+
+    ``ct`` is the job's ``ChatTokenizer``; ``arguments`` are the other inputs of the resolution
+    (model name, strict, user strings), part of the key.
+    """
+    from .policy import Resolution
+
+    folder = cache_dir()
+    if folder is None:
+        return resolve()
+    try:
+        path = folder / f"{cache_key(ct, arguments)}.json"
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot be serialised: no cache
+        return resolve()
+    stored = _read(path)
+    if stored is not None:
+        for category, message in stored["warnings"]:
+            warnings.warn(message, _category(category), stacklevel=3)
+        markers = Markers.from_dict(stored["markers"]) if stored["markers"] is not None else None
+        return Resolution(markers, stored["source"], tuple(stored["messages"]), stored["reason"], stored["template"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolution = resolve()
+    for w in caught:  # emitted again, as they were
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    _write(path, {
+        "format": FORMAT,
+        "markers": resolution.markers.to_dict() if resolution.markers is not None else None,
+        "source": resolution.source, "messages": list(resolution.messages), "reason": resolution.reason,
+        "template": resolution.template,
+        "warnings": [[f"{w.category.__module__}.{w.category.__qualname__}", str(w.message)] for w in caught],
+    })
+    return resolution
+
+
+def cache_key(ct: Any, arguments: dict) -> str:
+    import importlib.metadata as metadata
+
+    digest = hashlib.sha256()
+    digest.update(hashlib.sha256(ct.tokenizer_json.encode("utf-8")).digest())
+    versions = {}
+    for package in ("transformers", "tokenizers", "jinja2"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    facts = {
+        "format": FORMAT, "templates": ct.templates, "template_name": ct.template_name,
+        "template_kwargs": ct.template_kwargs, "arguments": arguments, "versions": versions,
+    }
+    digest.update(json.dumps(facts, sort_keys=True, default=repr).encode("utf-8"))
+    digest.update(_code_digest())
+    return digest.hexdigest()
+
+
+_CODE: list[bytes] = []
+
+
+def _code_digest() -> bytes:
+    if not _CODE:
+        here = Path(__file__).resolve().parent
+        digest = hashlib.sha256()
+        for name in CODE_FILES:
+            try:
+                digest.update(name.encode() + b"\0" + (here / name).read_bytes())
+            except OSError:
+                digest.update(name.encode() + b"\0missing")
+        _CODE.append(digest.digest())
+    return _CODE[0]
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            stored = json.load(fh)
+        if stored.get("format") != FORMAT:
+            return None
+        return stored
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _write(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".partial")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+        os.replace(temporary, path)
+    except OSError:
+        pass
+
+
+def _category(name: str) -> type[Warning]:
+    module, _, qualname = name.rpartition(".")
+    try:
+        import importlib
+
+        category = getattr(importlib.import_module(module), qualname)
+        if isinstance(category, type) and issubclass(category, Warning):
+            return category
+    except (ImportError, AttributeError, ValueError):
+        pass
+    return UserWarning
