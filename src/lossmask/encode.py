@@ -224,8 +224,31 @@ def messages_from_arrow(column: pa.Array | pa.ChunkedArray) -> list[list[dict] |
     JSON readers give every message every key seen anywhere in the file (``tool_calls: null`` on a
     plain user turn); templates test ``'tool_calls' in message`` or ``is defined``, so the null keys go.
     """
+    if isinstance(column, pa.ChunkedArray):
+        return [row for chunk in column.chunks for row in messages_from_arrow(chunk)]
+    if (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)) and pa.types.is_struct(column.type.value_type):
+        return _struct_messages(column)
     rows = column.to_pylist()
     return [None if row is None else [_message(m) for m in row] for row in rows]
+
+
+def _struct_messages(column: pa.Array) -> list[list[dict] | None]:
+    """``messages_from_arrow`` for ``list<struct>``: the struct's fields converted column by column (one
+    ``to_pylist`` per field, not one per message), then each message built from its non-null fields."""
+    offsets = column.offsets.to_numpy()
+    structs = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    offsets = (offsets - offsets[0]).tolist()
+    names = [structs.type.field(i).name for i in range(structs.type.num_fields)]
+    fields = [field.to_pylist() for field in structs.flatten()]
+    if names:
+        messages = [{name: value for name, value in zip(names, values) if value is not None} for values in zip(*fields)]
+    else:
+        messages = [{} for _ in range(len(structs))]
+    if structs.null_count:  # a null message stays None (the template rejects the row)
+        for i in np.flatnonzero(structs.is_null().to_numpy(zero_copy_only=False)):
+            messages[i] = None
+    valid = column.is_valid().to_numpy(zero_copy_only=False) if column.null_count else None
+    return [messages[offsets[r]:offsets[r + 1]] if valid is None or valid[r] else None for r in range(len(column))]
 
 
 def _message(message: Any) -> Any:
