@@ -200,6 +200,20 @@ def plan_workers(num_proc: int, rows: int | None, batch_size: int, *, renders: b
     return num_proc, min(batch_size, 4 * MIN_WORKER_BATCH)
 
 
+def worker_start_method() -> str:
+    """``fork`` on Linux, ``spawn`` elsewhere (``LOSSMASK_START_METHOD`` overrides).
+
+    Workers only render (Jinja, pure Python): they never run the Rust tokenisers, numba or the writer,
+    whose threads the parent may hold, so a forked worker starts with the tokenizer and the imports it
+    needs already in memory, instead of paying seconds of imports and unpickling each (``spawn``).
+    macOS and Windows fork unsafely or not at all, so they spawn.
+    """
+    method = os.environ.get("LOSSMASK_START_METHOD")
+    if method:
+        return method
+    return "fork" if sys.platform.startswith("linux") else "spawn"
+
+
 def _worker_threads(workers: int) -> int:
     try:
         cores = len(os.sched_getaffinity(0))
@@ -227,8 +241,7 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
 
     from .encode import render_in_worker, start_worker, tokenize_rendered
 
-    # spawn, not fork: the parent holds threads (the Rust tokenizer's pool, numba's, the writer)
-    with ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"), initializer=start_worker,
+    with ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context(worker_start_method()), initializer=start_worker,
                              initargs=(_worker_threads(num_proc), tokenizer, options)) as pool:
         pending: collections.deque = collections.deque()
 
