@@ -56,6 +56,7 @@ def test_fast_ids_equal_tokenizers(family):
     ct = chat_tokenizer(family)
     texts = _texts(ct)
     ct.begin_job()
+    ct.fast_tokens.ready()  # a small batch does not wait for the load; here it must be the fast path
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         flat = ct.encode_flat(texts)
@@ -82,6 +83,7 @@ def test_disagreement_switches_back_naming_the_text():
     wrong = FastTokens(other, "llama-3.1 ids for a qwen2.5 job")
     texts = ["same text in both? no", "The capital of France is Paris."]
     reference = ct._encode_reference
+    wrong.ready()
     with pytest.warns(FastTokenizerWarning, match=r"differ on text 0 of the first batch at token \d+"):
         assert wrong.encode(texts, reference) is None
     assert wrong.reason is not None and wrong.encode(texts, reference) is None  # stays off
@@ -90,6 +92,7 @@ def test_disagreement_switches_back_naming_the_text():
 def test_proof_runs_once_per_job_and_workers_reload():
     ct = chat_tokenizer("qwen2.5")
     ct.begin_job()
+    ct.fast_tokens.ready()
     ct.encode_flat(["hello world"])
     fast = ct.fast_tokens
     if fast.reason is not None:
@@ -99,6 +102,9 @@ def test_proof_runs_once_per_job_and_workers_reload():
     assert not fast.proven
     copy = pickle.loads(pickle.dumps(fast))  # a spawned worker: unloaded, proves again
     assert copy._tokenizer is None and not copy.proven
+    early = copy.encode(["hello world"], ct._encode_reference)  # still loading: None (tokenizers), no waiting
+    assert early is None or copy.proven
+    copy.ready()
     ids, offsets = copy.encode(["hello world"], ct._encode_reference)
     assert copy.proven and ids.tolist() == _reference(ct, ["hello world"])[0] and offsets.tolist() == [0, len(ids)]
 

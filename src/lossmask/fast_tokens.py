@@ -27,6 +27,7 @@ import numpy as np
 ENV_SWITCH = "LOSSMASK_FAST_TOKENIZER"
 PROOF_CHARS = 100_000  # characters of the first batch also encoded with `tokenizers` (~25k tokens, ~0.04 s there)
 
+WAIT_CHARS = 4_000_000  # a batch this large waits for the fast tokeniser to load (~2 s of `tokenizers` work)
 Flat = tuple[np.ndarray, np.ndarray]  # (int32 ids, int64 row offsets)
 
 
@@ -108,7 +109,15 @@ class FastTokens:
         self.proven = False
 
     def encode(self, texts: Sequence[str], reference: Callable[[Sequence[str]], Flat]) -> Flat | None:
-        """Fast ids of ``texts``; the first call of a job also encodes a prefix with ``reference`` and compares."""
+        """Fast ids of ``texts``; the first call of a job also encodes a prefix with ``reference`` and compares.
+
+        While the fast tokeniser is still loading, a batch of fewer than ``WAIT_CHARS`` characters is left to
+        ``tokenizers`` (None) rather than waiting for the load: a small job never waits seconds for it.
+        """
+        self.start()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and sum(len(t) for t in texts) < WAIT_CHARS:
+            return None
         tokenizer = self.ready()
         if tokenizer is None:
             return None
