@@ -212,9 +212,9 @@ def start_worker(threads: int, tokenizer: Any, options: Any) -> None:
     _WORKER["tokenizer"], _WORKER["options"] = tokenizer, options
 
 
-def render_in_worker(batch: pa.RecordBatch, kind: str, first_row: int) -> RenderedBatch:
-    """Render one batch in a worker; the parent tokenises it (one fast tokeniser, loaded once, all cores)."""
-    table = pa.Table.from_batches([batch])
+def render_in_worker(batch: pa.Buffer, kind: str, first_row: int) -> RenderedBatch:
+    """Render one batch (an Arrow IPC stream) in a worker; the parent tokenises it (one fast tokeniser, all cores)."""
+    table = pa.ipc.open_stream(batch).read_all()
     return render_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row)
 
 

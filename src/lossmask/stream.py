@@ -185,8 +185,9 @@ def plan_workers(num_proc: int, rows: int | None, batch_size: int, *, renders: b
     """``(processes, batch size)`` for a job: as many render processes as the work pays for, batches small enough
     that each gets several, and the job itself in one process when rendering is not what it does.
 
-    Only rendering (per-row Jinja, under the GIL) runs in workers; the parent tokenises (the Rust tokeniser
-    uses every core on its own) and labels. A job of ``rows`` rows uses at most ``rows // MIN_ROWS_PER_WORKER``
+    ``num_proc`` counts every process: ``num_proc - 1`` workers and the parent. Only rendering (per-row Jinja,
+    under the GIL) runs in workers; the parent renders its share too, and tokenises (the Rust tokeniser uses
+    every core on its own), labels and writes. A job of ``rows`` rows uses at most ``rows // MIN_ROWS_PER_WORKER``
     workers (one process when fewer than 2), with batches of ``rows / (4 * workers)`` rows (at least
     ``MIN_WORKER_BATCH``, at most ``batch_size``), so the last batch does not leave one worker running alone.
     """
@@ -222,9 +223,19 @@ def _worker_threads(workers: int) -> int:
     return max(1, cores // workers)
 
 
+def _compact(batch: pa.RecordBatch) -> pa.Buffer:
+    """The batch as an Arrow IPC stream: only its own rows. (Pickling a batch sliced out of a bigger one, as the
+    Parquet scanner yields them, sends the whole parent buffers: 8x the bytes for a 20k-row file in 8 batches.)"""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue()
+
+
 def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc):
-    """``(batch, first_row, encoded)`` in input order; with ``num_proc`` > 1 the batches are rendered in worker
-    processes, up to ``2 * num_proc`` batches ahead, and tokenised here (``encoded`` is None otherwise)."""
+    """``(batch, first_row, encoded)`` in input order; with ``num_proc`` > 1 the batches are rendered by ``num_proc - 1``
+    worker processes and this one, up to ``2 * num_proc`` batches ahead, and tokenised here (``encoded`` is None
+    otherwise)."""
     batches = _batches(dataset, batch_size, source)
     first_row = 0
     if num_proc == 1:
@@ -239,21 +250,28 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from .encode import render_in_worker, start_worker, tokenize_rendered
+    from .encode import render_in_worker, render_table, start_worker, tokenize_rendered
 
-    with ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context(worker_start_method()), initializer=start_worker,
-                             initargs=(_worker_threads(num_proc), tokenizer, options)) as pool:
+    # num_proc processes in all: num_proc - 1 workers, and this process, which renders one batch in num_proc
+    # itself and tokenises, labels and writes them all
+    workers = num_proc - 1
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(worker_start_method()), initializer=start_worker,
+                             initargs=(_worker_threads(workers), tokenizer, options)) as pool:
         pending: collections.deque = collections.deque()
 
         def finish():
             batch, first, future = pending.popleft()
             started = time.perf_counter()
-            rendered = future.result()
+            rendered = future.result() if hasattr(future, "result") else future
             tally.time("encode_wait", time.perf_counter() - started)
             return batch, first, tokenize_rendered(tokenizer, rendered, options)
 
-        for batch in batches:
-            pending.append((batch, first_row, pool.submit(render_in_worker, batch, kind, first_row)))
+        for index, batch in enumerate(batches):
+            if index % num_proc == workers:  # this process's share
+                work = render_table(tokenizer, pa.Table.from_batches([batch]), kind, options, first_row=first_row)
+            else:
+                work = pool.submit(render_in_worker, _compact(batch), kind, first_row)
+            pending.append((batch, first_row, work))
             first_row += batch.num_rows
             if len(pending) >= 2 * num_proc:
                 yield finish()
