@@ -56,9 +56,9 @@ def test_fast_ids_equal_tokenizers(family):
     ct = chat_tokenizer(family)
     texts = _texts(ct)
     ct.begin_job()
-    ct.fast_tokens.ready()  # a small batch does not wait for the load; here it must be the fast path
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        ct.fast_tokens.ready()  # a small batch does not wait for the load; here it must be the fast path
         flat = ct.encode_flat(texts)
     said = [w for w in caught if issubclass(w.category, FastTokenizerWarning)]
     rows = [flat.ids[a:b].tolist() for a, b in zip(flat.offsets[:-1], flat.offsets[1:])]
@@ -67,7 +67,8 @@ def test_fast_ids_equal_tokenizers(family):
     if fast.reason is None:
         assert fast.proven and not said
     else:  # unsupported here: said once, then tokenizers, silently
-        assert len(said) == 1 and "encoding with tokenizers" in str(said[0].message), said
+        # (said here, or already by an earlier test on this shared tokenizer)
+        assert (len(said) == 1 and "encoding with tokenizers" in str(said[0].message)) or (not said and fast._said), said
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             ct.encode_flat(texts[:3])
