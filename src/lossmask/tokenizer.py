@@ -181,6 +181,31 @@ class ChatTokenizer:
         rows = [e.ids if max_length is None else e.ids[:max_length] for e in encodings]
         return _large_list(rows)
 
+    def encode_texts_with_offsets(self, texts: Sequence[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Token ids and ``(n, 2)`` character offsets of many rendered texts, in one batch call.
+
+        The one call the messages path tokenises through (``rendered.encode_rendered``): a faster exact
+        tokeniser can take its place here.
+        """
+        encodings = self.tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        ids = [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+        offsets = [np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2) for e in encodings]
+        return ids, offsets
+
+    @cached_property
+    def content_tokens(self):
+        """Which special-token strings in message text are text and which stay tokens (``specials.ContentTokens``)."""
+        from .specials import ContentTokens
+
+        return ContentTokens.of(self)
+
+    @cached_property
+    def text_encoder(self):
+        """Encodes rows with message text's special-token strings as text (``specials.TextEncoder``)."""
+        from .specials import TextEncoder
+
+        return TextEncoder(self, self.content_tokens)
+
     def encode_chats(
         self,
         conversations: Sequence[Messages | Mapping[str, Any]],

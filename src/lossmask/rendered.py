@@ -1,0 +1,182 @@
+"""Rendered chat rows to token ids, with message text kept as data: the step every messages path shares.
+
+``encode_rendered`` takes rows that the chat template has rendered, with their messages, and:
+
+1. locates every message's text in its rendering (``locate.py``); a row where the template dropped
+   or rewrote a message is dropped as ``content_dropped``, never labelled;
+2. finds special-token strings in message text (``specials.py``) and applies
+   ``special_tokens_in_content``: ``"text"`` (default: encoded as ordinary text), ``"keep"`` (as the
+   tokenizer splits them: control tokens), ``"drop"`` (the row, as ``special_tokens_in_content``) or
+   ``"error"`` (raise, naming the row, message, role and token);
+3. tokenises the rows in one batch call with offsets (only rows whose text holds a special-token
+   string take the row-by-row text path);
+4. marks, per token, whether it lies wholly inside message text (``in_content``). Labelling treats
+   those tokens as inert: no marker can match them (``labels.label_batch(data_mask=...)``), so
+   nothing a message says can open, close or extend a trained span. A token that straddles the
+   edge between template and text stays active, so header variants that merge with a content's
+   leading whitespace still match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from .locate import locate_messages
+from .specials import SPECIAL_TOKENS_IN_CONTENT
+
+CONTENT_DROPPED = "content_dropped"
+SPECIAL_TOKENS = "special_tokens_in_content"
+
+
+@dataclass
+class EncodedRows:
+    """Token ids of the rows kept (``keep`` marks them among the input rows) and what happened to the rest.
+
+    ``in_content``: a bool per token of ``input_ids`` (its values back to back), True where the token
+    lies wholly inside message text. ``dropped``: ``(row, reason, message)``. ``special_rows``: rows
+    whose message text held a special-token string (whatever the policy), with one example.
+    """
+
+    input_ids: pa.LargeListArray
+    in_content: np.ndarray
+    keep: np.ndarray
+    dropped: list[tuple[int, str, str]] = field(default_factory=list)
+    special_rows: int = 0
+    special_example: str | None = None
+
+
+def check_policy(special_tokens_in_content: str) -> str:
+    if special_tokens_in_content not in SPECIAL_TOKENS_IN_CONTENT:
+        raise ValueError(
+            f"special_tokens_in_content={special_tokens_in_content!r}; pass one of {SPECIAL_TOKENS_IN_CONTENT} "
+            "('text' encodes special-token strings in message text as ordinary text)"
+        )
+    return special_tokens_in_content
+
+
+def encode_rendered(
+    ct: Any,
+    texts: Sequence[str],
+    conversations: Sequence[Sequence[Any]],
+    *,
+    special_tokens_in_content: str = "text",
+    max_length: int | None = None,
+    row_numbers: Sequence[int] | None = None,
+) -> EncodedRows:
+    """Locate, check and tokenise rendered rows; ``row_numbers`` name the rows in messages (default: 0, 1, ...)."""
+    check_policy(special_tokens_in_content)
+    tokens = ct.content_tokens
+    n = len(texts)
+    names = list(range(n)) if row_numbers is None else list(row_numbers)
+    keep = np.ones(n, dtype=bool)
+    dropped: list[tuple[int, str, str]] = []
+    spans: list[tuple[tuple[int, int], ...]] = []
+    as_text: list[int] = []  # kept rows (local index among kept) to encode on the text path
+    special_rows, special_example = 0, None
+    for r, (text, messages) in enumerate(zip(texts, conversations)):
+        located = locate_messages(text, messages, system_optional=tokens.drops_system)
+        if located.missing is not None:
+            index, role, what = located.missing
+            keep[r] = False
+            dropped.append((names[r], CONTENT_DROPPED,
+                            f"message {index} ({role}): its {what} is not in the rendered row (the chat template "
+                            "dropped or rewrote it)"))
+            continue
+        hit = _first_special(tokens, text, located)
+        if hit is not None:
+            index, role, token = _owner(messages, located, text, hit)
+            where = f"row {names[r]}, message {index} ({role}) holds the special-token string {token!r}"
+            if special_tokens_in_content == "error":
+                raise ValueError(
+                    f"{where}; pass special_tokens_in_content='text' to encode it as ordinary text (the default), "
+                    "'keep' to keep it a control token, or 'drop' to drop such rows"
+                )
+            special_rows += 1
+            special_example = special_example or where
+            if special_tokens_in_content == "drop":
+                keep[r] = False
+                dropped.append((names[r], SPECIAL_TOKENS, f"message {index} ({role}) holds {token!r}"))
+                continue
+            if special_tokens_in_content == "text":
+                as_text.append(len(spans))
+        spans.append(located.spans)
+    kept_texts = [t for t, k in zip(texts, keep) if k]
+    ids, offsets = ct.encode_texts_with_offsets(kept_texts)
+    if as_text:
+        encoder = ct.text_encoder
+        for local in as_text:
+            ids[local], offsets[local] = encoder.encode(kept_texts[local], ids[local], offsets[local], spans[local])
+    if max_length is not None:
+        ids = [row[:max_length] for row in ids]
+        offsets = [row[:max_length] for row in offsets]
+    in_content = content_mask(ids, offsets, [len(t) for t in kept_texts], spans)
+    return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example)
+
+
+def _first_special(tokens, text: str, located) -> tuple[int, int, str] | None:
+    for start, end in located.spans:
+        match = tokens.find(text, start, end)
+        if match is not None:
+            return match.start(), match.end(), match.group(0)
+    return None
+
+
+def _owner(messages, located, text, hit) -> tuple[int, str, str]:
+    """Which message holds the special-token string found at ``hit`` (the first whose text holds it)."""
+    start, _, token = hit
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        for key in ("content", "reasoning_content", "reasoning", "thinking"):
+            value = message.get(key)
+            if isinstance(value, str) and token in value:
+                return index, str(message.get("role")), token
+        if token in repr(message.get("tool_calls", "")) or token in repr(message.get("content", "")):
+            return index, str(message.get("role")), token
+    return -1, "?", token
+
+
+def content_mask(ids: Sequence[np.ndarray], offsets: Sequence[np.ndarray], lengths: Sequence[int],
+                 spans: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
+    """A bool per token (rows back to back): does the token lie wholly inside one of its row's ``spans``?
+
+    A token covers the characters from the end of the previous token (byte-level offsets may leave a
+    merged leading space out) to its own end; zero-width tokens (a normaliser's prefix) are never inside.
+    """
+    counts = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=bool)
+    off = np.concatenate([np.asarray(o, dtype=np.int64).reshape(-1, 2) for o in offsets])
+    base = np.zeros(len(ids), dtype=np.int64)
+    np.cumsum(np.asarray(lengths[:-1], dtype=np.int64), out=base[1:]) if len(ids) > 1 else None
+    row_of = np.repeat(np.arange(len(ids)), counts)
+    first = np.zeros(total, dtype=bool)
+    starts_at = np.cumsum(counts) - counts
+    first[starts_at[counts > 0]] = True
+    prev_end = np.empty(total, dtype=np.int64)
+    prev_end[0] = 0
+    prev_end[1:] = off[:-1, 1]
+    prev_end[first] = 0
+    start = np.minimum(off[:, 0], np.maximum(prev_end, 0)) + base[row_of]
+    end = off[:, 1] + base[row_of]
+    flat = [(s + base[r], e + base[r]) for r, row_spans in enumerate(spans) for s, e in row_spans]
+    if not flat:
+        return np.zeros(total, dtype=bool)
+    span_arr = np.asarray(flat, dtype=np.int64)
+    k = np.searchsorted(span_arr[:, 0], start, side="right") - 1
+    valid = k >= 0
+    kk = np.maximum(k, 0)
+    return valid & (start >= span_arr[kk, 0]) & (end <= span_arr[kk, 1]) & (off[:, 1] > off[:, 0])
+
+
+def _large_list(rows: Sequence[np.ndarray]) -> pa.LargeListArray:
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate([np.asarray(r, dtype=np.int32) for r in rows]) if rows else np.zeros(0, np.int32)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values.astype(np.int32, copy=False)))
