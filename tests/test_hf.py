@@ -103,7 +103,7 @@ def test_messages_dataset_equals_mask_files(deepseek, chats, tmp_path):
 
     out, report = mask_dataset(chats, deepseek, max_length=256, return_report=True)
     assert report.markers_source == "detected"
-    assert report.dropped == {"no_response": 1, "empty_response": 1, "empty": 0, "invalid": 2}
+    assert report.dropped == {"no_response": 1, "empty_response": 1, "empty": 0, "invalid": 2, "content_dropped": 0, "special_tokens_in_content": 0}
     assert out.column_names == ["messages", "input_ids", "labels"]
     markers = lossmask.Markers.from_dict(report.markers)
     assert list(out["labels"]) == lossmask.make_labels(list(out["input_ids"]), markers)

@@ -34,7 +34,7 @@ def test_labels_and_counts_aggregate_across_workers(local_ray, tmp_path):
     got = {row["id"]: list(row["labels"]) for row in masked.iter_rows()}
     assert got == want
     assert report.rows_in == 2000 == report.rows_out + sum(report.dropped.values())
-    assert report.dropped == {**expected.counts.dropped, "invalid": 0}
+    assert report.dropped == {**expected.counts.dropped, "invalid": 0, "content_dropped": 0, "special_tokens_in_content": 0}
     assert report.tokens_trained == expected.counts.tokens_trained
 
     out = tmp_path / "masked"

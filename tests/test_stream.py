@@ -64,7 +64,7 @@ def test_labels_equal_the_engine_and_the_report_adds_up(tmp_path):
     assert out.column("labels").to_pylist() == [r for r, k in zip(expected.labels.to_pylist(), keep) if k]
     check_adds_up(report)
     assert report.rows_out == int(keep.sum())
-    assert report.dropped == {**expected.counts.dropped, "invalid": 0}
+    assert report.dropped == {**expected.counts.dropped, "invalid": 0, "content_dropped": 0, "special_tokens_in_content": 0}
     assert report.tokens_in == expected.counts.tokens and report.tokens_trained == expected.counts.tokens_trained
     on_disk = json.loads((tmp_path / "report.json").read_text())
     for key in ("rows_in", "rows_out", "dropped", "tokens_in", "tokens_trained", "markers", "markers_source"):

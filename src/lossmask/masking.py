@@ -134,6 +134,7 @@ def mask_batch(
     table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
     kind = kind or input_kind(table.schema, options, source=source)
     keep_valid = None
+    data_mask = None  # which tokens are message text (known only for rows rendered here)
     if kind == "input_ids":
         input_ids = table.column(options.input_ids_column)
         prompt_lengths = None
@@ -149,6 +150,9 @@ def mask_batch(
             encoded = encode_table(tokenizer, table, kind, options, first_row=first_row)
         for row, message in encoded.errors:
             tally.add_invalid(row, message)
+        for row, reason, message in encoded.dropped:
+            tally.add_rejected(row, reason, message)
+        tally.add_special(encoded.special_rows, encoded.special_example)
         tally.time("tokenize", time.perf_counter() - started)
         for stage, seconds in encoded.seconds.items():
             tally.time(stage, seconds)
@@ -156,6 +160,7 @@ def mask_batch(
         table = table.filter(pa.array(keep_valid)) if not keep_valid.all() else table
         input_ids = encoded.input_ids
         prompt_lengths = encoded.prompt_lengths
+        data_mask = encoded.in_content
 
     started = time.perf_counter()
     if isinstance(input_ids, pa.ChunkedArray):
@@ -169,7 +174,7 @@ def mask_batch(
         try:
             result = label_batch(
                 input_ids, markers, backend=options.backend, last_turn_only=options.last_turn_only,
-                ignore_index=options.ignore_index, dtype=options.label_dtype,
+                ignore_index=options.ignore_index, dtype=options.label_dtype, data_mask=data_mask,
             )
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{source}: column {options.input_ids_column!r}: {_renumber(str(exc), first_row, keep_valid)}") from None

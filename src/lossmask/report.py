@@ -21,6 +21,9 @@ from .markers import Markers
 from .outcomes import DROP_REASONS, OutcomeCounts
 
 INVALID = "invalid"
+CONTENT_DROPPED = "content_dropped"  # the template dropped or rewrote a message: never labelled
+SPECIAL_TOKENS = "special_tokens_in_content"  # dropped under special_tokens_in_content="drop"
+REJECTED_REASONS = (CONTENT_DROPPED, SPECIAL_TOKENS)
 MAX_EXAMPLES = 5  # invalid rows quoted in a report (the count is always exact)
 
 
@@ -39,6 +42,12 @@ class Tally:
     rows_out: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     dropped_example: tuple[list[int], list[int]] | None = None  # (token ids, labels) of one row that trains nothing
+    # rows rendered but not labelled, by reason (content_dropped, special_tokens_in_content), with examples
+    rejected: dict[str, int] = field(default_factory=lambda: {reason: 0 for reason in REJECTED_REASONS})
+    rejected_examples: list[str] = field(default_factory=list)
+    # rows whose message text held a special-token string (whatever special_tokens_in_content did)
+    special_rows: int = 0
+    special_example: str | None = None
 
     def __add__(self, other: "Tally") -> "Tally":
         seconds = dict(self.seconds)
@@ -51,6 +60,10 @@ class Tally:
             rows_out=self.rows_out + other.rows_out,
             seconds=seconds,
             dropped_example=self.dropped_example or other.dropped_example,
+            rejected={k: self.rejected.get(k, 0) + other.rejected.get(k, 0) for k in self.rejected | other.rejected},
+            rejected_examples=(self.rejected_examples + other.rejected_examples)[:MAX_EXAMPLES],
+            special_rows=self.special_rows + other.special_rows,
+            special_example=self.special_example or other.special_example,
         )
 
     def add_invalid(self, row: int, message: str) -> None:
@@ -58,12 +71,22 @@ class Tally:
         if len(self.invalid_examples) < MAX_EXAMPLES:
             self.invalid_examples.append(f"row {row}: {message}")
 
+    def add_rejected(self, row: int, reason: str, message: str) -> None:
+        """A row rendered but never labelled (``content_dropped``, ``special_tokens_in_content``)."""
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        if len(self.rejected_examples) < MAX_EXAMPLES:
+            self.rejected_examples.append(f"{reason}: row {row}: {message}")
+
+    def add_special(self, rows: int, example: str | None) -> None:
+        self.special_rows += rows
+        self.special_example = self.special_example or example
+
     def time(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
     @property
     def rows_in(self) -> int:
-        return self.counts.rows + self.invalid
+        return self.counts.rows + self.invalid + sum(self.rejected.values())
 
     def to_dict(self) -> dict:
         """A plain-data form, for sending across processes (Ray workers)."""
@@ -75,6 +98,10 @@ class Tally:
             "rows_out": self.rows_out,
             "seconds": dict(self.seconds),
             "dropped_example": self.dropped_example,
+            "rejected": dict(self.rejected),
+            "rejected_examples": list(self.rejected_examples),
+            "special_rows": self.special_rows,
+            "special_example": self.special_example,
         }
 
     @classmethod
@@ -86,6 +113,10 @@ class Tally:
             rows_out=data["rows_out"],
             seconds=dict(data["seconds"]),
             dropped_example=data.get("dropped_example"),
+            rejected=dict(data.get("rejected") or {reason: 0 for reason in REJECTED_REASONS}),
+            rejected_examples=list(data.get("rejected_examples") or []),
+            special_rows=int(data.get("special_rows") or 0),
+            special_example=data.get("special_example"),
         )
 
 
@@ -106,6 +137,9 @@ class MaskReport:
     input: str | None = None
     output: str | None = None
     messages: tuple[str, ...] = ()
+    special_tokens_in_content: int = 0  # rows whose message text held a special-token string
+    special_tokens_example: str | None = None
+    dropped_examples: tuple[str, ...] = ()  # rows dropped before labelling (content_dropped, ...)
 
     @classmethod
     def build(
@@ -122,6 +156,8 @@ class MaskReport:
         untrained = tally.counts.dropped
         dropped = {reason: 0 for reason in DROP_REASONS} if keep_dropped else dict(untrained)
         dropped[INVALID] = tally.invalid
+        for reason in REJECTED_REASONS:
+            dropped[reason] = tally.rejected.get(reason, 0)
         report = cls(
             rows_in=tally.rows_in,
             rows_out=tally.rows_out,
@@ -136,6 +172,9 @@ class MaskReport:
             input=input,
             output=output,
             messages=tuple(messages),
+            special_tokens_in_content=tally.special_rows,
+            special_tokens_example=tally.special_example,
+            dropped_examples=tuple(tally.rejected_examples),
         )
         if report.rows_in != report.rows_out + report.rows_dropped:
             raise AssertionError(  # a bug in lossmask, never the user's data
@@ -168,6 +207,9 @@ class MaskReport:
             "input": self.input,
             "output": self.output,
             "messages": list(self.messages),
+            "special_tokens_in_content": self.special_tokens_in_content,
+            "special_tokens_example": self.special_tokens_example,
+            "dropped_examples": list(self.dropped_examples),
         }
 
     def to_json(self, path: str | os.PathLike | None = None, *, indent: int | None = 2) -> str:
@@ -193,6 +235,13 @@ class MaskReport:
             lines.append(f"  kept although nothing trains (keep_dropped): {kept}")
         for example in self.invalid_examples:
             lines.append(f"  invalid {example}")
+        for example in self.dropped_examples:
+            lines.append(f"  {example}")
+        if self.special_tokens_in_content:
+            lines.append(
+                f"special tokens in message text: {self.special_tokens_in_content:,} rows "
+                f"(e.g. {self.special_tokens_example}); see special_tokens_in_content"
+            )
         lines.append(f"tokens trained: {self.tokens_trained:,} of {self.tokens_in:,}{share}")
         if self.markers is None and self.markers_source == "position":
             lines.append("markers: none needed, prompt tokens are masked by position")

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-SPECIAL_TOKENS_IN_CONTENT = ("text", "keep", "drop", "error")
+from .options import SPECIAL_TOKENS_IN_CONTENT  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)

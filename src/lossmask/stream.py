@@ -388,13 +388,15 @@ def _check_drops(tally: Tally, tokenizer: Any, options: MaskOptions) -> None:
     max_drop_fraction = options.max_drop_fraction
     check_drop_fraction(tally.counts, max_drop_fraction=max_drop_fraction, example=example)
     rows_in = tally.rows_in
-    untrained = tally.invalid + tally.counts.rows_dropped
+    rejected = tally.invalid + sum(tally.rejected.values())
+    untrained = rejected + tally.counts.rows_dropped
     if rows_in and untrained / rows_in > max_drop_fraction:
-        examples = "\n  ".join(tally.invalid_examples)
+        examples = "\n  ".join(tally.invalid_examples + tally.rejected_examples)
+        reasons = ", ".join(f"{reason} {n}" for reason, n in {"invalid": tally.invalid, **tally.rejected}.items() if n)
         raise TooManyDroppedRows(
             f"{untrained} of {rows_in} rows ({untrained / rows_in:.1%}) would train no token (allowed: "
-            f"{max_drop_fraction:.0%}), {tally.invalid} of them rejected before labelling (invalid), e.g.:\n  {examples}\n"
-            "Fix those rows (roles the chat template accepts, non-empty messages), or raise max_drop_fraction.",
+            f"{max_drop_fraction:.0%}), {rejected} of them rejected before labelling ({reasons}), e.g.:\n  {examples}\n"
+            "Fix those rows (roles the chat template accepts and renders, non-empty messages), or raise max_drop_fraction.",
             tally.counts,
         )
 
@@ -425,7 +427,7 @@ def _progress_bar(progress: bool | None, *, total: int | None) -> Callable[[int 
             bar.close()
             return
         elapsed = max(time.perf_counter() - started, 1e-9)
-        dropped = tally.invalid + tally.counts.rows_dropped
+        dropped = tally.invalid + sum(tally.rejected.values()) + tally.counts.rows_dropped
         bar.set_postfix_str(f"{tally.counts.tokens / elapsed:,.0f} tok/s, dropped {dropped:,}", refresh=False)
         bar.update(rows)
 
