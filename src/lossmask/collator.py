@@ -42,6 +42,12 @@ class CompletionCollator:
       ``dataloader_pin_memory=False`` (only CPU tensors can be pinned).
 
     Rows packed by TRL carry ``seq_lengths``; each packed sequence is labelled on its own.
+
+    Rows arrive as token ids, so the collator cannot tell message text from the template's markup:
+    a marker's text inside a message (``[/INST]`` typed by a user on Llama-2, a quoted ``<|im_end|>``
+    tokenised as the control token) acts as the marker here. Rows labelled by ``lossmask.mask_files``
+    or ``lossmask.hf.mask_dataset`` from messages keep message text inert; use them with
+    ``row_labels="keep"``.
     """
 
     markers: Markers

@@ -50,6 +50,11 @@ def mask_dataset(
     train nothing are removed (``keep_dropped`` keeps them) and counted; more than
     ``max_drop_fraction`` of them raises ``TooManyDroppedRows``.
 
+    ``messages`` and ``prompt``/``completion`` rows are rendered here, so message text stays data
+    (``special_tokens_in_content``; rows whose messages the template drops are ``content_dropped``).
+    Pre-tokenised ``input_ids`` cannot be told apart that way: a marker's text inside a message acts
+    as the marker there.
+
     Returns the masked dataset of the same kind; with ``return_report=True``, ``(dataset, report)``
     where report is a ``MaskReport`` (a dict of them for a ``DatasetDict``; for an ``IterableDataset``,
     a function that returns the report of the rows iterated so far). ``verbose`` prints the summary.

@@ -56,6 +56,9 @@ def make_labels(
     welcome) or a ChunkedArray of them, Python lists of lists, or a 2-D NumPy array with
     ``lengths`` (real tokens per row; the rest is padding, labelled ``ignore_index``).
     Returns the same structure; Arrow outputs reuse the input's offsets buffer.
+
+    Token ids cannot tell message text from the template's markup: a marker's text inside a message
+    acts as the marker. Rows rendered by lossmask carry a mask that prevents it (``label_batch(data_mask=)``).
     """
     return label_batch(
         input_ids, markers, backend=backend, last_turn_only=last_turn_only,

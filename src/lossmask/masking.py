@@ -2,9 +2,13 @@
 
 A batch comes in as a ``pyarrow.RecordBatch`` or ``Table`` with one of three input shapes:
 
-- ``input_ids``: token ids already (list of integers); labelled as they are, zero-copy;
+- ``input_ids``: token ids already (list of integers); labelled as they are, zero-copy. Ids cannot tell
+  message text from the template's markup, so a marker's text inside a message acts as the marker
+  there; give ``messages`` to have message text kept inert;
 - ``messages``: chat rows (list of ``{role, content, ...}``), rendered with the tokenizer's chat template
-  and tokenised in one batch call; rows the template rejects are dropped as ``invalid``;
+  and tokenised in one batch call; rows the template rejects are dropped as ``invalid``, rows where it
+  dropped or rewrote a message as ``content_dropped`` (``rendered.py``). Message text is data: its
+  special-token strings are text (``special_tokens_in_content``) and no marker matches inside it;
 - ``prompt`` / ``completion``: conversational (lists of messages, joined into one chat) or plain strings
   (tokenised as prompt then completion plus EOS; the completion trains, the prompt does not, by position).
 

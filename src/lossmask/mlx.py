@@ -72,11 +72,14 @@ class MaskedDataset:
     (mlx-lm's behaviour without ``--mask-prompt``). ``counts`` are the rows' outcomes (SPEC.md); rows
     that train nothing are left out unless ``drop_untrained=False``; more than ``max_drop_fraction``
     of them raises ``TooManyDroppedRows`` with the likely cause. ``dataset[i]`` is
-    ``(tokens, 0)`` as mlx-lm's datasets give it.
+    ``(tokens, 0)`` as mlx-lm's datasets give it. ``data_mask`` (from ``ChatTokenizer.encode_chats``'s
+    ``in_content``) marks message-text tokens, which no marker may match; pre-tokenised rows have
+    none, so there a marker's text inside a message acts as the marker.
     """
 
     def __init__(self, input_ids: Any, markers: Markers | None, *, mask_prompt: bool = True, drop_untrained: bool = True,
-                 max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION, name: str = "dataset"):
+                 max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION, name: str = "dataset",
+                 data_mask: np.ndarray | None = None):
         if mask_prompt and not isinstance(markers, Markers):
             raise TypeError(f"{name}: mask_prompt=True needs markers (a lossmask.Markers, e.g. lossmask.detect_markers(tokenizer))")
         array = input_ids if not isinstance(input_ids, (list, tuple)) else batches.rows_from_pylist(list(input_ids))
@@ -85,7 +88,7 @@ class MaskedDataset:
         self.mask_prompt = bool(mask_prompt)
         self.counts: OutcomeCounts | None = None
         if mask_prompt:
-            labelled = label_batch(array, markers)
+            labelled = label_batch(array, markers, data_mask=data_mask)
             self.counts = labelled.counts
             try:
                 check_drop_fraction(labelled.counts, max_drop_fraction=max_drop_fraction)
@@ -145,6 +148,12 @@ def read_jsonl(path: str | Path) -> list[dict]:
 def tokenize_rows(rows: Sequence[dict], tokenizer: Any, *, features: Features = Features(), mask_prompt: bool = True,
                   name: str = "rows"):
     """Token ids (a LargeList array) of rows of one shape, as mlx-lm renders them, and that shape."""
+    ids, shape, _ = _tokenize_rows(rows, tokenizer, features=features, mask_prompt=mask_prompt, name=name)
+    return ids, shape
+
+
+def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_tokens_in_content: str = "text"):
+    """``tokenize_rows`` plus, for chat and completion rows, which tokens are message text (``in_content``)."""
     from .tokenizer import load_tokenizer
 
     if len(rows) == 0:
@@ -177,7 +186,7 @@ def tokenize_rows(rows: Sequence[dict], tokenizer: Any, *, features: Features = 
         if eos is not None:  # mlx-lm appends EOS to text rows that lack it
             ids = [r if (r and r[-1] == eos) else r + [eos] for r in encoded.to_pylist()]
             encoded = pa.array(ids, type=pa.large_list(pa.int32()))
-        return encoded, first
+        return encoded, first, None
     if first == "completions":
         conversations = [
             {"messages": [{"role": "user", "content": row[features.prompt]},
@@ -187,11 +196,17 @@ def tokenize_rows(rows: Sequence[dict], tokenizer: Any, *, features: Features = 
         ]
     else:
         conversations = [{"messages": row[features.chat], "tools": row.get(features.tools)} for row in rows]
-    encoded = ct.encode_chats(conversations)
+    encoded = ct.encode_chats(conversations, special_tokens_in_content=special_tokens_in_content)
     if encoded.errors:
         row, message = encoded.errors[0]
         raise ValueError(f"{name}: {len(encoded.errors)} rows could not be rendered by the chat template; first: {message}")
-    return encoded.input_ids, first
+    if encoded.dropped:
+        row, reason, message = encoded.dropped[0]
+        raise ValueError(
+            f"{name}: {len(encoded.dropped)} rows cannot be labelled ({reason}); first: row {row}: {message}. "
+            "Fix or remove them (a message the chat template does not render would leave its turn mislabelled)"
+        )
+    return encoded.input_ids, first, encoded.in_content
 
 
 def load_dataset(
@@ -206,11 +221,14 @@ def load_dataset(
     completion_feature: str = "completion",
     chat_feature: str = "messages",
     text_feature: str = "text",
+    special_tokens_in_content: str = "text",
 ) -> tuple[MaskedDataset | list, MaskedDataset | list, MaskedDataset | list]:
     """``(train, valid, test)`` from an mlx-lm data folder (``train.jsonl``, optional ``valid.jsonl`` / ``test.jsonl``).
 
     A missing split is ``[]``, as in mlx-lm. ``markers`` default to ``lossmask.detect_markers(tokenizer)``
-    (only needed when ``mask_prompt``).
+    (only needed when ``mask_prompt``). Message text is data: special-token strings in it are encoded
+    as text (``special_tokens_in_content``, as in ``lossmask.MaskOptions``) and no marker can match
+    inside it.
     """
     folder = Path(data)
     if not folder.is_dir():
@@ -228,9 +246,10 @@ def load_dataset(
         if not path.is_file():
             out.append([])
             continue
-        ids, _ = tokenize_rows(read_jsonl(path), tokenizer, features=features, mask_prompt=mask_prompt, name=str(path))
+        ids, _, in_content = _tokenize_rows(read_jsonl(path), tokenizer, features=features, mask_prompt=mask_prompt,
+                                            name=str(path), special_tokens_in_content=special_tokens_in_content)
         out.append(MaskedDataset(ids, markers, mask_prompt=mask_prompt, drop_untrained=drop_untrained,
-                                 max_drop_fraction=max_drop_fraction, name=str(path)))
+                                 max_drop_fraction=max_drop_fraction, name=str(path), data_mask=in_content))
     return tuple(out)  # type: ignore[return-value]
 
 

@@ -60,6 +60,12 @@ def mask_files(
     stderr is a terminal). ``report``: a path to write the JSON report to. Returns the ``MaskReport``;
     raises ``TooManyDroppedRows`` (and writes nothing) when more than ``options.max_drop_fraction`` of the rows
     would train nothing.
+
+    ``messages`` and ``prompt``/``completion`` rows are rendered here, so message text stays data: a
+    special-token string in it is text by default (``special_tokens_in_content``), no marker matches
+    inside it, and a row whose message the template dropped is counted as ``content_dropped``.
+    Pre-tokenised ``input_ids`` cannot be fixed that way: a marker's text inside a message acts as
+    the marker there.
     """
     options = MaskOptions.resolve(options, **option_fields)
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
