@@ -90,6 +90,7 @@ def _label_batch(batch: pa.Table, *, markers, options, tokenizer, counter) -> pa
     out = mask_batch(batch, markers, options, tally, tokenizer=tokenizer, source="ray batch")
     # Ray hands a worker no global row index: rows are numbered within their batch
     tally.invalid_examples = [f"{example} (row numbered within its Ray batch)" for example in tally.invalid_examples]
+    tally.rejected_examples = [f"{example} (row numbered within its Ray batch)" for example in tally.rejected_examples]
     _ray().get(counter.add.remote(tally.to_dict()))
     return out
 
