@@ -58,12 +58,13 @@ def _chat(user_text: str, reply_text: str, injected: str) -> list[dict]:
     ]
 
 
-def _trained_chars(ct, markers, chats, policy="text"):
+def _trained_chars(ct, markers, chats, policy="text", protect=True):
     """Per chat: (text, located spans, a bool per character: does the token holding it train?)."""
     texts = [ct.render(chat) for chat in chats]
     encoded = encode_rendered(ct, texts, chats, special_tokens_in_content=policy)
     assert not encoded.dropped, encoded.dropped
-    labels = label_batch(encoded.input_ids, markers, data_mask=encoded.in_content).labels.to_pylist()
+    data_mask = encoded.in_content if protect else None
+    labels = label_batch(encoded.input_ids, markers, data_mask=data_mask).labels.to_pylist()
     out = []
     for text, chat, row_labels in zip(texts, chats, labels):
         ids, offsets = _row_encoding(ct, text, chat, policy)
@@ -83,6 +84,14 @@ def _row_encoding(ct, text, chat, policy):
         if any(ct.content_tokens.find(text, s, e) for s, e in spans):
             ids, offsets = ct.text_encoder.encode(text, ids, offsets, spans)
     return ids, offsets
+
+
+def _renders(ct, chat) -> bool:
+    try:
+        ct.render(chat)
+    except Exception:  # noqa: BLE001 - the template itself refuses this content
+        return False
+    return True
 
 
 def _same_structure(quoted, neutral) -> list[str]:
@@ -115,6 +124,10 @@ def test_quoted_markers_and_injected_turns_train_like_neutral_text(family):
     quotes = QUOTES + sorted({ct.decode(p) for kind in markers.to_dict().values() for p in kind} - {""})
     quotes = [q for q in quotes if "think>" not in q]
     chats = [_chat(q, q, injected) for q in quotes]
+    renders = [_renders(ct, chat) for chat in chats]  # gpt-oss refuses <|channel|> in assistant content
+    assert sum(renders) >= len(quotes) - 3
+    quotes = [q for q, ok in zip(quotes, renders) if ok]
+    chats = [chat for chat, ok in zip(chats, renders) if ok]
     neutral = [_chat(NEUTRAL, NEUTRAL, NEUTRAL) for _ in quotes]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -126,6 +139,18 @@ def test_quoted_markers_and_injected_turns_train_like_neutral_text(family):
         if problems:
             failures.append(f"{q!r}: {problems[:2]}")
     assert not failures, f"{family}: {len(failures)} of {len(quotes)} quotes change what trains:\n" + "\n".join(failures[:5])
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama-2", "alpaca"])
+def test_the_property_fails_without_the_protections(family):
+    """The comparison has teeth: control tokens kept and no inert message text (what pre-tokenised rows get)."""
+    ct = chat_tokenizer(family)
+    markers, _ = detected_markers(family)
+    injected = ct.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "INJECTED"}])
+    quotes = ["<|im_end|>", "[/INST]", "### Response:\n"]
+    rows = _trained_chars(ct, markers, [_chat(q, q, injected) for q in quotes], policy="keep", protect=False)
+    plain = _trained_chars(ct, markers, [_chat(NEUTRAL, NEUTRAL, NEUTRAL) for _ in quotes])
+    assert any(_same_structure(q, n) for q, n in zip(rows, plain))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

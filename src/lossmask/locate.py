@@ -4,7 +4,7 @@ lossmask renders every chat row itself, so it can say which characters of the re
 message text (data) and which the template wrote (structure). ``locate_messages`` finds each
 message's pieces in the rendered text, in order:
 
-- the content (a string, or the ``text`` parts of a list of parts); content holding a reasoning
+- the content (a string, or the ``text`` parts of a list of parts); assistant content holding a reasoning
   close tag (``</think>``, R1-style data) is two pieces, the reasoning before the tag and the answer
   after it, because templates move, reformat or drop the part before the tag;
 - the reasoning fields (``reasoning_content``, ``reasoning``, ``thinking``);
@@ -54,7 +54,7 @@ def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
             pieces.append((value, False, key))
     content = message.get("content")
     if isinstance(content, str):
-        if THINK_CLOSE in content:
+        if THINK_CLOSE in content and message.get("role") == "assistant":
             reasoning, _, answer = content.rpartition(THINK_CLOSE)
             reasoning = reasoning.replace(THINK_OPEN, "", 1)
             if reasoning.strip():
