@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .rendered import SPECIAL_TOKENS, encode_rendered
+from .rendered import SPECIAL_TOKENS, encode_rendered, text_can_match
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,13 @@ def chat_tokenizer(tokenizer: Any):
     return tokenizer if isinstance(tokenizer, ChatTokenizer) else load_tokenizer(tokenizer)
 
 
-def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0) -> EncodedBatch:
-    """Render and tokenise the chat (``kind="messages"``) or prompt/completion rows of ``table``."""
+def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0,
+                 markers: Any = "unknown") -> EncodedBatch:
+    """Render and tokenise the chat (``kind="messages"``) or prompt/completion rows of ``table``.
+
+    ``markers``: what will label the rows; ``in_content`` is only computed where message text could
+    match one of them (``rendered.text_can_match``; always when they are not given).
+    """
     tok = chat_tokenizer(tokenizer)
     started = time.perf_counter()
     if kind == "messages":
@@ -85,6 +90,7 @@ def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         [_messages_of(chat) for chat, good in zip(chats, ok) if good],
         special_tokens_in_content=options.special_tokens_in_content, max_length=options.max_length,
         row_numbers=(first_row + ok_rows).tolist(),
+        positions=markers == "unknown" or text_can_match(tok, markers, options.special_tokens_in_content),
     )
     done = time.perf_counter()
     valid = np.zeros(table.num_rows, dtype=bool)
@@ -239,14 +245,15 @@ def _as_list32(arr: pa.Array) -> pa.Array:
 _WORKER: dict[str, Any] = {}
 
 
-def start_worker(tokenizer: Any, options: Any) -> None:
-    """Process-pool initializer: the tokenizer and options arrive once per worker, not once per batch."""
-    _WORKER["tokenizer"], _WORKER["options"] = tokenizer, options
+def start_worker(tokenizer: Any, options: Any, markers: Any = "unknown") -> None:
+    """Process-pool initializer: the tokenizer, options and markers arrive once per worker, not once per batch."""
+    _WORKER["tokenizer"], _WORKER["options"], _WORKER["markers"] = tokenizer, options, markers
 
 
 def encode_in_worker(batch: pa.RecordBatch, kind: str, first_row: int) -> EncodedBatch:
     table = pa.Table.from_batches([batch])
-    return encode_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row)
+    return encode_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row,
+                        markers=_WORKER.get("markers", "unknown"))
 
 
 def messages_from_arrow(column: pa.Array | pa.ChunkedArray) -> list[list[dict] | None]:

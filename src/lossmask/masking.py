@@ -151,7 +151,7 @@ def mask_batch(
             )
         started = time.perf_counter()
         if encoded is None:
-            encoded = encode_table(tokenizer, table, kind, options, first_row=first_row)
+            encoded = encode_table(tokenizer, table, kind, options, first_row=first_row, markers=markers)
         for row, message in encoded.errors:
             tally.add_invalid(row, message)
         for row, reason, message in encoded.dropped:

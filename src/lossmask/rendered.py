@@ -42,7 +42,7 @@ class EncodedRows:
     """
 
     input_ids: pa.LargeListArray
-    in_content: np.ndarray
+    in_content: np.ndarray | None
     keep: np.ndarray
     dropped: list[tuple[int, str, str]] = field(default_factory=list)
     special_rows: int = 0
@@ -66,8 +66,13 @@ def encode_rendered(
     special_tokens_in_content: str = "text",
     max_length: int | None = None,
     row_numbers: Sequence[int] | None = None,
+    positions: bool = True,
 ) -> EncodedRows:
-    """Locate, check and tokenise rendered rows; ``row_numbers`` name the rows in messages (default: 0, 1, ...)."""
+    """Locate, check and tokenise rendered rows; ``row_numbers`` name the rows in messages (default: 0, 1, ...).
+
+    ``positions=False`` skips ``in_content`` (None then), and with it the offsets of the batch call:
+    for markers that message text cannot match anyway (``text_can_match``).
+    """
     check_policy(special_tokens_in_content)
     tokens = ct.content_tokens
     n = len(texts)
@@ -105,6 +110,9 @@ def encode_rendered(
                 as_text.append(len(spans))
         spans.append(located.spans)
     kept_texts = [t for t, k in zip(texts, keep) if k]
+    if not positions:
+        return EncodedRows(_ids_only(ct, kept_texts, spans, as_text, max_length), None, keep, dropped,
+                           special_rows, special_example)
     ids, offsets = ct.encode_texts_with_offsets(kept_texts)
     if as_text:
         encoder = ct.text_encoder
@@ -115,6 +123,37 @@ def encode_rendered(
         offsets = [row[:max_length] for row in offsets]
     in_content = content_mask(ids, offsets, [len(t) for t in kept_texts], spans)
     return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example)
+
+
+def text_can_match(ct: Any, markers: Any, special_tokens_in_content: str) -> bool:
+    """Can message text make a marker match, so that labelling must know where it lies?
+
+    Markers hold template tokens only (a header ends where training starts; stop tokens follow the
+    text). With special-token strings encoded as text, message text cannot produce a structural
+    token, so a pattern holding one cannot match there; only patterns made of other tokens
+    (plain-text markers such as ``[/INST]`` on Llama-2 or ``### Response:``) can.
+    """
+    if markers is None:
+        return False
+    if special_tokens_in_content != "text":
+        return True
+    structural = ct.content_tokens.structural
+    return any(not any(int(t) in structural for t in pattern)
+               for patterns in markers.to_dict().values() for pattern in patterns)
+
+
+def _ids_only(ct, texts, spans, as_text, max_length) -> pa.LargeListArray:
+    """The batch call without offsets; the rows on the text path are encoded again, one by one."""
+    ids = ct.encode_texts(texts, max_length=max_length)
+    if not as_text:
+        return ids
+    offsets = ids.offsets.to_numpy()
+    rows = np.split(ids.values.to_numpy(), offsets[1:-1])
+    encoder = ct.text_encoder
+    for local in as_text:
+        ordinary, ordinary_offsets = ct.encode_with_offsets(texts[local])
+        rows[local] = encoder.encode(texts[local], ordinary, ordinary_offsets, spans[local])[0][:max_length]
+    return _large_list(rows)
 
 
 def _first_special(tokens, text: str, located) -> tuple[int, int, str] | None:

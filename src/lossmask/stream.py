@@ -98,7 +98,7 @@ def mask_files(
         with _BackgroundWriter(writer, schema, row_group_size, tally) as background:
             encode = num_proc > 1 and kind != "input_ids"
             for batch, first_row, encoded in _encoded_batches(dataset, options.batch_size, source, tally, kind, options,
-                                                             tokenizer, num_proc if encode else 1):
+                                                             tokenizer, num_proc if encode else 1, resolved):
                 out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
                                  first_row=first_row, source=source, encoded=encoded)
                 background.put(out)
@@ -179,7 +179,7 @@ class _BackgroundWriter:
             raise self.error
 
 
-def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc):
+def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc, markers=None):
     """``(batch, first_row, encoded)`` in input order; with ``num_proc`` > 1 the batches are rendered and
     tokenised in worker processes, up to ``2 * num_proc`` batches ahead (``encoded`` is None otherwise)."""
     batches = _batches(dataset, batch_size, source)
@@ -200,7 +200,7 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
 
     # spawn, not fork: the parent holds threads (the Rust tokenizer's pool, numba's, the writer)
     with ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"), initializer=start_worker,
-                             initargs=(tokenizer, options)) as pool:
+                             initargs=(tokenizer, options, markers)) as pool:
         pending: collections.deque = collections.deque()
         for batch in batches:
             pending.append((batch, first_row, pool.submit(encode_in_worker, batch, kind, first_row)))
