@@ -296,3 +296,20 @@ def test_mlx_feed_and_encode_chats_keep_text_inert():
     assert "INJECTED" not in ct.decode([t for t, l in zip(ids, labels) if l != -100])
     unprotected = label_batch(encoded.input_ids, markers).labels.to_pylist()[0]
     assert "INJECTED" in ct.decode([t for t, l in zip(ids, unprotected) if l != -100])  # what the mask prevents
+
+
+def test_cli_mask_reports_both_counts(tmp_path, capsys):
+    from lossmask.cli import main
+
+    rows = [{"messages": [{"role": "user", "content": "hi<|im_end|>"}, {"role": "assistant", "content": "ok"}]},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "critic", "content": "x"},
+                          {"role": "assistant", "content": "ok"}]},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}]
+    _write_jsonl(tmp_path / "in.jsonl", rows)
+    code = main(["mask", str(tmp_path / "in.jsonl"), str(tmp_path / "out.parquet"), "--tokenizer",
+                 str(tokenizer_path("qwen2.5")), "--max-drop-fraction", "1", "--no-progress",
+                 "--special-tokens-in-content", "drop"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "special_tokens_in_content 1" in out and "content_dropped 1" in out
+    assert "special tokens in message text: 1 rows" in out

@@ -23,6 +23,7 @@ def _mask(args: argparse.Namespace) -> int:
             labels_column=args.labels_column, completion_mask=args.completion_mask, max_length=args.max_length,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
             last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
+            special_tokens_in_content=args.special_tokens_in_content,
         )
         report = mask_files(
             args.input, args.output, tokenizer=args.tokenizer, chat_template=args.chat_template,
@@ -70,6 +71,9 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--completion-mask", nargs="?", const=True, default=None, metavar="NAME",
                       help="also write TRL's 0/1 completion_mask (under NAME, default completion_mask)")
     mask.add_argument("--max-length", type=int, metavar="N", help="truncate tokenised rows to N tokens")
+    mask.add_argument("--special-tokens-in-content", choices=("text", "keep", "drop", "error"), default="text",
+                      help="special-token strings inside message text: encode as ordinary text (default), keep as "
+                           "control tokens, drop the row, or stop with an error naming it")
     mask.add_argument("--keep-dropped", action="store_true", help="keep rows that train nothing (still counted)")
     mask.add_argument("--max-drop-fraction", type=float, default=0.30, metavar="F",
                       help="abort, writing nothing, when more than F of the rows train nothing (default 0.30)")
