@@ -45,14 +45,16 @@ class Located:
 
 def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
     """``(text, required, what)`` for each piece of one message, in the order templates write them."""
-    if not isinstance(message, Mapping):
+    if not isinstance(message, dict) and not isinstance(message, Mapping):
         return []
+    content = message.get("content")
+    if len(message) <= 2 and isinstance(content, str) and THINK_CLOSE not in content:  # {role, content}: most rows
+        return [(content, True, "content")] if content.strip() else []
     pieces: list[tuple[str, bool, str]] = []
     for key in REASONING_KEYS:
         value = message.get(key)
         if isinstance(value, str) and value.strip():
             pieces.append((value, False, key))
-    content = message.get("content")
     if isinstance(content, str):
         if THINK_CLOSE in content and message.get("role") == "assistant":
             reasoning, _, answer = content.rpartition(THINK_CLOSE)
@@ -98,7 +100,7 @@ def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool
     missing = None
     cursor = 0
     for index, message in enumerate(messages):
-        role = str(message.get("role")) if isinstance(message, Mapping) else "?"
+        role = str(message.get("role")) if isinstance(message, (dict, Mapping)) else "?"
         after = cursor
         for piece, required, what in message_pieces(message):
             found = _find(text, piece, after)

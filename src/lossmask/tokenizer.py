@@ -194,8 +194,8 @@ class ChatTokenizer:
         tokeniser can take its place here.
         """
         encodings = self.tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False)
-        ids = [np.asarray(e.ids, dtype=np.int64) for e in encodings]
-        offsets = [np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2) for e in encodings]
+        ids = [np.array(e.ids, dtype=np.int64) for e in encodings]
+        offsets = [np.array(e.offsets, dtype=np.int64).reshape(-1, 2) for e in encodings]
         return ids, offsets
 
     @cached_property
