@@ -26,10 +26,8 @@ import numpy as np
 import pyarrow as pa
 
 from .locate import locate_messages
+from .report import CONTENT_DROPPED, SPECIAL_TOKENS
 from .specials import SPECIAL_TOKENS_IN_CONTENT
-
-CONTENT_DROPPED = "content_dropped"
-SPECIAL_TOKENS = "special_tokens_in_content"
 
 
 @dataclass
