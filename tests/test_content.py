@@ -156,7 +156,7 @@ def test_the_property_fails_without_the_protections(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_normal_conversations_keep_every_message_and_their_ordinary_tokens(family):
     ct = chat_tokenizer(family)
-    conversations = [list(p.messages) for p in renderable_probes(ct)] + [c["messages"] for c in CHATS[:40]]
+    conversations = [list(p.messages) for p in renderable_probes(ct)] + [c["messages"] for c in CHATS]
     rendered = []
     for messages in conversations:
         try:
@@ -228,7 +228,7 @@ def _write_jsonl(path, rows):
             fh.write(json.dumps(row) + "\n")
 
 
-@pytest.mark.parametrize("family", ["qwen2.5", "llama-3", "gemma-3", "llama-2"])
+@pytest.mark.parametrize("family", ["qwen2.5", "llama-3", "llama-2"])
 def test_mask_files_trains_nothing_injected(tmp_path, family):
     ct = chat_tokenizer(family)
     markers, _ = detected_markers(family)
@@ -241,7 +241,7 @@ def test_mask_files_trains_nothing_injected(tmp_path, family):
     _write_jsonl(tmp_path / "in.jsonl", rows)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = mask_files(tmp_path / "in.jsonl", tmp_path / "out.parquet", tokenizer=tokenizer_path(family),
+        report = mask_files(tmp_path / "in.jsonl", tmp_path / "out.parquet", tokenizer=ct,
                             markers=markers, max_drop_fraction=1.0)
     out = pq.read_table(tmp_path / "out.parquet")
     for ids, labels in zip(out.column("input_ids").to_pylist(), out.column("labels").to_pylist()):
@@ -251,11 +251,11 @@ def test_mask_files_trains_nothing_injected(tmp_path, family):
     assert report.rows_in == report.rows_out + report.rows_dropped
     assert report.dropped["content_dropped"] in (0, 1)
     assert "special tokens in message text" in report.summary()
-    dropped = mask_files(tmp_path / "in.jsonl", tmp_path / "out2.parquet", tokenizer=tokenizer_path(family),
+    dropped = mask_files(tmp_path / "in.jsonl", tmp_path / "out2.parquet", tokenizer=ct,
                          markers=markers, max_drop_fraction=1.0, special_tokens_in_content="drop")
     assert dropped.dropped["special_tokens_in_content"] == 6
     with pytest.raises(ValueError, match="message 0 \\(user\\) holds the special-token string"):
-        mask_files(tmp_path / "in.jsonl", tmp_path / "out3.parquet", tokenizer=tokenizer_path(family),
+        mask_files(tmp_path / "in.jsonl", tmp_path / "out3.parquet", tokenizer=ct,
                    markers=markers, options=MaskOptions(special_tokens_in_content="error", max_drop_fraction=1.0))
 
 
