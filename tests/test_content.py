@@ -313,3 +313,21 @@ def test_cli_mask_reports_both_counts(tmp_path, capsys):
     assert code == 0
     assert "special_tokens_in_content 1" in out and "content_dropped 1" in out
     assert "special tokens in message text: 1 rows" in out
+
+
+@pytest.mark.parametrize("family", ["llama-2", "alpaca", "falcon", "vicuna", "qwen2.5", "gemma-2"])
+def test_offsets_only_where_text_can_match_give_the_same_labels(family):
+    from lossmask.rendered import text_can_match
+
+    ct = chat_tokenizer(family)
+    markers, _ = detected_markers(family)
+    injected = ct.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "INJECTED"}])
+    chats = [_chat(q, q, injected) for q in QUOTES if "think>" not in q] + [_chat(NEUTRAL, NEUTRAL, "x")] * 5
+    chats = [chat for chat in chats if _renders(ct, chat)]
+    texts = [ct.render(chat) for chat in chats]
+    for max_length in (None, 40):
+        every = encode_rendered(ct, texts, chats, positions=True, max_length=max_length)
+        some = encode_rendered(ct, texts, chats, positions=text_can_match(ct, markers, "text"), max_length=max_length)
+        assert some.input_ids.to_pylist() == every.input_ids.to_pylist()
+        labels = label_batch(every.input_ids, markers, data_mask=every.in_content).labels.to_pylist()
+        assert label_batch(some.input_ids, markers, data_mask=some.in_content).labels.to_pylist() == labels

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -64,12 +65,13 @@ def encode_rendered(
     special_tokens_in_content: str = "text",
     max_length: int | None = None,
     row_numbers: Sequence[int] | None = None,
-    positions: bool = True,
+    positions: "bool | re.Pattern" = True,
 ) -> EncodedRows:
     """Locate, check and tokenise rendered rows; ``row_numbers`` name the rows in messages (default: 0, 1, ...).
 
-    ``positions=False`` skips ``in_content`` (None then), and with it the offsets of the batch call:
-    for markers that message text cannot match anyway (``text_can_match``).
+    ``positions``: which rows need ``in_content`` (and so offsets): True (all), False (none:
+    ``in_content`` is None) or a regular expression that finds, in message text, the words of a
+    marker it could match (``text_can_match``); the other rows' tokens are never inside a match.
     """
     check_policy(special_tokens_in_content)
     tokens = ct.content_tokens
@@ -108,50 +110,83 @@ def encode_rendered(
                 as_text.append(len(spans))
         spans.append(located.spans)
     kept_texts = [t for t, k in zip(texts, keep) if k]
-    if not positions:
-        return EncodedRows(_ids_only(ct, kept_texts, spans, as_text, max_length), None, keep, dropped,
-                           special_rows, special_example)
-    ids, offsets = ct.encode_texts_with_offsets(kept_texts)
-    if as_text:
-        encoder = ct.text_encoder
-        for local in as_text:
-            ids[local], offsets[local] = encoder.encode(kept_texts[local], ids[local], offsets[local], spans[local])
-    if max_length is not None:
-        ids = [row[:max_length] for row in ids]
-        offsets = [row[:max_length] for row in offsets]
-    in_content = content_mask(ids, offsets, [len(t) for t in kept_texts], spans)
-    return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example)
+    if positions is True:
+        need = list(range(len(kept_texts)))
+    elif not positions:
+        need = []
+    else:  # only rows whose text holds a word of a plain-text marker
+        need = [r for r, row_spans in enumerate(spans)
+                if any(positions.search(kept_texts[r], s, e) for s, e in row_spans)]
+    if len(need) == len(kept_texts):
+        ids, offsets = ct.encode_texts_with_offsets(kept_texts)
+        _as_text(ct, kept_texts, ids, offsets, spans, as_text)
+        if max_length is not None:
+            ids = [row[:max_length] for row in ids]
+            offsets = [row[:max_length] for row in offsets]
+        in_content = content_mask(ids, offsets, [len(t) for t in kept_texts], spans)
+        return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example)
+    # the batch call without offsets; the rows that need them are encoded again, in one more call
+    batch = ct.encode_texts(kept_texts, max_length=max_length)
+    in_content = None
+    if not need and not as_text:
+        return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example)
+    rows = np.split(batch.values.to_numpy(), batch.offsets.to_numpy()[1:-1]) if kept_texts else []
+    again = sorted(set(need) | set(as_text))
+    sub_ids, sub_offsets = ct.encode_texts_with_offsets([kept_texts[r] for r in again])
+    local = {r: k for k, r in enumerate(again)}
+    _as_text(ct, [kept_texts[r] for r in again], sub_ids, sub_offsets, [spans[r] for r in again],
+             [local[r] for r in as_text])
+    for k, r in enumerate(again):
+        rows[r] = sub_ids[k][:max_length]
+        sub_offsets[k] = sub_offsets[k][:max_length]
+    if need:
+        lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        mask = content_mask([sub_ids[local[r]][:max_length] for r in need], [sub_offsets[local[r]] for r in need],
+                            [len(kept_texts[r]) for r in need], [spans[r] for r in need])
+        in_content = np.zeros(int(lengths.sum()), dtype=bool)
+        position = np.concatenate([np.arange(starts[r], starts[r] + lengths[r]) for r in need])
+        in_content[position] = mask
+    return EncodedRows(_large_list(rows), in_content, keep, dropped, special_rows, special_example)
 
 
-def text_can_match(ct: Any, markers: Any, special_tokens_in_content: str) -> bool:
+def _as_text(ct, texts, ids, offsets, spans, rows) -> None:
+    """Encode ``rows`` (indices into the lists) again with message text's special-token strings as text."""
+    if not rows:
+        return
+    encoder = ct.text_encoder
+    for r in rows:
+        ids[r], offsets[r] = encoder.encode(texts[r], ids[r], offsets[r], spans[r])
+
+
+def text_can_match(ct: Any, markers: Any, special_tokens_in_content: str) -> bool | re.Pattern:
     """Can message text make a marker match, so that labelling must know where it lies?
 
     Markers hold template tokens only (a header ends where training starts; stop tokens follow the
     text). With special-token strings encoded as text, message text cannot produce a structural
     token, so a pattern holding one cannot match there; only patterns made of other tokens
-    (plain-text markers such as ``[/INST]`` on Llama-2 or ``### Response:``) can.
+    (plain-text markers such as ``[/INST]`` on Llama-2 or ``### Response:``) can, and only in a row
+    whose text holds the pattern's words. Returns False (no row), True (every row) or a regular
+    expression of those words (the rows whose message text it finds).
     """
     if markers is None:
         return False
     if special_tokens_in_content != "text":
         return True
     structural = ct.content_tokens.structural
-    return any(not any(int(t) in structural for t in pattern)
-               for patterns in markers.to_dict().values() for pattern in patterns)
-
-
-def _ids_only(ct, texts, spans, as_text, max_length) -> pa.LargeListArray:
-    """The batch call without offsets; the rows on the text path are encoded again, one by one."""
-    ids = ct.encode_texts(texts, max_length=max_length)
-    if not as_text:
-        return ids
-    offsets = ids.offsets.to_numpy()
-    rows = np.split(ids.values.to_numpy(), offsets[1:-1])
-    encoder = ct.text_encoder
-    for local in as_text:
-        ordinary, ordinary_offsets = ct.encode_with_offsets(texts[local])
-        rows[local] = encoder.encode(texts[local], ordinary, ordinary_offsets, spans[local])[0][:max_length]
-    return _large_list(rows)
+    plain = [p for patterns in markers.to_dict().values() for p in patterns if not any(int(t) in structural for t in p)]
+    if not plain:
+        return False
+    words = set()
+    for pattern in plain:
+        pieces = [ct.decode([t]) for t in pattern]
+        if any("\ufffd" in piece for piece in pieces):
+            return True
+        found = [w for piece in pieces for w in re.findall(r"[^\W_]{2,}", piece)]
+        if not found:
+            return True  # a pattern of punctuation and spaces: every row
+        words.update(found)
+    return re.compile("|".join(sorted(map(re.escape, words), key=len, reverse=True)))
 
 
 def _first_special(tokens, text: str, located) -> tuple[int, int, str] | None:
