@@ -5,7 +5,7 @@ rendered rows with ``encode_texts`` and labels them (what lossmask did before is
 path is ``rendered.encode_rendered`` (locate every message, check special-token strings, offsets where
 the markers need them) plus ``label_batch(data_mask=...)``. Qwen2.5's markers hold special tokens only,
 so message text cannot match them and no offsets are needed; Llama-2's ``[/INST]`` is plain text, so
-they are. Rendering (Jinja, the same in both) is left out; add it to both sides for the whole job.
+rows whose messages hold ``INST`` get them. Rendering (Jinja, the same in both) is left out; add it to both sides for the whole job.
 
     .venv/bin/python -m pytest benchmarks/bench_content.py -q -s
 """
@@ -67,7 +67,8 @@ def test_content_as_data_cost(benchmark, family):
     new = best_of(after)
     render = best_of(lambda: render_chats(ct, chats), 2)
     benchmark.pedantic(after, rounds=1, iterations=1)
-    benchmark.extra_info.update(ratio=new / base, with_render_ratio=(new + render) / (base + render), positions=positions)
+    where = "all rows" if positions is True else "no row" if not positions else "rows naming a marker's words"
+    benchmark.extra_info.update(ratio=new / base, with_render_ratio=(new + render) / (base + render), offsets=where)
     print(f"\n{family}: tokenise+label {base * 1e3:.0f} ms before, {new * 1e3:.0f} ms with content as data "
-          f"({new / base:.2f}x; offsets {'on' if positions else 'off'}); with rendering ({render * 1e3:.0f} ms): "
+          f"({new / base:.2f}x; offsets for {where}); with rendering ({render * 1e3:.0f} ms): "
           f"{(new + render) / (base + render):.2f}x")
