@@ -331,3 +331,24 @@ def test_offsets_only_where_text_can_match_give_the_same_labels(family):
         assert some.input_ids.to_pylist() == every.input_ids.to_pylist()
         labels = label_batch(every.input_ids, markers, data_mask=every.in_content).labels.to_pylist()
         assert label_batch(some.input_ids, markers, data_mask=some.in_content).labels.to_pylist() == labels
+
+
+def test_data_mask_makes_message_tokens_inert_on_every_backend_shape():
+    from lossmask import Markers
+
+    markers = Markers(response=[[1, 2]], instruction=[[1]], end=[[9]])
+    # <1 3> user: "x 1 2 y 9" (quoted header and stop) <9> <1 2> assistant: "z" <9>
+    row = [1, 3, 5, 1, 2, 6, 9, 9, 1, 2, 7, 9]
+    data = [0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0]
+    ids = pa.array([row, [], row], type=pa.list_(pa.int32()))
+    mask = np.array(data + data, dtype=bool)
+    labels = label_batch(ids, markers, data_mask=mask).labels.to_pylist()
+    expected = [-100] * 10 + [7, 9]
+    assert labels == [expected, [], expected]
+    assert label_batch(ids, markers).labels.to_pylist()[0] != expected  # unprotected: the quote opens a span
+    sliced = label_batch(ids.slice(2), markers, data_mask=np.array(data, dtype=bool)).labels.to_pylist()
+    assert sliced == [expected]
+    chunked = label_batch(pa.chunked_array([ids.slice(0, 1), ids.slice(1)]), markers, data_mask=mask)
+    assert chunked.labels.to_pylist() == [expected, [], expected] and chunked.counts.rows == 3
+    with pytest.raises(ValueError, match="data_mask has 3 entries"):
+        label_batch(ids, markers, data_mask=np.ones(3, dtype=bool))

@@ -116,6 +116,8 @@ def inert_id(markers: Markers) -> int:
 
 def _label_with_data(input_ids, markers, backend, last_turn_only, ignore_index, out_dtype, data_mask) -> LabelledBatch:
     """Label a scratch copy whose message-text tokens are an id no pattern holds; put the real ids back."""
+    if not isinstance(markers, Markers):
+        raise TypeError(f"markers must be a lossmask.Markers, got {type(markers).__name__}")
     if isinstance(input_ids, pa.ChunkedArray):
         input_ids = input_ids.combine_chunks() if input_ids.num_chunks != 1 else input_ids.chunk(0)
     if not isinstance(input_ids, pa.Array):
@@ -130,7 +132,8 @@ def _label_with_data(input_ids, markers, backend, last_turn_only, ignore_index, 
     position = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - rows.starts.astype(np.int64), lengths)
     where = position[data_mask]  # where the message-text tokens lie in the values buffer
     scratch = np.array(rows.values, copy=True)
-    scratch[where] = inert_id(markers)
+    inert = inert_id(markers)
+    scratch[where] = inert if inert != ignore_index else inert + 1  # never read as "untrained"
     kernel = get_backend(backend)
     buffer = _label_buffer(input_ids, rows, out_dtype)
     out = np.frombuffer(buffer, dtype=out_dtype)
