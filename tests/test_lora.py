@@ -115,6 +115,9 @@ def test_lossmask_lora_from_a_yaml_config(tmp_path, model_dir, data_dir, tok, ca
     assert (tmp_path / "adapters" / "adapters.safetensors").is_file()
     saved = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
     assert saved["fine_tune_type"] == "lora" and saved["max_drop_fraction"] == 0.3
+    from mlx_lm.utils import load
+
+    load(str(model_dir), adapter_path=str(tmp_path / "adapters"))  # mlx-lm reads the adapters back (generate, fuse)
 
 
 @pytest.mark.parametrize("fine_tune_type", ["lora", "full"])
