@@ -235,11 +235,11 @@ def _sequence_lengths(examples, lengths: np.ndarray, truncation_mode: str = "kee
             "seq_lengths must split input_ids exactly (as TRL's pack_dataset writes them)"
         )
     if (per_row > lengths).any():  # truncated after packing: cut each row's sequences to its length
-        seq_lengths, seq_row = _cut_sequences(seq_lengths, seq_row, per_row, lengths, from_start=truncation_mode == "keep_end")
+        seq_lengths, seq_row = cut_packed_sequences(seq_lengths, seq_row, per_row, lengths, from_start=truncation_mode == "keep_end")
     return seq_lengths, seq_row
 
 
-def _cut_sequences(seq_lengths, seq_row, per_row, lengths, *, from_start: bool):
+def cut_packed_sequences(seq_lengths, seq_row, per_row, lengths, *, from_start: bool):
     """Sequences of each row clipped to the row's kept tokens; sequences cut away entirely are removed."""
     first = np.concatenate([[0], np.cumsum(per_row)[:-1]])  # where each row's sequences start, before the cut
     begin = np.concatenate([[0], np.cumsum(seq_lengths)[:-1]]) - first[seq_row]  # sequence start within its row

@@ -208,7 +208,7 @@ def train_on_responses_only(
     """Mask a ``transformers.Trainer`` / ``trl.SFTTrainer``'s datasets so that only responses train.
 
     The call shape is Unsloth's (``instruction_part``, ``response_part``), but the strings are located
-    in the tokenizer's rendered template (never tokenised on their own), and without them the
+    in the tokenizer's rendered chat template (never tokenised on their own), and without them the
     markers come from the policy (``lossmask.resolve_markers``). The train and eval datasets get
     ``labels`` (rows that train nothing removed and reported), and the trainer's collator is replaced
     by ``PadByPosition``, which pads ``labels`` with -100 by position. Returns the trainer.
@@ -316,9 +316,9 @@ def _count_packed_documents(job: "_Job", dataset: Any, name: str, truncation_mod
             raise ValueError(f"{name} row {r}: seq_lengths add up to {int(per_row[r])} but the row has {int(lengths[r])} "
                              "tokens; seq_lengths must split input_ids exactly (as TRL's pack_dataset writes them)")
         if (per_row > lengths).any():  # cut after packing (SFTConfig(max_length) shorter than the packs): as the collator
-            from .collator import _cut_sequences
+            from .collator import cut_packed_sequences
 
-            seq_lengths, _ = _cut_sequences(seq_lengths, seq_row, per_row, lengths, from_start=truncation_mode == "keep_end")
+            seq_lengths, _ = cut_packed_sequences(seq_lengths, seq_row, per_row, lengths, from_start=truncation_mode == "keep_end")
         documents = pa.LargeListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(seq_lengths)]), pa.int64()), values)
         counts = counts + label_batch(documents, job.markers, last_turn_only=job.options.last_turn_only).counts
     tally = Tally(counts=counts, rows_out=counts.rows)
