@@ -130,8 +130,8 @@ def test_step_one_loss_is_cross_entropy_over_the_trained_tokens(tmp_path, model_
     want_val, _ = hand_loss(model_dir, tok, chat_rows(4))
     # one batch of all four trained rows: step 1's loss is over exactly their trained tokens
     assert recorder.train[0]["iteration"] == 1 and recorder.train[0]["trained_tokens"] == n_train
-    assert recorder.train[0]["train_loss"] == pytest.approx(want_train, rel=1e-5)
-    assert recorder.val[0]["val_loss"] == pytest.approx(want_val, rel=1e-5)  # validation before the first step
+    assert recorder.train[0]["train_loss"] == pytest.approx(want_train, rel=1e-6)
+    assert recorder.val[0]["val_loss"] == pytest.approx(want_val, rel=1e-6)  # validation before the first step
 
 
 def test_lossmask_mask_output_trains_the_same(tmp_path, model_dir, data_dir, tok, capsys):
@@ -145,7 +145,7 @@ def test_lossmask_mask_output_trains_the_same(tmp_path, model_dir, data_dir, tok
     assert f"lossmask: {masked / 'train.parquet'}" in capsys.readouterr().out
     want_train, n_train = hand_loss(model_dir, tok, chat_rows(4, vary=False))
     assert recorder.train[0]["trained_tokens"] == n_train
-    assert recorder.train[0]["train_loss"] == pytest.approx(want_train, rel=1e-5)
+    assert recorder.train[0]["train_loss"] == pytest.approx(want_train, rel=1e-6)
 
 
 def test_errors_name_the_setting(tmp_path, model_dir, data_dir, capsys):
@@ -155,7 +155,7 @@ def test_errors_name_the_setting(tmp_path, model_dir, data_dir, capsys):
     assert lora.main(["-c", str(path), "--train", "--data", "mlx-community/WikiSQL"]) == 1
     assert "not a local folder" in capsys.readouterr().err
     assert lora.main(["-c", str(path), "--train", "--max-drop-fraction", "0.1"]) == 1
-    assert "train.jsonl: 1 of 5 rows (20.0%) would train no token" in capsys.readouterr().err
+    assert "train.jsonl: 1 of 5 rows" in capsys.readouterr().err  # the safety net, per split
 
 
 def test_parser_is_mlx_lm_s_own():
