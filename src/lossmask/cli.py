@@ -143,10 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     example.set_defaults(run=_example)
     _add_mask_command(commands)
     _add_show_commands(commands)
+    commands.add_parser("lora", add_help=False, help="mlx-lm's LoRA / DoRA / full fine-tuning on lossmask's masks "
+                        "(the flags and YAML file of `mlx_lm lora`; `lossmask lora -h` lists them)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lora"]:  # mlx-lm's own parser reads the rest (lossmask.lora)
+        from .lora import main as lora_main
+
+        return lora_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:

@@ -193,6 +193,13 @@ def train_on_responses_only(
     by ``PadByPosition``, which pads ``labels`` with -100 by position. ``options`` (a ``MaskOptions``) or
     its fields as keywords (``max_length=``, ``keep_dropped=``, ``max_drop_fraction=``...) say how rows
     are labelled and kept. Returns the trainer.
+
+    TRL's packing and padding-free training are kept: when the trainer is padding-free
+    (``SFTConfig(padding_free=True)``, or ``packing=True`` with the ``bfd`` strategies) the collator is a
+    ``CompletionCollator(padding_free=True)``, which builds ``position_ids`` / ``cu_seq_lens`` as TRL's
+    does, so packed documents do not attend to each other; packed rows (``seq_lengths``) are labelled
+    document by document, and the report counts documents (those that train nothing stay in their pack,
+    counted as kept). ``max_length`` defaults to ``SFTConfig.max_length`` (the length TRL cut rows at).
     """
     tok = tokenizer if tokenizer is not None else _trainer_tokenizer(trainer)
     model_name = model_name or _model_name(trainer)
@@ -202,25 +209,106 @@ def train_on_responses_only(
     resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
                                           response_part=response_part, instruction_part=instruction_part)
     options = MaskOptions.resolve(options, **option_fields)
+    args = getattr(trainer, "args", None)
+    trl_max_length = getattr(args, "max_length", None)  # TRL truncated (or packed) the rows at this length
+    if options.max_length is None and isinstance(trl_max_length, int) and not isinstance(trl_max_length, bool):
+        # a no-op cut, so that the drop check knows which length truncated the rows
+        options = MaskOptions.resolve(options, max_length=trl_max_length)
     job = _Job(options, resolved, source, tuple(messages), chat, verbose)
     if verbose:
         for message in messages:
             print(f"lossmask: {message}", file=sys.stderr)
+    packed = False
+    truncation_mode = getattr(args, "truncation_mode", None) or "keep_start"
     if getattr(trainer, "train_dataset", None) is not None:
-        trainer.train_dataset = job.run(_without_labels(trainer.train_dataset), name="train")[0]
+        trainer.train_dataset, is_packed = _mask_for_trainer(job, trainer.train_dataset, "train", truncation_mode)
+        packed |= is_packed
     eval_dataset = getattr(trainer, "eval_dataset", None)
     if isinstance(eval_dataset, dict):
-        trainer.eval_dataset = {
-            name: job.run(_without_labels(ds), name=f"eval {name}")[0] for name, ds in eval_dataset.items()
-        }
+        masked = {name: _mask_for_trainer(job, ds, f"eval {name}", truncation_mode) for name, ds in eval_dataset.items()}
+        trainer.eval_dataset = {name: ds for name, (ds, _) in masked.items()}
+        packed |= any(is_packed for _, is_packed in masked.values())
     elif eval_dataset is not None:
-        trainer.eval_dataset = job.run(_without_labels(eval_dataset), name="eval")[0]
+        trainer.eval_dataset, is_packed = _mask_for_trainer(job, eval_dataset, "eval", truncation_mode)
+        packed |= is_packed
+    padding_free = _padding_free(trainer)
+    if resolved is None:
+        if not (padding_free or packed):  # no markers: the full sequence trains, TRL's collator already does that
+            trainer.data_collator = PadByPosition(pad_token_id=_pad_id(chat), padding_side=getattr(chat.tokenizer, "padding_side", "right"))
+    elif padding_free or packed:
+        from .collator import CompletionCollator
+
+        trainer.data_collator = CompletionCollator(
+            markers=resolved, tokenizer=chat.tokenizer, padding_free=padding_free, last_turn_only=options.last_turn_only,
+            pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
+            truncation_mode=truncation_mode,
+        )
+    else:
+        trainer.data_collator = PadByPosition(pad_token_id=_pad_id(chat), padding_side=getattr(chat.tokenizer, "padding_side", "right"))
+    _keep_label_columns(trainer)
+    return trainer
+
+
+def _pad_id(chat: Any) -> int:
     pad = chat.tokenizer.pad_token_id
     if pad is None:
         pad = chat.eos_token_id if chat.eos_token_id is not None else 0
-    trainer.data_collator = PadByPosition(pad_token_id=int(pad), padding_side=getattr(chat.tokenizer, "padding_side", "right"))
-    _keep_label_columns(trainer)
-    return trainer
+    return int(pad)
+
+
+def _padding_free(trainer: Any) -> bool:
+    """Whether the trainer trains padding-free (TRL: ``padding_free=True``, or packing with a bfd strategy)."""
+    if hasattr(trainer, "padding_free"):
+        return bool(trainer.padding_free)
+    args = getattr(trainer, "args", None)
+    return bool(getattr(args, "padding_free", False)) or (
+        bool(getattr(args, "packing", False)) and getattr(args, "packing_strategy", "bfd") in ("bfd", "bfd_split"))
+
+
+def _mask_for_trainer(job: "_Job", dataset: Any, name: str, truncation_mode: str) -> tuple[Any, bool]:
+    """``(dataset, packed)``: labelled rows, or packed rows left as they are with their documents counted."""
+    if "seq_lengths" in (getattr(dataset, "column_names", None) or []):
+        _count_packed_documents(job, dataset, name, truncation_mode)
+        return dataset, True
+    return job.run(_without_labels(dataset), name=name)[0], False
+
+
+def _count_packed_documents(job: "_Job", dataset: Any, name: str, truncation_mode: str = "keep_start") -> None:
+    """Label the documents of packed rows (their ``seq_lengths``) to count and check them; the collator labels
+    them again per batch. Documents that train nothing cannot leave their pack: they are counted as kept."""
+    import pyarrow.compute as pc
+
+    if job.markers is None:  # no markers: every token trains, nothing to count
+        return
+    from .labels import label_batch
+    from .outcomes import OutcomeCounts
+    from .stream import _check_drops
+
+    counts = OutcomeCounts()
+    for table in dataset.select_columns(["input_ids", "seq_lengths"]).with_format("arrow").iter(batch_size=job.options.batch_size):
+        ids = table.column("input_ids").combine_chunks()
+        seq_column = table.column("seq_lengths").combine_chunks()
+        seq_lengths = np.asarray(pc.list_flatten(seq_column), dtype=np.int64)
+        values = pc.list_flatten(ids)
+        lengths = np.asarray(pc.list_value_length(ids).fill_null(0), dtype=np.int64)
+        seq_row = np.repeat(np.arange(len(lengths)), np.asarray(pc.list_value_length(seq_column).fill_null(0)))
+        per_row = np.bincount(seq_row, weights=seq_lengths, minlength=len(lengths)).astype(np.int64)
+        if (per_row < lengths).any():
+            r = int(np.flatnonzero(per_row < lengths)[0])
+            raise ValueError(f"{name} row {r}: seq_lengths add up to {int(per_row[r])} but the row has {int(lengths[r])} "
+                             "tokens; seq_lengths must split input_ids exactly (as TRL's pack_dataset writes them)")
+        if (per_row > lengths).any():  # cut after packing (SFTConfig(max_length) shorter than the packs): as the collator
+            from .collator import cut_packed_sequences
+
+            seq_lengths, _ = cut_packed_sequences(seq_lengths, seq_row, per_row, lengths, from_start=truncation_mode == "keep_end")
+        documents = pa.LargeListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(seq_lengths)]), pa.int64()), values)
+        counts = counts + label_batch(documents, job.markers, last_turn_only=job.options.last_turn_only).counts
+    tally = Tally(counts=counts, rows_out=counts.rows)
+    _check_drops(tally, job.tokenizer, job.options)
+    report = MaskReport.build(tally, markers=job.markers, markers_source=job.source, keep_dropped=True,
+                              input=f"{name} (packed documents)", messages=job.messages)
+    if job.verbose:
+        print(f"lossmask [{name}, packed documents]: " + report.summary().replace("\n", f"\nlossmask [{name}]: "), file=sys.stderr)
 
 
 def _trainer_tokenizer(trainer: Any) -> Any:
