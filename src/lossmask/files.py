@@ -237,7 +237,7 @@ def unite_schemas(paths: list[str], schemas: list[pa.Schema]) -> pa.Schema:
             united = pa.unify_schemas([united, schema], promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
             for field in schema:
-                if field.name in united.names and united.field(field.name).type != field.type:
+                if field.name in united.names and not _unites(united.field(field.name), field):
                     first = next(p for p, s in zip(paths, schemas) if field.name in s.names)
                     raise ValueError(
                         f"{path}: column {field.name!r} is {field.type} here but {united.field(field.name).type} in "
@@ -245,6 +245,14 @@ def unite_schemas(paths: list[str], schemas: list[pa.Schema]) -> pa.Schema:
                     ) from None
             raise
     return united
+
+
+def _unites(a: pa.Field, b: pa.Field) -> bool:
+    try:
+        pa.unify_schemas([pa.schema([a]), pa.schema([b])], promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return False
+    return True
 
 
 def _first_line(exc: BaseException) -> str:
