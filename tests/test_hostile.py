@@ -265,7 +265,7 @@ def test_partials_are_removed_on_failure_paths(tmp_path):
 # -- 11: rows named by file and line ---------------------------------------------------------------------
 
 
-def test_malformed_and_non_utf8_lines_are_named_by_file_and_line(tmp_path):
+def test_malformed_and_non_utf8_lines_are_named_by_file_and_line(tmp_path, monkeypatch):
     lines = [json.dumps({"input_ids": CHAT}).encode() for _ in range(3000)]
     lines[2990] = b'{"input_ids": [1, 2, 7 4]}'  # line 2,991
     (tmp_path / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n")
@@ -277,7 +277,12 @@ def test_malformed_and_non_utf8_lines_are_named_by_file_and_line(tmp_path):
         mask_files(tmp_path / "a.jsonl", tmp_path / "out.parquet", markers=MARKERS, batch_size=256)
     lines[2990] = b'{"input_ids": [1, 2, 7, 4], "late": 1}'
     (tmp_path / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    with pytest.raises(ValueError, match=r"a\.jsonl, line 2991: key 'late' appears here but in none of the first"):
+    report = mask_files(tmp_path / "a.jsonl", tmp_path / "out.parquet", markers=MARKERS, batch_size=256)
+    late = pq.read_table(tmp_path / "out.parquet").column("late").to_pylist()
+    assert report.rows_out == 3000 and late[2990] == 1 and late.count(None) == 2999
+    (tmp_path / "out.parquet").unlink()
+    monkeypatch.setattr(lossmask.files, "INFER_LINES", 1000)  # a key first seen after the rows that fix the columns
+    with pytest.raises(ValueError, match=r"a\.jsonl, line 2991: key 'late' appears here but in none of the first 1,000"):
         mask_files(tmp_path / "a.jsonl", tmp_path / "out.parquet", markers=MARKERS, batch_size=256)
     lines[2990] = b'{"input_ids": [1, 2, 7, -4]}'  # an engine error, named by the job's row and the file's line
     (tmp_path / "a.jsonl").write_bytes(b"\n".join(lines[:100]) + b"\n\n\n" + b"\n".join(lines[100:]) + b"\n")
