@@ -329,3 +329,110 @@ def test_json_lines_with_argument_forms_and_tool_schemas_that_differ_per_row(tmp
     messages = lossmask.encode.messages_from_arrow(out.column("messages"))
     assert messages[1][1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert messages[0][1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
+# -- the property: every run either adds up or fails cleanly ---------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+TOKENS = st.one_of(st.sampled_from([1, 2, 3, 4]), st.integers(5, 60))
+HOSTILE_TOKENS = st.one_of(TOKENS, st.sampled_from([-1, -100, 2**31 + 5, 2**40]))
+ROWS = st.lists(st.one_of(st.lists(TOKENS, max_size=12), st.just(CHAT), st.none()), min_size=0, max_size=25)
+
+
+@st.composite
+def hostile_jobs(draw):
+    rows = draw(ROWS)
+    if draw(st.booleans()):  # a hostile id somewhere
+        rows = rows + [draw(st.lists(HOSTILE_TOKENS, min_size=1, max_size=6))]
+    return {
+        "rows": rows,
+        "format": draw(st.sampled_from(["parquet", "jsonl", "folder"])),
+        "damage": draw(st.sampled_from(["none"] * 6 + ["truncate", "empty", "bad_line", "latin1", "wrong_type",
+                                        "no_column", "second_file_messages", "second_file_extra_column"])),
+        "output": draw(st.sampled_from(["new"] * 8 + ["folder", "missing_folder", "input", "in_input_folder"])),
+        "report": draw(st.sampled_from(["new"] * 8 + ["missing_folder", "is_folder"])),
+        "max_drop_fraction": draw(st.sampled_from(["0.3", "1", "1"])),
+        "label_dtype": draw(st.sampled_from(["int64", "int32"])),
+        "batch_size": draw(st.integers(1, 40)),
+    }
+
+
+def _write_job_input(base: str, job: dict) -> str:
+    rows = job["rows"]
+    folder = os.path.join(base, "data")
+    os.mkdir(folder)
+    suffix = ".jsonl" if job["format"] == "jsonl" else ".parquet"
+    path = os.path.join(folder, "part-0" + suffix)
+    column = "tokens" if job["damage"] == "no_column" else "input_ids"
+    if suffix == ".jsonl":
+        lines = [json.dumps({"id": i, column: row}).encode() for i, row in enumerate(rows)]
+        if job["damage"] == "wrong_type" and lines:
+            lines[-1] = json.dumps({"id": 0, column: ["1", "2"]}).encode()
+        if job["damage"] == "bad_line":
+            lines.append(b'{"id": 1, "input_ids": [1, 2')
+        if job["damage"] == "latin1":
+            lines.append('{"id": 1, "input_ids": [1], "note": "\u00e9"}'.encode("latin-1"))
+        with open(path, "wb") as fh:
+            fh.write(b"".join(line + b"\n" for line in lines))
+    else:
+        ids = pa.array(rows, pa.list_(pa.int64())) if job["damage"] != "wrong_type" else pa.array(
+            [None if r is None else [str(t) for t in r] for r in rows], pa.list_(pa.string()))
+        pq.write_table(pa.table({"id": pa.array(range(len(rows)), pa.int64()), column: ids}), path)
+    if job["damage"] == "truncate":
+        data = open(path, "rb").read()
+        with open(path, "wb") as fh:
+            fh.write(data[: len(data) // 2])
+    if job["damage"] == "empty":
+        open(path, "wb").close()
+    if job["format"] == "folder" or job["damage"].startswith("second_file"):
+        second = os.path.join(folder, "part-1.parquet")
+        if job["damage"] == "second_file_messages":
+            pq.write_table(pa.table({"messages": [[{"role": "user", "content": "hi"}]]}), second)
+        else:
+            pq.write_table(pa.table({"id": pa.array([7], pa.int64()), "input_ids": pa.array([CHAT], pa.list_(pa.int64())),
+                                     "extra": ["x"]}), second)
+        if suffix == ".jsonl":  # one format per folder
+            os.remove(second)
+        return folder
+    return path
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(job=hostile_jobs())
+def test_every_run_adds_up_or_fails_cleanly(job):
+    with tempfile.TemporaryDirectory() as base:
+        source = _write_job_input(base, job)
+        MARKERS.to_json(os.path.join(base, "m.json"))
+        output = {
+            "new": os.path.join(base, "out.parquet"), "folder": os.path.join(base, "data"),
+            "missing_folder": os.path.join(base, "nope", "out.parquet"),
+            "input": source if os.path.isfile(source) else os.path.join(source, os.listdir(source)[0]),
+            "in_input_folder": os.path.join(base, "data", "out.parquet"),
+        }[job["output"]]
+        report = {"new": os.path.join(base, "report.json"), "missing_folder": os.path.join(base, "nope", "r.json"),
+                  "is_folder": os.path.join(base, "data")}[job["report"]]
+        before = {name: open(os.path.join(root, name), "rb").read()
+                  for root, _, names in os.walk(source if os.path.isdir(source) else base) for name in names}
+        code, out, err = run_cli(source, output, "--markers", os.path.join(base, "m.json"), "--report", report,
+                                 "--max-drop-fraction", job["max_drop_fraction"], "--label-dtype", job["label_dtype"],
+                                 "--batch-size", str(job["batch_size"]))
+        assert code in (0, 1), (code, err)
+        assert "Traceback" not in err and partials(base) == []
+        if code == 0:
+            on_disk = json.loads(open(report).read())
+            assert on_disk["rows_in"] == on_disk["rows_out"] + sum(on_disk["dropped"].values())
+            assert pq.ParquetFile(output).metadata.num_rows == on_disk["rows_out"]
+        else:
+            first = err.splitlines()[0]
+            assert first.startswith("lossmask mask: error: ") and len(first) > len("lossmask mask: error: ") + 10, err
+            if job["output"] in ("input", "folder"):  # the input is as it was
+                assert os.path.exists(output)
+            else:
+                assert not os.path.exists(output), err
+            assert job["report"] != "new" or not os.path.exists(report)
+            after = {name: open(os.path.join(root, name), "rb").read()
+                     for root, _, names in os.walk(source if os.path.isdir(source) else base) for name in names
+                     if name not in ("m.json",)}
+            assert {k: v for k, v in before.items() if k in after} == {k: after[k] for k in before if k in after}

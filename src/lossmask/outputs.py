@@ -27,7 +27,8 @@ def check_output(path: str | os.PathLike, *, what: str = "output", inputs: Itera
         if os.path.realpath(source) == real:
             raise ValueError(f"{what} {path} is the input {source} ({real}); write the {what} to another path")
     if os.path.isdir(path):
-        raise OutputError(f"{path}: is a folder; pass a file path for the {what} (e.g. {os.path.join(path, 'masked.parquet')})")
+        example = os.path.join(path, "masked.parquet" if what == "output" else "report.json")
+        raise OutputError(f"{path}: is a folder; pass a file path for the {what} (e.g. {example})")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise OutputError(f"{path}: the folder {folder} does not exist; create it first")
