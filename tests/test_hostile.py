@@ -179,11 +179,9 @@ def test_output_that_is_a_folder_or_in_a_missing_folder(tmp_path):
     assert os.listdir(tmp_path / "out") == [] and not partials(tmp_path)
 
 
-def _subprocess_mask(args, *, preexec_fn=None, user=None, cwd=None):
-    env = dict(os.environ, NUMBA_CACHE_DIR=tempfile.mkdtemp())
+def _subprocess_mask(args, *, preexec_fn=None):
     return subprocess.run([sys.executable, "-m", "lossmask", "mask", *map(str, args), "--no-progress"],
-                          capture_output=True, text=True, preexec_fn=preexec_fn, user=user, env=env, cwd=cwd,
-                          timeout=120)
+                          capture_output=True, text=True, preexec_fn=preexec_fn, timeout=120)
 
 
 def test_file_size_limit_is_one_line_and_leaves_nothing(tmp_path):
@@ -202,33 +200,67 @@ def test_file_size_limit_is_one_line_and_leaves_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["in.parquet", "m.json"]
 
 
-def test_unwritable_folder_is_one_line(tmp_path):
-    base = tempfile.mkdtemp()  # not under pytest's private tmp, so that another user can read the input
+@contextlib.contextmanager
+def small_filesystem(folder, *, size: str, read_only: bool = False):
+    """A tmpfs of ``size`` mounted on ``folder`` (root only; skips where mounting is not allowed)."""
+    os.makedirs(folder, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount (a small or read-only tmpfs)")
     try:
-        os.chmod(base, 0o755)
-        write_input(os.path.join(base, "in.parquet"), [CHAT] * 5)
-        MARKERS.to_json(os.path.join(base, "m.json"))
-        locked = os.path.join(base, "locked")
-        os.mkdir(locked, 0o755)
-        if os.geteuid() == 0:  # root writes anywhere: run the job as nobody, where nobody can run this Python
-            user = "nobody"
-            try:
-                subprocess.run([sys.executable, "-c", ""], user=user, capture_output=True, check=True)
-            except (OSError, subprocess.CalledProcessError):
-                pytest.skip("running as root, and user nobody cannot run this Python")
-        else:
-            os.chmod(locked, 0o555)
-            user = None
-        done = _subprocess_mask([os.path.join(base, "in.parquet"), os.path.join(locked, "out.parquet"), "--markers",
-                                 os.path.join(base, "m.json")], user=user, cwd=base)
-        assert done.returncode == 1, done.stderr
-        assert done.stderr == f"lossmask mask: error: {locked}/out.parquet: the folder {locked} is not writable\n"
-        assert os.listdir(locked) == []
+        yield folder
     finally:
-        os.chmod(base, 0o755)
-        import shutil
+        subprocess.run(["umount", str(folder)], capture_output=True)
 
-        shutil.rmtree(base, ignore_errors=True)
+
+def test_unwritable_folder_is_one_line(tmp_path):
+    write_input(tmp_path / "in.parquet", [CHAT] * 5)
+    MARKERS.to_json(tmp_path / "m.json")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if os.geteuid() == 0:  # root writes anywhere, except on a read-only filesystem
+        context = small_filesystem(locked, size="1m", read_only=True)
+    else:
+        os.chmod(locked, 0o555)
+        context = contextlib.nullcontext()
+    with context:
+        code, _, err = run_cli(tmp_path / "in.parquet", locked / "out.parquet", "--markers", tmp_path / "m.json")
+        assert code == 1 and err == f"lossmask mask: error: {locked}/out.parquet: the folder {locked} is not writable\n"
+        assert os.listdir(locked) == []
+    os.chmod(locked, 0o755)
+
+
+def test_disk_full_is_one_line_and_leaves_nothing(tmp_path):
+    write_input(tmp_path / "in.parquet", random_rows(20_000, seed=5))
+    MARKERS.to_json(tmp_path / "m.json")
+    with small_filesystem(tmp_path / "small", size="64k"):
+        code, _, err = run_cli(tmp_path / "in.parquet", tmp_path / "small" / "out.parquet", "--markers",
+                               tmp_path / "m.json", "--max-drop-fraction", "1", "--batch-size", "1000",
+                               "--report", tmp_path / "small" / "r.json")
+        assert code == 1 and err.count("\n") == 1, err
+        assert err.startswith(f"lossmask mask: error: {tmp_path / 'small' / 'out.parquet'}: cannot write (")
+        assert "No space left on device" in err
+        assert os.listdir(tmp_path / "small") == []
+
+
+def test_a_terminated_job_leaves_no_partial(tmp_path):
+    write_input(tmp_path / "in.parquet", random_rows(100_000, seed=6))
+    MARKERS.to_json(tmp_path / "m.json")
+    job = subprocess.Popen([sys.executable, "-m", "lossmask", "mask", str(tmp_path / "in.parquet"),
+                            str(tmp_path / "out.parquet"), "--markers", str(tmp_path / "m.json"), "--batch-size", "500",
+                            "--max-drop-fraction", "1", "--no-progress"], stderr=subprocess.PIPE, text=True)
+    import time
+
+    deadline = time.monotonic() + 60
+    while not partials(tmp_path) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if job.poll() is not None:
+        pytest.skip("the job finished before it could be stopped")
+    job.terminate()  # SIGTERM, as a scheduler or `kill` sends it
+    job.wait(timeout=60)
+    assert job.returncode != 0
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet", "m.json"]
 
 
 def test_stale_partials_of_gone_processes_are_removed_and_said(tmp_path):
