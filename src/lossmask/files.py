@@ -102,11 +102,15 @@ class InputFiles:
         return unread[0] if last in within and unread else last
 
     def _json_batches(self, batch_size: int):
-        for path in self.paths:
-            for table, first_line in read_json_lines(path, self.schema, batch_size):
-                for batch in table.to_batches():
-                    yield batch, path, first_line, "line"
-                    first_line += batch.num_rows
+        def blocks():
+            for path in self.paths:
+                for table, first_line in read_json_lines(path, self.schema, batch_size):
+                    yield table, path, first_line
+
+        for table, path, first_line in _read_ahead(blocks()):
+            for batch in table.to_batches():
+                yield batch, path, first_line, "line"
+                first_line += batch.num_rows
 
     def count_rows(self) -> int | None:
         """Rows in the input when it is cheap to know (Parquet metadata); None otherwise."""
@@ -139,6 +143,50 @@ class InputFiles:
             return match.group(0) if where is None else f"{match.group(0)} ({where})"
 
         return _ROW.sub(named, text, count=count)
+
+
+def _read_ahead(items: Iterator, depth: int = 1) -> Iterator:
+    """``items`` produced on a thread, ``depth`` ahead of the consumer (Arrow's JSON parsing releases the GIL,
+    so the next block is read while this one is labelled, as ``pyarrow.dataset``'s readahead does)."""
+    import queue
+    import threading
+
+    done = object()
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        ready.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ready.put((done, None))
+        except BaseException as exc:  # raised in the consumer
+            ready.put((done, exc))
+
+    thread = threading.Thread(target=produce, name="lossmask-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                ready.get(timeout=0.1)
+            except queue.Empty:
+                pass
 
 
 _ROW = re.compile(r"\brow (\d+)\b(?! \()")
