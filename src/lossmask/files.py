@@ -446,7 +446,7 @@ def _parse_line(path: str, line: int, raw: bytes) -> dict:
         raise ValueError(f"{path}, line {line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the "
                          "line); re-encode the file as UTF-8") from None
     try:
-        value = json.loads(text)
+        value = json.loads(text.rstrip("\r\n"))
     except ValueError as exc:
         reason = getattr(exc, "msg", str(exc))
         column = getattr(exc, "colno", None)
