@@ -468,3 +468,22 @@ def test_every_run_adds_up_or_fails_cleanly(job):
                      for root, _, names in os.walk(source if os.path.isdir(source) else base) for name in names
                      if name not in ("m.json",)}
             assert {k: v for k, v in before.items() if k in after} == {k: after[k] for k in before if k in after}
+
+
+def test_json_lines_with_a_byte_order_mark_and_crlf_line_ends(tmp_path):
+    (tmp_path / "in.jsonl").write_bytes(b'\xef\xbb\xbf{"input_ids": [1, 2, 9, 4]}\r\n\r\n{"input_ids": [1, 2, 8, 4]}\r\n')
+    report = mask_files(tmp_path / "in.jsonl", tmp_path / "out.parquet", markers=MARKERS)
+    assert report.rows_out == 2
+    assert pq.read_table(tmp_path / "out.parquet").column("labels").to_pylist() == [[-100, -100, 9, 4], [-100, -100, 8, 4]]
+
+
+def test_message_structs_that_differ_across_files_are_united(deepseek, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    pq.write_table(pa.table({"messages": [chat]}), folder / "a.parquet")
+    pq.write_table(pa.table({"messages": [[{**chat[0], "name": "bob"}, chat[1]]]}), folder / "b.parquet")
+    report = mask_files(folder, tmp_path / "out.parquet", tokenizer=deepseek)
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert report.rows_out == 2 and out.column("messages").to_pylist()[1][0]["name"] == "bob"
+    assert out.column("messages").to_pylist()[0][0]["name"] is None

@@ -441,7 +441,7 @@ def _json_column(path: str, first: int, field: pa.Field, values: list) -> pa.Arr
 
 def _parse_line(path: str, line: int, raw: bytes) -> dict:
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig" if line == 1 else "utf-8")  # a byte order mark may open the file
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}, line {line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the "
                          "line); re-encode the file as UTF-8") from None
