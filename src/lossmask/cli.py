@@ -16,6 +16,8 @@ def _mask(args: argparse.Namespace) -> int:
     from .options import MaskOptions
     from .stream import mask_files, preview_rows
 
+    _fail_cleanly_on_signals()
+
     try:
         options = MaskOptions.resolve(
             input_ids_column=args.input_ids_column, messages_column=args.messages_column,
@@ -30,7 +32,7 @@ def _mask(args: argparse.Namespace) -> int:
             options=options, compression=args.compression, num_proc=args.num_proc,
             progress=False if args.no_progress else None, report=args.report,
         )
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+    except (ValueError, TypeError, OSError, ImportError) as exc:  # OSError: one line naming the path and the cause
         print(f"lossmask mask: error: {exc}", file=sys.stderr)
         return 1
     print(report.summary())
@@ -44,6 +46,23 @@ def _mask(args: argparse.Namespace) -> int:
         print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
                            labels_column=args.labels_column, colour=colour))
     return 0
+
+
+def _fail_cleanly_on_signals() -> None:
+    """SIGTERM ends the job like Ctrl-C (its partial files are removed); beyond the file size limit a write fails
+    with an error (EFBIG) instead of SIGXFSZ killing the process with its partial files in place."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 def _add_mask_command(commands) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .batches import TokenRows, labels_to_arrow, rows_from_arrow
+from .batches import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
 from .encode import encode_table
 from .labels import label_batch
 from .markers import Markers
@@ -137,6 +137,12 @@ def mask_batch(
     if kind == "input_ids":
         input_ids = table.column(options.input_ids_column)
         prompt_lengths = None
+        size = vocabulary_size(tokenizer)
+        if size is not None:
+            try:
+                check_vocabulary(input_ids, size, first_row=first_row)
+            except ValueError as exc:
+                raise ValueError(f"{source}: column {options.input_ids_column!r}: {exc}") from None
     else:
         if tokenizer is None and encoded is None:
             raise ValueError(
@@ -163,7 +169,10 @@ def mask_batch(
     if prompt_lengths is not None:
         labels, trained, outcomes, counts = _label_by_position(input_ids, prompt_lengths, options)
     elif markers is None:
-        labels, trained, outcomes, counts = _label_everything(input_ids, options)
+        try:
+            labels, trained, outcomes, counts = _label_everything(input_ids, options)
+        except ValueError as exc:
+            raise ValueError(f"{source}: column {options.input_ids_column!r}: {_renumber(str(exc), first_row, keep_valid)}") from None
     else:
         engine_started = time.perf_counter()
         try:
@@ -212,6 +221,16 @@ def _renumber(message: str, first_row: int, valid: np.ndarray | None) -> str:
     return _ROW.sub(absolute, message, count=1)
 
 
+def vocabulary_size(tokenizer: Any) -> int | None:
+    """How many token ids a tokenizer (or ``ChatTokenizer``) has, added tokens included; None when unknown."""
+    if tokenizer is None:
+        return None
+    try:
+        return len(getattr(tokenizer, "tokenizer", tokenizer))
+    except TypeError:
+        return None
+
+
 def _with_values(arr: pa.Array, rows: TokenRows, values: np.ndarray) -> pa.Array:
     """A list array shaped like ``arr`` holding ``values``, one per value of ``rows`` (from ``rows_from_arrow``)."""
     values = np.ascontiguousarray(values)
@@ -221,6 +240,7 @@ def _with_values(arr: pa.Array, rows: TokenRows, values: np.ndarray) -> pa.Array
 def _label_everything(input_ids: pa.Array, options: MaskOptions):
     """No markers (the policy decided not to mask): every token trains."""
     rows = rows_from_arrow(input_ids)
+    check_label_range(rows, np.dtype(options.label_dtype))
     lengths = rows.lengths
     values = rows.values.astype(options.label_dtype)  # a null row stays null (its validity is kept)
     outcomes = np.where(lengths > 0, Outcome.TRAINED, Outcome.EMPTY).astype(np.int8)
