@@ -7,11 +7,12 @@ the number of patterns, and the state tells which patterns end at that token.
 The labels need more than matches at their ends: a response or instruction match closes at its
 *start* and a mask_out match covers the tokens *before* its end. So labels are written with a lag.
 A small ring of per-position events (open / close / masked) holds the positions not yet written;
-after token ``i`` has moved the automaton to a state of depth ``d`` (the longest pattern prefix the
-row now ends with), no match can still start at or before ``i - d``, so those positions are final
-and are written, in order, keeping SPEC.md's "latest open / latest close at or before ``i``" as two
-integers. At depth 0 nothing is pending, and a token whose class is *quiet* (it starts no pattern)
-leaves the automaton there: the common case. From such a place, the labels up to the next token
+after token ``i`` has moved the automaton to a state whose ``pending`` is ``d`` (the longest suffix of
+the row so far that a match may still grow from), no match can still start at or before ``i - d``,
+so those positions are final and are written, in order, keeping SPEC.md's "latest open / latest
+close at or before ``i``" as two integers. At ``d == 0`` nothing is pending and the automaton is back
+in its start state, where a token whose class is *quiet* (it starts no pattern) leaves it: the
+common case. From such a place, the labels up to the next token
 that is not quiet are all the same decision, written by a tight loop that only classifies tokens.
 """
 
@@ -53,28 +54,31 @@ def _big_class(v, big_ids, big_classes):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _class_of(v, classes, n_table, big_ids, big_classes):
-    """Token class of id ``v``: 0 for ids in no pattern (negative ids included)."""
-    if np.uint64(v) < n_table:
-        return np.int64(classes[v])
-    if big_ids.shape[0] != 0:
+def _class_of(v, classes, last, big, big_ids, big_classes):
+    """Token class of id ``v``: 0 for ids in no pattern (negative ids included).
+
+    Every id at or past the table's last slot reads that slot (a clamp, no branch): 0, or ``big``
+    when some pattern ids lie beyond the table, which sends them to the binary search.
+    """
+    c = np.int64(classes[min(np.uint64(v), last)])
+    if c == big:
         return _big_class(v, big_ids, big_classes)
-    return np.int64(0)
+    return c
 
 
 @njit(cache=True, nogil=True)
 def _last_open(values, lo, hi, auto):
     """max(OPEN) for the row, scanning back from its end with the reversed-response automaton; -1 if none."""
-    (n_quiet, n_classes, max_response_length, classes, big_ids, big_classes, goto, depth, outputs,
+    (n_quiet, n_classes, max_response_length, classes, big_ids, big_classes, goto, pending, outputs,
      close_offsets, close_lengths, mask_length, back_goto, back_quiet, back_open_length) = auto
-    n_table = np.uint64(classes.shape[0])
+    last = np.uint64(classes.shape[0] - 1)
     best = -1
     state = 0
     i = hi - 1
     while i >= lo:
         if best >= 0 and i + max_response_length <= best:  # no match starting at or before i can beat it
             break
-        c = _class_of(values[i], classes, n_table, big_ids, big_classes)
+        c = _class_of(values[i], classes, last, n_classes, big_ids, big_classes)
         if state == 0 and back_quiet[c]:
             i -= 1
             continue
@@ -95,10 +99,9 @@ def _label_row(values, lo, hi, auto, ring, last_turn_only, ignore_index, out, wr
     """
     if hi <= lo:
         return 0, _EMPTY, -1
-    (n_quiet, n_classes, max_response_length, classes, big_ids, big_classes, goto, depth, outputs,
+    (n_quiet, n_classes, max_response_length, classes, big_ids, big_classes, goto, pending, outputs,
      close_offsets, close_lengths, mask_length, back_goto, back_quiet, back_open_length) = auto
-    n_table = np.uint64(classes.shape[0])  # unsigned: a negative id compares as huge and is class 0
-    n_big = big_ids.shape[0]
+    last = np.uint64(classes.shape[0] - 1)  # unsigned: a negative id compares as huge and reads the last slot
     ring_mask = ring.shape[0] - 1
     only_open = _last_open(values, lo, hi, auto) if last_turn_only else -2
     trained_value = 1 if write_mask else 0
@@ -113,7 +116,7 @@ def _label_row(values, lo, hi, auto, ring, last_turn_only, ignore_index, out, wr
     i = lo
     while i < hi:
         v = values[i]
-        c = _class_of(v, classes, n_table, big_ids, big_classes)
+        c = _class_of(v, classes, last, n_classes, big_ids, big_classes)
         if state == 0 and c < n_quiet:
             # Nothing pending (p == i), and nothing starts here: one decision up to the next token
             # that is not quiet. Only a match that ended at i-1 can put events on i.
@@ -132,10 +135,7 @@ def _label_row(values, lo, hi, auto, ring, last_turn_only, ignore_index, out, wr
                 out[i] = v
                 while j < hi:
                     w = values[j]
-                    if np.uint64(w) < n_table:
-                        if classes[w] >= n_quiet:
-                            break
-                    elif n_big != 0 and _big_class(w, big_ids, big_classes) >= n_quiet:
+                    if classes[min(np.uint64(w), last)] >= n_quiet:  # the BIG class too
                         break
                     out[j] = w
                     sign |= w
@@ -145,10 +145,7 @@ def _label_row(values, lo, hi, auto, ring, last_turn_only, ignore_index, out, wr
                 out[i] = fill
                 while j < hi:
                     w = values[j]
-                    if np.uint64(w) < n_table:
-                        if classes[w] >= n_quiet:
-                            break
-                    elif n_big != 0 and _big_class(w, big_ids, big_classes) >= n_quiet:
+                    if classes[min(np.uint64(w), last)] >= n_quiet:  # the BIG class too
                         break
                     out[j] = fill
                     sign |= w
@@ -175,7 +172,8 @@ def _label_row(values, lo, hi, auto, ring, last_turn_only, ignore_index, out, wr
                 for q in range(i + 1 - mask_length[state], i + 1):
                     ring[q & ring_mask] |= _EV_MASKED
         # Write the positions that no match can reach any more.
-        final = i - depth[state]
+        held = pending[state]
+        final = i - held
         while p <= final:
             slot = p & ring_mask
             event = ring[slot]
@@ -192,6 +190,8 @@ def _label_row(values, lo, hi, auto, ring, last_turn_only, ignore_index, out, wr
             else:
                 out[p] = untrained_value
             p += 1
+        if held == 0:  # nothing the row ends with can grow into a match: back to the start state
+            state = 0
         i += 1
     while p < hi:  # the row's end settles whatever was pending
         slot = p & ring_mask
@@ -259,11 +259,16 @@ def _label_rows_serial(values, starts, ends, auto, ring_size, last_turn_only, ig
 PARALLEL_MIN_TOKENS = 1 << 18
 
 
-def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
-    """Backend entry point (see ``lossmask.kernels``)."""
+def automaton_args(markers: Markers) -> tuple[tuple, int]:
+    """``(auto, ring_size)``: the automaton as the drivers take it, and the size of the event ring."""
     a = markers.compiled().automaton
     auto = (a.n_quiet, a.n_classes, a.max_response_length) + a.kernel_args()
-    ring_size = 1 << (a.max_length + 1).bit_length()  # a power of two >= max_length + 2
+    return auto, 1 << (a.max_length + 1).bit_length()  # a power of two >= max_length + 2
+
+
+def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
+    """Backend entry point (see ``lossmask.kernels``)."""
+    auto, ring_size = automaton_args(markers)
     kernel = _label_rows_parallel if values.shape[0] >= PARALLEL_MIN_TOKENS else _label_rows_serial
     return kernel(
         values, starts, ends, auto, ring_size,

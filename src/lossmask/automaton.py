@@ -19,8 +19,10 @@ response: open at ``e+1`` and close at ``e+1-L``; instruction: close at ``e+1-L`
 ``e+1``; mask_out: covers ``[e+1-L, e]``. Per state, all matches that end there are summarised: the
 ``OPEN_NEXT`` / ``CLOSE_NEXT`` bits, the lengths ``L`` of the closes at a start (``close_lengths``),
 and the longest mask_out match (``mask_length``: the covers all end at ``e``, so the longest holds
-the others). ``depth[state]`` is the length of the longest pattern prefix the scan is inside of: no
-match can still start at or before ``e - depth``, so the labels up to there are final.
+the others). ``pending[state]`` is the length of the longest suffix of the text read so far that a
+pattern may still grow from (a proper prefix of some pattern): no match can still start at or before
+``e - pending``, so the labels up to there are final; where it is 0 the scan restarts from the start
+state (no suffix matters any more: its transitions are the start state's).
 
 **Backwards.** ``last_turn_only`` needs ``max(OPEN)`` before the forward scan; a second automaton
 over the reversed response patterns finds it scanning back from the row's end.
@@ -57,7 +59,7 @@ class Automaton:
     n_quiet: int  # classes below this leave the start state unchanged and fire nothing
     n_classes: int
     goto: np.ndarray  # int32 [n_states * n_classes]: next state = goto[state * n_classes + cls]
-    depth: np.ndarray  # int32 [n_states]
+    pending: np.ndarray  # int32 [n_states]: longest suffix of the state that a pattern may still extend
     outputs: np.ndarray  # uint8 [n_states]: OPEN_NEXT | CLOSE_NEXT | CLOSE_AT_START | MASK
     close_offsets: np.ndarray  # int32 [n_states + 1]: close_lengths[close_offsets[s]:close_offsets[s+1]]
     close_lengths: np.ndarray  # int32
@@ -71,7 +73,7 @@ class Automaton:
     def kernel_args(self) -> tuple:
         """The arrays in the order ``kernels/numba_kernel.py`` unpacks them."""
         return (
-            self.classes, self.big_ids, self.big_classes, self.goto, self.depth, self.outputs,
+            self.classes, self.big_ids, self.big_classes, self.goto, self.pending, self.outputs,
             self.close_offsets, self.close_lengths, self.mask_length,
             self.back_goto, self.back_quiet, self.back_open_length,
         )
@@ -79,9 +81,9 @@ class Automaton:
     def class_of(self, ids: np.ndarray) -> np.ndarray:
         """Classes of an array of ids (vectorised; the kernels do the same per token)."""
         ids = np.asarray(ids, dtype=np.int64)
-        out = np.zeros(ids.shape, dtype=np.int64)
-        dense = (ids >= 0) & (ids < self.classes.shape[0])
-        out[dense] = self.classes[ids[dense]]
+        last = self.classes.shape[0] - 1
+        out = self.classes[np.where(ids < 0, last, np.minimum(ids, last))].astype(np.int64)
+        out[out == self.n_classes] = 0
         big = ids >= DENSE_IDS
         if big.any() and self.big_ids.size:
             at = np.searchsorted(self.big_ids, ids[big].astype(np.uint64))
@@ -101,19 +103,31 @@ class Automaton:
         ordered = np.concatenate([quiet_ids, first])
         n_classes = 1 + ordered.size
         n_quiet = 1 + quiet_ids.size
-        class_dtype = np.uint8 if n_classes <= 1 << 8 else np.uint16 if n_classes <= 1 << 16 else np.uint32
+        # One spare class value: BIG marks "look in big_ids" in the table's last slot.
+        class_dtype = np.uint8 if n_classes < 1 << 8 else np.uint16 if n_classes < 1 << 16 else np.uint32
         small = ordered < DENSE_IDS
-        table = np.zeros(int(ordered[small].max()) + 1 if small.any() else 0, dtype=class_dtype)
+        # The table ends one past the largest small pattern id: kernels clamp every id to that last slot
+        # (branch-free), which holds 0, or the BIG class when some pattern id is beyond the table.
+        table = np.zeros(int(ordered[small].max()) + 2 if small.any() else 1, dtype=class_dtype)
         table[ordered[small]] = np.arange(1, n_classes, dtype=np.int64)[small]
         big_order = np.argsort(ordered[~small])
         big_ids = ordered[~small][big_order].astype(np.uint64)
         big_classes = np.arange(1, n_classes, dtype=np.int64)[~small][big_order].astype(class_dtype)
+        if big_ids.size:
+            table[-1] = n_classes  # the BIG class: not a column of goto; kernels resolve it first
 
         class_index = {int(t): k + 1 for k, t in enumerate(ordered)}
         coded = [(kind, [class_index[int(t)] for t in p]) for kind, p in patterns]
         goto, depth, order, fail, terminal = _trie_automaton([p for _, p in coded], n_classes)
-
         n_states = depth.shape[0]
+        # pending: the depth of the longest suffix state (itself included) that is a proper prefix of some
+        # pattern, i.e. that a match may still grow from; 0 where none (the scan may restart from the root).
+        inner = np.zeros(n_states, dtype=bool)
+        inner[_parents(goto, depth, n_classes)] = True
+        pending = np.where(inner, depth, 0).astype(np.int32)
+        for state in order[1:]:
+            if not inner[state]:
+                pending[state] = pending[fail[state]]
         outputs = np.zeros(n_states, dtype=np.uint8)
         mask_length = np.zeros(n_states, dtype=np.int32)
         closes: list[set[int]] = [set() for _ in range(n_states)]
@@ -149,12 +163,20 @@ class Automaton:
 
         return cls(
             classes=table, big_ids=big_ids, big_classes=big_classes, n_quiet=n_quiet, n_classes=n_classes,
-            goto=goto, depth=depth, outputs=outputs, close_offsets=close_offsets, close_lengths=close_lengths,
+            goto=goto, pending=pending, outputs=outputs, close_offsets=close_offsets, close_lengths=close_lengths,
             mask_length=mask_length, back_goto=back_goto, back_quiet=back_quiet,
             back_open_length=back_open_length,
             max_length=max(len(p) for _, p in coded),
             max_response_length=max(len(p) for p in responses),
         )
+
+
+def _parents(goto: np.ndarray, depth: np.ndarray, n_classes: int) -> np.ndarray:
+    """States that have a child in the trie: the targets one deeper than their source."""
+    n_states = depth.shape[0]
+    table = goto.reshape(n_states, n_classes)
+    source, _ = np.nonzero(depth[table] == depth[:, None] + 1)
+    return np.unique(source)
 
 
 def _trie_automaton(patterns: list[list[int]], n_classes: int):
