@@ -12,8 +12,11 @@ the row so far that a match may still grow from), no match can still start at or
 so those positions are final and are written, in order, keeping SPEC.md's "latest open / latest
 close at or before ``i``" as two integers. At ``d == 0`` nothing is pending and the automaton is back
 in its start state, where a token whose class is *quiet* (it starts no pattern) leaves it: the
-common case. From such a place, the labels up to the next token
-that is not quiet are all the same decision, written by a tight loop that only classifies tokens.
+common case. A token that does begin some pattern but not with the token after it (``<|im_start|>``
+before ``user``, or ``\n`` before a word; ``Automaton.pair``) is stepped over too: from the start
+state the automaton would be back there one token later, having fired nothing. From such a place,
+the labels up to the next token that may begin a match are all one decision, written by a tight loop
+that only classifies tokens.
 """
 
 from __future__ import annotations
@@ -53,128 +56,151 @@ def _big_class(v, big_ids, big_classes):
     return np.int64(0)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _class_of(v, classes, last, big, big_ids, big_classes):
-    """Token class of id ``v``: 0 for ids in no pattern (negative ids included).
-
-    Every id at or past the table's last slot reads that slot (a clamp, no branch): 0, or ``big``
-    when some pattern ids lie beyond the table, which sends them to the binary search.
-    """
-    c = np.int64(classes[min(np.uint64(v), last)])
-    if c == big:
-        return _big_class(v, big_ids, big_classes)
-    return c
+# The class of a token id, written out wherever it is needed (never as a call: see _label_block):
+# ``classes[min(uint64(v), last)]``: every id at or past the table's last slot (negative ids too,
+# as unsigned) reads that slot, branch-free. It holds 0, or the BIG class ``n_classes`` when some
+# pattern ids lie beyond the table; those go to ``_big_class``.
 
 
 @njit(cache=True, nogil=True)
-def _last_open(values, lo, hi, auto):
-    """max(OPEN) for the row, scanning back from its end with the reversed-response automaton; -1 if none."""
-    (n_quiet, n_classes, max_response_length, classes, big_ids, big_classes, goto, pending, outputs,
-     close_offsets, close_lengths, mask_length, back_goto, back_quiet, back_open_length) = auto
-    last = np.uint64(classes.shape[0] - 1)
-    best = -1
-    state = 0
-    i = hi - 1
-    while i >= lo:
-        if best >= 0 and i + max_response_length <= best:  # no match starting at or before i can beat it
-            break
-        c = _class_of(values[i], classes, last, n_classes, big_ids, big_classes)
-        if state == 0 and back_quiet[c]:
-            i -= 1
-            continue
-        state = back_goto[state * n_classes + c]
-        length = back_open_length[state]  # longest response pattern starting at i
-        if length != 0 and i + length > best:
-            best = i + length
-        i -= 1
-    return best
+def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_only, ignore_index, out, write_mask,
+                 trained_tokens, outcomes, first_bad):
+    """Label rows ``[r_lo, r_hi)`` in place, with their trained tokens, outcome codes and first negative index.
 
-
-@njit(cache=True, nogil=True)
-def _label_row(values, lo, hi, auto, ring, last_turn_only, ignore_index, out, write_mask):
-    """Label one row in place; return (trained tokens, outcome code, first negative index or -1).
-
-    ``ring`` (a power of two, at least the longest pattern + 2 long, all zero) holds the events of
-    positions not yet written; it is left all zero for the next row.
+    One function body for the whole block (no call per row: numba keeps reference counts on the
+    arrays handed to a call, which costs more than a short row). ``ring`` (a power of two, at least
+    the longest pattern + 2 long) holds the events of positions not yet written; every row leaves it
+    all zero for the next.
     """
-    if hi <= lo:
-        return 0, _EMPTY, -1
     (n_quiet, n_classes, max_response_length, classes, big_ids, big_classes, goto, pending, outputs,
-     close_offsets, close_lengths, mask_length, back_goto, back_quiet, back_open_length) = auto
+     close_offsets, close_lengths, mask_length, pair, back_goto, back_quiet, back_open_length) = auto
     last = np.uint64(classes.shape[0] - 1)  # unsigned: a negative id compares as huge and reads the last slot
-    ring_mask = ring.shape[0] - 1
-    only_open = _last_open(values, lo, hi, auto) if last_turn_only else -2
-    trained_value = 1 if write_mask else 0
-    untrained_value = 0 if write_mask else ignore_index
-    last_open = -1
-    last_close = -1
-    saw_response = False
-    n_trained = 0
-    sign = values[lo] & 0  # OR of every token: negative iff one of them is
-    state = 0
-    p = lo  # the first position whose label is not written yet
-    i = lo
-    while i < hi:
-        v = values[i]
-        c = _class_of(v, classes, last, n_classes, big_ids, big_classes)
-        if state == 0 and c < n_quiet:
-            # Nothing pending (p == i), and nothing starts here: one decision up to the next token
-            # that is not quiet. Only a match that ended at i-1 can put events on i.
-            slot = i & ring_mask
-            event = ring[slot]
-            if event != 0:
+    width = n_classes + 1
+    ring = np.zeros(ring_size, np.uint8)
+    ring_mask = ring_size - 1
+    for r in range(r_lo, r_hi):
+        lo, hi = starts[r], ends[r]
+        if hi <= lo:
+            trained_tokens[r] = 0
+            outcomes[r] = _EMPTY
+            first_bad[r] = -1
+            continue
+        only_open = -2
+        if last_turn_only:  # max(OPEN): scan back from the row's end with the reversed-response automaton
+            only_open = -1
+            state = 0
+            i = hi - 1
+            while i >= lo and not (only_open >= 0 and i + max_response_length <= only_open):
+                # (once found, no match starting at or before i can open later)
+                c = np.int64(classes[min(np.uint64(values[i]), last)])
+                if c == n_classes:
+                    c = _big_class(values[i], big_ids, big_classes)
+                if state != 0 or back_quiet[c] == 0:
+                    state = back_goto[state * n_classes + c]
+                    length = back_open_length[state]  # the longest response pattern starting at i
+                    if length != 0 and i + length > only_open:
+                        only_open = i + length
+                i -= 1
+        trained_value = 1 if write_mask else 0
+        untrained_value = 0 if write_mask else ignore_index
+        last_open = -1
+        last_close = -1
+        saw_response = False
+        n_trained = 0
+        sign = values[lo] & 0  # OR of every token: negative iff one of them is
+        state = 0
+        p = lo  # the first position whose label is not written yet
+        i = lo
+        while i < hi:
+            v = values[i]
+            # _class_of written out: numba keeps a reference count on every array handed to a call,
+            # even an inlined one, and that costs more than the lookup on this path.
+            c = np.int64(classes[min(np.uint64(v), last)])
+            if c == n_classes:
+                c = _big_class(v, big_ids, big_classes)
+            if state == 0 and c < n_quiet:
+                # Nothing pending (p == i), and nothing starts here: one decision up to the next token
+                # that is not quiet. Only a match that ended at i-1 can put events on i.
+                slot = i & ring_mask
+                event = ring[slot]
+                if event != 0:
+                    ring[slot] = 0
+                    if event & _EV_OPEN:
+                        last_open = i
+                    if event & _EV_CLOSE:
+                        last_close = i
+                trained = last_open > last_close and (not last_turn_only or last_open == only_open)
+                sign |= v
+                j = i + 1
+                if trained and not write_mask:
+                    out[i] = v
+                    while j < hi:
+                        w = values[j]
+                        a = np.int64(classes[min(np.uint64(w), last)])
+                        if a >= n_quiet:  # begins some pattern: does it begin one here? (Automaton.pair)
+                            b = np.int64(classes[min(np.uint64(values[j + 1]), last)]) if j + 1 < hi else np.int64(0)
+                            if pair[a * width + b] != 0:
+                                break
+                        out[j] = w
+                        sign |= w
+                        j += 1
+                else:
+                    fill = trained_value if trained else untrained_value
+                    out[i] = fill
+                    while j < hi:
+                        w = values[j]
+                        a = np.int64(classes[min(np.uint64(w), last)])
+                        if a >= n_quiet:  # begins some pattern: does it begin one here? (Automaton.pair)
+                            b = np.int64(classes[min(np.uint64(values[j + 1]), last)]) if j + 1 < hi else np.int64(0)
+                            if pair[a * width + b] != 0:
+                                break
+                        out[j] = fill
+                        sign |= w
+                        j += 1
+                if trained:
+                    n_trained += j - i
+                i = j
+                p = j
+                continue
+            # One automaton step; record the events of every match that ends at i.
+            sign |= v
+            state = goto[state * n_classes + c]
+            bits = outputs[state]
+            if bits != 0:
+                if bits & OPEN_NEXT:
+                    ring[(i + 1) & ring_mask] |= _EV_OPEN
+                    saw_response = True
+                if bits & CLOSE_NEXT:
+                    ring[(i + 1) & ring_mask] |= _EV_CLOSE
+                if bits & CLOSE_AT_START:
+                    for k in range(close_offsets[state], close_offsets[state + 1]):
+                        ring[(i + 1 - close_lengths[k]) & ring_mask] |= _EV_CLOSE
+                if bits & MASK:
+                    for q in range(i + 1 - mask_length[state], i + 1):
+                        ring[q & ring_mask] |= _EV_MASKED
+            # Write the positions that no match can reach any more.
+            held = pending[state]
+            final = i - held
+            while p <= final:
+                slot = p & ring_mask
+                event = ring[slot]
                 ring[slot] = 0
                 if event & _EV_OPEN:
-                    last_open = i
+                    last_open = p
                 if event & _EV_CLOSE:
-                    last_close = i
-            trained = last_open > last_close and (not last_turn_only or last_open == only_open)
-            sign |= v
-            j = i + 1
-            if trained and not write_mask:
-                out[i] = v
-                while j < hi:
-                    w = values[j]
-                    if classes[min(np.uint64(w), last)] >= n_quiet:  # the BIG class too
-                        break
-                    out[j] = w
-                    sign |= w
-                    j += 1
-            else:
-                fill = trained_value if trained else untrained_value
-                out[i] = fill
-                while j < hi:
-                    w = values[j]
-                    if classes[min(np.uint64(w), last)] >= n_quiet:  # the BIG class too
-                        break
-                    out[j] = fill
-                    sign |= w
-                    j += 1
-            if trained:
-                n_trained += j - i
-            i = j
-            p = j
-            continue
-        # One automaton step; record the events of every match that ends at i.
-        sign |= v
-        state = goto[state * n_classes + c]
-        bits = outputs[state]
-        if bits != 0:
-            if bits & OPEN_NEXT:
-                ring[(i + 1) & ring_mask] |= _EV_OPEN
-                saw_response = True
-            if bits & CLOSE_NEXT:
-                ring[(i + 1) & ring_mask] |= _EV_CLOSE
-            if bits & CLOSE_AT_START:
-                for k in range(close_offsets[state], close_offsets[state + 1]):
-                    ring[(i + 1 - close_lengths[k]) & ring_mask] |= _EV_CLOSE
-            if bits & MASK:
-                for q in range(i + 1 - mask_length[state], i + 1):
-                    ring[q & ring_mask] |= _EV_MASKED
-        # Write the positions that no match can reach any more.
-        held = pending[state]
-        final = i - held
-        while p <= final:
+                    last_close = p
+                trained = last_open > last_close and not (event & _EV_MASKED)
+                trained = trained and (not last_turn_only or last_open == only_open)
+                if trained:
+                    out[p] = trained_value if write_mask else values[p]
+                    n_trained += 1
+                else:
+                    out[p] = untrained_value
+                p += 1
+            if held == 0:  # nothing the row ends with can grow into a match: back to the start state
+                state = 0
+            i += 1
+        while p < hi:  # the row's end settles whatever was pending
             slot = p & ring_mask
             event = ring[slot]
             ring[slot] = 0
@@ -190,47 +216,16 @@ def _label_row(values, lo, hi, auto, ring, last_turn_only, ignore_index, out, wr
             else:
                 out[p] = untrained_value
             p += 1
-        if held == 0:  # nothing the row ends with can grow into a match: back to the start state
-            state = 0
-        i += 1
-    while p < hi:  # the row's end settles whatever was pending
-        slot = p & ring_mask
-        event = ring[slot]
-        ring[slot] = 0
-        if event & _EV_OPEN:
-            last_open = p
-        if event & _EV_CLOSE:
-            last_close = p
-        trained = last_open > last_close and not (event & _EV_MASKED)
-        trained = trained and (not last_turn_only or last_open == only_open)
-        if trained:
-            out[p] = trained_value if write_mask else values[p]
-            n_trained += 1
-        else:
-            out[p] = untrained_value
-        p += 1
-    ring[hi & ring_mask] = 0  # events one past the row (a response pattern that ends it)
-    first_bad = -1
-    if sign < 0:  # rare: find the first negative id for the error message
-        for k in range(lo, hi):
-            if values[k] < 0:
-                first_bad = k
-                break
-    if n_trained:
-        return n_trained, _TRAINED, first_bad
-    return 0, (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE), first_bad
-
-
-@njit(cache=True, nogil=True)
-def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_only, ignore_index, out, write_mask,
-                 trained_tokens, outcomes, first_bad):
-    """Rows ``[r_lo, r_hi)``, sharing one event ring."""
-    ring = np.zeros(ring_size, np.uint8)
-    for r in range(r_lo, r_hi):
-        n, code, bad = _label_row(values, starts[r], ends[r], auto, ring, last_turn_only, ignore_index, out, write_mask)
-        trained_tokens[r] = n
-        outcomes[r] = code
-        first_bad[r] = bad
+        ring[hi & ring_mask] = 0  # events one past the row (a response pattern that ends it)
+        bad_at = -1
+        if sign < 0:  # rare: find the first negative id for the error message
+            for k in range(lo, hi):
+                if values[k] < 0:
+                    bad_at = k
+                    break
+        trained_tokens[r] = n_trained
+        outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
+        first_bad[r] = bad_at
 
 
 # Two drivers, one per schedule: waking the thread pool costs more than it saves on small batches

@@ -64,6 +64,7 @@ class Automaton:
     close_offsets: np.ndarray  # int32 [n_states + 1]: close_lengths[close_offsets[s]:close_offsets[s+1]]
     close_lengths: np.ndarray  # int32
     mask_length: np.ndarray  # int32 [n_states]
+    pair: np.ndarray  # uint8 [(n_classes + 1) ** 2]: may a match start at a token of class a followed by b?
     back_goto: np.ndarray  # int32 [n_back_states * n_classes], reversed response patterns
     back_quiet: np.ndarray  # uint8 [n_classes]: 1 where the backward start state stays put
     back_open_length: np.ndarray  # int32 [n_back_states]: longest response pattern starting here, or 0
@@ -74,7 +75,7 @@ class Automaton:
         """The arrays in the order ``kernels/numba_kernel.py`` unpacks them."""
         return (
             self.classes, self.big_ids, self.big_classes, self.goto, self.pending, self.outputs,
-            self.close_offsets, self.close_lengths, self.mask_length,
+            self.close_offsets, self.close_lengths, self.mask_length, self.pair,
             self.back_goto, self.back_quiet, self.back_open_length,
         )
 
@@ -152,6 +153,8 @@ class Automaton:
         np.cumsum([len(c) for c in closes], out=close_offsets[1:])
         close_lengths = np.array([length for c in closes for length in sorted(c)], dtype=np.int32)
 
+        pair = _pair_table(goto, depth, outputs, n_classes, n_quiet)
+
         responses = [p[::-1] for kind, p in coded if kind == response]
         back_goto, _, back_order, back_fail, back_terminal = _trie_automaton(responses, n_classes)
         back_open_length = np.zeros(back_goto.shape[0] // n_classes, dtype=np.int32)
@@ -164,11 +167,34 @@ class Automaton:
         return cls(
             classes=table, big_ids=big_ids, big_classes=big_classes, n_quiet=n_quiet, n_classes=n_classes,
             goto=goto, pending=pending, outputs=outputs, close_offsets=close_offsets, close_lengths=close_lengths,
-            mask_length=mask_length, back_goto=back_goto, back_quiet=back_quiet,
+            mask_length=mask_length, pair=pair, back_goto=back_goto, back_quiet=back_quiet,
             back_open_length=back_open_length,
             max_length=max(len(p) for _, p in coded),
             max_response_length=max(len(p) for p in responses),
         )
+
+
+def _pair_table(goto, depth, outputs, n_classes: int, n_quiet: int) -> np.ndarray:
+    """``pair[a * (n_classes + 1) + b]``: from the start state, can the tokens ``a b`` be where a match starts?
+
+    True when ``a`` alone completes a pattern, or ``a b`` begins one (a depth-2 state); b = 0 (any id in
+    no pattern, or no next token) is true only in the first case. The extra class ``n_classes`` (an id
+    beyond the dense table, resolved later) is true both ways. Rows of quiet classes are never read.
+    So the engine's tight loop steps over a token that begins patterns but not here (``<|im_start|>``
+    before ``user``, ``\n`` before a word), and the automaton sees it only when it matters.
+    """
+    width = n_classes + 1
+    table = goto.reshape(-1, n_classes)
+    pair = np.zeros((width, width), dtype=np.uint8)
+    for a in range(n_quiet, n_classes):
+        state = table[0, a]
+        if outputs[state]:
+            pair[a] = 1
+        else:
+            pair[a, :n_classes] = depth[table[state]] == 2
+            pair[a, n_classes] = 1
+    pair[n_classes] = 1
+    return pair.reshape(-1)
 
 
 def _parents(goto: np.ndarray, depth: np.ndarray, n_classes: int) -> np.ndarray:
