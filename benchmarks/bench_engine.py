@@ -13,8 +13,9 @@ three ChatML patterns on synthetic rows (``conftest.chatml_rows``).
 Detected markers and rendered rows are cached in ``.benchmarks/engine-rows/`` (keyed by the
 tokenizer files and the detection code), so a second run only times.
 
-Run: ``python benchmarks/bench_engine.py --table`` (a Markdown table, about 1 minute once cached),
-or ``make bench`` (pytest-benchmark, one test per family).
+Run: ``python benchmarks/bench_engine.py --table`` (a Markdown table, about 1 minute once cached;
+``--cpu-time`` times one thread by its CPU time, steadier on a loaded machine; name families to run
+only those), or ``make bench`` (pytest-benchmark, one test per family).
 """
 
 from __future__ import annotations
@@ -174,23 +175,22 @@ def thread_counts() -> list[int]:
     return sorted({min(2, numba.config.NUMBA_NUM_THREADS), 1}, reverse=True)
 
 
-def measure(rows: pa.Array, markers: lossmask.Markers) -> dict:
-    """Mtok/s of make_labels per thread count (and last_turn_only at the most), with the copy's, same run."""
+def measure(rows: pa.Array, markers: lossmask.Markers, *, threads: list[int], clock=time.perf_counter) -> dict:
+    """Mtok/s of make_labels per thread count (and last_turn_only at the first), with the copy's, same run."""
     import numba
 
     n = len(rows.values)
     lossmask.make_labels(rows.slice(0, 4), markers)  # compile or load the cache outside the timing
-    copy = copy_baseline_seconds(rows.values.to_numpy(), np.int64)
-    result = {"tokens": n, "patterns": sum(len(getattr(markers, k)) for k in KINDS),
-              "copy": n / copy / 1e6}
-    threads = thread_counts()
+    copy = copy_baseline_seconds(rows.values.to_numpy(), np.int64, clock=clock)
+    result = {"tokens": n, "patterns": sum(len(getattr(markers, k)) for k in KINDS), "copy": n / copy / 1e6}
     try:
         for t in threads:
             numba.set_num_threads(t)
-            result[f"labels_{t}"] = n / best_seconds(lambda: lossmask.make_labels(rows, markers), repeat=REPEAT) / 1e6
+            seconds = best_seconds(lambda: lossmask.make_labels(rows, markers), repeat=REPEAT, clock=clock)
+            result[f"labels_{t}"] = n / seconds / 1e6
         numba.set_num_threads(threads[0])
-        result["last_turn"] = n / best_seconds(
-            lambda: lossmask.make_labels(rows, markers, last_turn_only=True), repeat=REPEAT) / 1e6
+        seconds = best_seconds(lambda: lossmask.make_labels(rows, markers, last_turn_only=True), repeat=REPEAT, clock=clock)
+        result["last_turn"] = n / seconds / 1e6
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     return result
@@ -203,8 +203,9 @@ def uptime() -> str:
         return "load: " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def table(selected: list[str] | None = None) -> str:
-    threads = thread_counts()
+def table(selected: list[str] | None = None, *, cpu_time: bool = False) -> str:
+    threads = [1] if cpu_time else thread_counts()
+    clock = time.thread_time if cpu_time else time.perf_counter
     head = ["family", "patterns", "M tokens", "copy Mtok/s"]
     for t in threads:
         head += [f"{t} thread{'s' * (t > 1)} Mtok/s", "ratio"]
@@ -217,7 +218,7 @@ def table(selected: list[str] | None = None) -> str:
         else:
             markers, offsets, values = family_case(name)
             rows = tiled(offsets, values)
-        r = measure(rows, markers)
+        r = measure(rows, markers, threads=threads, clock=clock)
         cells = [name, str(r["patterns"]), f"{r['tokens'] / 1e6:.1f}", f"{r['copy']:.0f}"]
         for t in threads:
             cells += [f"{r[f'labels_{t}']:.0f}", f"{r[f'labels_{t}'] / r['copy']:.2f}x"]
@@ -230,6 +231,8 @@ def table(selected: list[str] | None = None) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--table", action="store_true", help="print the per-family Markdown table")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread, timed by this thread's CPU time (copy too): steadier on a loaded machine")
     parser.add_argument("families", nargs="*", help="only these families (default: every one present)")
     args = parser.parse_args(argv)
     if not args.table:
@@ -238,9 +241,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"no tokenizers at {TOKENIZERS_DIR} (set LOSSMASK_TOKENIZERS): only the idealised row", file=sys.stderr)
     before = uptime()
     start = time.perf_counter()
-    text = table(args.families or None)
+    text = table(args.families or None, cpu_time=args.cpu_time)
+    clock = "thread CPU time" if args.cpu_time else "wall clock"
     print(f"\n{text}\n\nuptime before: {before}\nuptime after:  {uptime()}\n"
-          f"{time.perf_counter() - start:.0f} s, numba threads {thread_counts()}, np.copyto int32 -> int64 single-threaded")
+          f"{time.perf_counter() - start:.0f} s; {clock}, best of {REPEAT}; np.copyto int32 -> int64 single-threaded")
 
 
 # -- pytest-benchmark ---------------------------------------------------------------------------
@@ -253,14 +257,14 @@ except ImportError:  # standalone use needs no pytest
 if pytest is not None:
     _PARAMS = families() or [pytest.param(None, marks=pytest.mark.skip(reason=f"no tokenizers at {TOKENIZERS_DIR}"))]
 
-    def _report(benchmark, name, n_tokens, baseline_seconds):
+    def _report(benchmark, name, n_tokens, baseline_seconds, dtype_name="int64"):
         seconds = benchmark.stats.stats.min
         ratio = baseline_seconds / seconds
         benchmark.extra_info.update(
             mtok_per_s=n_tokens / seconds / 1e6, copy_mtok_per_s=n_tokens / baseline_seconds / 1e6, ratio_to_copy=ratio
         )
         print(f"\n{name}: {n_tokens / 1e6:.1f} M tokens, {n_tokens / seconds / 1e6:,.0f} Mtok/s; "
-              f"np.copyto int32->int64 {n_tokens / baseline_seconds / 1e6:,.0f} Mtok/s; ratio {ratio:.2f}x ({uptime()})")
+              f"np.copyto int32->{dtype_name} {n_tokens / baseline_seconds / 1e6:,.0f} Mtok/s; ratio {ratio:.2f}x ({uptime()})")
 
     @pytest.mark.parametrize("family", _PARAMS)
     def test_make_labels_detected_markers(benchmark, family):
@@ -282,7 +286,7 @@ if pytest is not None:
         baseline = copy_baseline_seconds(idealised_rows.values.to_numpy(), np.dtype(dtype))
         benchmark.pedantic(lossmask.make_labels, args=(idealised_rows, CHATML), kwargs=dict(dtype=dtype), rounds=7,
                            warmup_rounds=1)
-        _report(benchmark, f"make_labels idealised ChatML -> {dtype}", len(idealised_rows.values), baseline)
+        _report(benchmark, f"make_labels idealised ChatML -> {dtype}", len(idealised_rows.values), baseline, dtype)
 
     def test_label_batch_last_turn_only_idealised(benchmark, idealised_rows):
         baseline = copy_baseline_seconds(idealised_rows.values.to_numpy())
