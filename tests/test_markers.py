@@ -87,3 +87,10 @@ def test_huge_marker_ids_cost_no_huge_table(big):
 def test_marker_ids_beyond_int64_are_refused_naming_the_id(big):
     with pytest.raises(ValueError, match=rf"Markers.end\[0\] holds the id {big}, beyond"):
         Markers(response=[[1]], end=[[big]])
+
+
+def test_marker_sets_too_large_for_the_automaton_are_refused_when_the_engine_needs_it():
+    m = Markers(response=[[t] for t in range(1000, 7000)])  # 6,000 distinct one-token patterns
+    assert m.compiled().tokens.size == 6000  # the pattern arrays (torch, MLX) are still built
+    with pytest.raises(ValueError, match="above the engine's limit"):
+        m.compiled().automaton

@@ -136,17 +136,25 @@ class Markers:
 @dataclass(frozen=True, eq=False)
 class CompiledMarkers:
     """Patterns as flat arrays: ``tokens[offsets[k]:offsets[k+1]]`` is pattern ``k`` of kind ``kinds[k]``
-    (what the torch and MLX kernels read), and the ``automaton`` the numba kernel runs (``automaton.py``).
+    (what the torch and MLX kernels read), and the ``automaton`` the numba kernel runs (``automaton.py``),
+    built on first use.
     """
 
     tokens: np.ndarray  # int64, all patterns concatenated
     offsets: np.ndarray  # int64, len = n_patterns + 1
     kinds: np.ndarray  # int8 kind codes
-    automaton: Automaton
 
     @cached_property
     def max_length(self) -> int:
         return int(np.diff(self.offsets).max())
+
+    @cached_property
+    def automaton(self) -> Automaton:
+        patterns = [
+            (int(self.kinds[k]), self.tokens[self.offsets[k] : self.offsets[k + 1]].tolist())
+            for k in range(self.kinds.shape[0])
+        ]
+        return Automaton.build(patterns, response=RESPONSE, instruction=INSTRUCTION, end=END, mask_out=MASK_OUT)
 
     @classmethod
     def build(cls, markers: Markers) -> "CompiledMarkers":
@@ -156,5 +164,4 @@ class CompiledMarkers:
         np.cumsum(lengths, out=offsets[1:])
         tokens = np.fromiter((t for _, p in patterns for t in p), dtype=np.int64, count=int(offsets[-1]))
         kinds = np.array([code for code, _ in patterns], dtype=np.int8)
-        automaton = Automaton.build(patterns, response=RESPONSE, instruction=INSTRUCTION, end=END, mask_out=MASK_OUT)
-        return cls(tokens=tokens, offsets=offsets, kinds=kinds, automaton=automaton)
+        return cls(tokens=tokens, offsets=offsets, kinds=kinds)
