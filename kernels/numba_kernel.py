@@ -113,14 +113,14 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
         i = lo
         while i < hi:
             v = values[i]
-            # _class_of written out: numba keeps a reference count on every array handed to a call,
-            # even an inlined one, and that costs more than the lookup on this path.
+            # The class, written out (see above): numba keeps a reference count on every array handed
+            # to a call, even an inlined one, and that costs more than the lookup itself.
             c = np.int64(classes[min(np.uint64(v), last)])
             if c == n_classes:
                 c = _big_class(v, big_ids, big_classes)
             if state == 0 and c < n_quiet:
                 # Nothing pending (p == i), and nothing starts here: one decision up to the next token
-                # that is not quiet. Only a match that ended at i-1 can put events on i.
+                # that may begin a match. Only a match that ended at i-1 can put events on i.
                 slot = i & ring_mask
                 event = ring[slot]
                 if event != 0:
