@@ -373,6 +373,7 @@ def detect_report(tokenizer: Any, *, model_name: str | None = None) -> dict[str,
                 {"name": c.name, "tokens": c.tokens, "missing": len(c.missing), "extra": len(c.extra), "error": c.error}
                 for c in report.conversations
             ],
+            "kinds": [{"kind": k, "status": st, "detail": d} for k, st, d in getattr(report, "kinds", ())],
         }
     return {
         "tokenizer": ct.name,
@@ -407,4 +408,9 @@ def run_detect(tokenizer: Any, *, model_name: str | None = None, as_json: bool =
         print(message, file=out)
     if info["verification"] is not None:
         print(f"verification: {info['verification']['summary']}", file=out)
+        kinds = info["verification"]["kinds"]
+        if kinds:
+            print("conversation kinds:", file=out)
+        for k in kinds:
+            print(f"  {k['kind']:<15} {k['status']}" + (f": {k['detail']}" if k["detail"] else ""), file=out)
     return 0 if verified else 1

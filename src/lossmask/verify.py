@@ -24,11 +24,13 @@ applied with ``make_labels`` and every token is compared.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from .content import MissingText, message_pieces, missing_message_text
 from .labels import make_labels
 from .markers import Markers
 from .tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
@@ -36,6 +38,18 @@ from .tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
 
 class GroundTruthError(ValueError):
     """The rule could not be applied to a conversation (a message could not be located...)."""
+
+
+class ContentDroppedError(GroundTruthError):
+    """The template dropped or rewrote a message's text: the row is not the conversation it was given."""
+
+    def __init__(self, name: str, dropped: Sequence[MissingText]):
+        self.dropped = tuple(dropped)
+        shown = "; ".join(str(d) for d in self.dropped[:3]) + (f"; and {len(self.dropped) - 3} more" if len(self.dropped) > 3 else "")
+        super().__init__(
+            f"{name}: the chat template dropped or rewrote message text, so the row is not the conversation it was "
+            f"given and is not labelled: {shown}"
+        )
 
 
 # -- conversations ---------------------------------------------------------------------------------
@@ -92,6 +106,7 @@ def probe_conversations(*, system: bool = True, tools: bool = True, reasoning: b
     """
     user, assistant = (lambda text: {"role": "user", "content": text}), _assistant
     probes = [
+        Conversation("single", (user("Say hello."), assistant("Hello there!"))),
         Conversation("plain", (
             user("What is the capital of France?"), assistant("Paris."),
             user("And of Spain?"), assistant("Madrid, of course!"),
@@ -142,17 +157,66 @@ def probe_conversations(*, system: bool = True, tools: bool = True, reasoning: b
             )),
         ]
     if tools:
-        call = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
-        probes += [
-            Conversation("tool", (
-                user("What is the weather in Oslo?"),
-                {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call12345", "name": "get_weather", "content": "minus three, snowing"},
-                assistant("It is -3 °C and snowing in Oslo."),
-                user("And tomorrow?"), assistant("I cannot see tomorrow's forecast."),
-            ), (WEATHER_TOOL,)),
-        ]
+        for form in ("object", "json"):
+            probes += _tool_probes(form)
     return probes
+
+
+_COUNTRY = {"Oslo": "NO", "Bergen": "NO", "Rome": "IT", "Lima": "PE", "Cairo": "EG", "Quito": "EC"}
+
+
+def _tool_call(call_id: str, city: str, form: str) -> dict:
+    # the argument value occurs nowhere else in the conversation, so that a dropped call shows
+    arguments: Any = {"city": f"{city}, {_COUNTRY[city]}"}
+    if form == "json":
+        arguments = json.dumps(arguments)
+    return {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+
+def _tool_probes(form: str) -> list[Conversation]:
+    """A single and a parallel tool call, each followed by its results, a final answer and one more turn.
+
+    ``form``: the tool-call arguments as an ``"object"`` or as a ``"json"`` string; templates accept
+    one or the other (DeepSeek-V3 concatenates a string, Llama-3.1 serialises an object)."""
+    user, assistant, suffix = (lambda text: {"role": "user", "content": text}), _assistant, "" if form == "object" else "-json"
+    city = "Oslo" if form == "object" else "Bergen"
+    single = Conversation(f"tool{suffix}", (
+        user(f"What is the weather in {city}?"),
+        {"role": "assistant", "content": "", "tool_calls": [_tool_call("call12345", city, form)]},
+        {"role": "tool", "tool_call_id": "call12345", "name": "get_weather", "content": "minus three, snowing"},
+        assistant(f"It is -3 °C and snowing in {city}."),
+        user("And tomorrow?"), assistant("I cannot see tomorrow's forecast."),
+    ), (WEATHER_TOOL,))
+    first, second = ("Rome", "Lima") if form == "object" else ("Cairo", "Quito")
+    parallel = Conversation(f"parallel-tools{suffix}", (
+        user(f"Weather in {first} and in {second}?"),
+        {"role": "assistant", "content": "", "tool_calls": [
+            _tool_call("call23456", first, form), _tool_call("call34567", second, form)]},
+        {"role": "tool", "tool_call_id": "call23456", "name": "get_weather", "content": "twenty-one, sunny"},
+        {"role": "tool", "tool_call_id": "call34567", "name": "get_weather", "content": "fourteen, cloudy"},
+        assistant(f"{first}: 21 °C and sunny; {second}: 14 °C and cloudy."),
+        user("Which is warmer?"), assistant(f"{first} is warmer."),
+    ), (WEATHER_TOOL,))
+    return [single, parallel]
+
+
+# The kinds of conversation ``lossmask detect`` and docs/conformance.md report, and the probes of each.
+KINDS = ("plain", "system", "multi-turn", "tools", "parallel tools", "reasoning")
+
+
+def probe_kind(name: str) -> str:
+    """The kind of a built-in probe, by its name."""
+    if name == "single":
+        return "plain"
+    if name == "system":
+        return "system"
+    if name.startswith("parallel-tools"):
+        return "parallel tools"
+    if name.startswith("tool"):
+        return "tools"
+    if name.startswith("reasoning"):
+        return "reasoning"
+    return "multi-turn"
 
 
 def _boundary_whitespace() -> list[str]:
@@ -226,30 +290,7 @@ def vocabulary_probes(tokenizer: Any, headers: Sequence[str], *, turns: int = 8)
 
 def _pieces(message: Mapping[str, Any]) -> list[str]:
     """The texts of one message that a template copies verbatim: reasoning, content, tool calls."""
-    pieces = []
-    for key in ("reasoning_content", "thinking"):
-        if isinstance(message.get(key), str) and message[key].strip():
-            pieces.append(message[key])
-    content = message.get("content")
-    if isinstance(content, str) and "</think>" in content:
-        # reasoning written into the content (R1-style): templates move, reformat or drop the
-        # part before </think>, so each part is looked for on its own
-        reasoning, _, answer = content.partition("</think>")
-        pieces += [part for part in (reasoning.replace("<think>", "", 1), answer) if part.strip()]
-    elif isinstance(content, str) and content.strip():
-        pieces.append(content)
-    elif isinstance(content, list):  # multimodal-style [{"type": "text", "text": ...}]
-        pieces += [part["text"] for part in content if isinstance(part, Mapping) and isinstance(part.get("text"), str) and part["text"].strip()]
-    for call in message.get("tool_calls") or ():
-        function = call.get("function", call) if isinstance(call, Mapping) else {}
-        if isinstance(function.get("name"), str):
-            pieces.append(function["name"])
-        arguments = function.get("arguments")
-        if isinstance(arguments, Mapping):
-            pieces += [v for v in arguments.values() if isinstance(v, str) and v.strip()]
-        elif isinstance(arguments, str) and arguments.strip():
-            pieces.append(arguments)
-    return pieces
+    return [text for _, text in message_pieces(message)]
 
 
 def locate_messages(
@@ -317,6 +358,11 @@ class GroundTruth:
     offsets: np.ndarray
     should_train: np.ndarray  # bool per token
     turns: tuple[Turn, ...]
+    # trained tokens that no marker set can train: a copy of the assistant header inside a turn
+    # (gpt-oss writes '<|start|>assistant' again between the analysis and the final channel; the
+    # model generates it, but it is token for token the header that opens a turn)
+    header_copies: np.ndarray | None = field(default=None, repr=False, compare=False)
+    dropped: tuple[MissingText, ...] = ()  # reasoning the template dropped (earlier turns on Qwen3, gpt-oss)
 
 
 def _last_located(spans: Sequence[tuple[int, int] | None]) -> int | None:
@@ -340,6 +386,10 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
     conv = Conversation.coerce(conversation, 0)
     messages, tools = list(conv.messages), conv.tools
     text = ct.render(messages, tools=tools)
+    missing = missing_message_text(text, messages)
+    lost = [m for m in missing if m.part != "reasoning"]
+    if lost:
+        raise ContentDroppedError(conv.name, lost)
     ids, offsets = ct.encode_with_offsets(text)
     spans = locate_messages(text, messages)
     stripped_spans = locate_messages(text, messages, stripped=True)
@@ -397,15 +447,17 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
         turns.append(_make_turn(i, header, start, content_end, stop, offsets, len(text)))
 
     should = np.zeros(len(ids), dtype=bool)
+    copies = np.zeros(len(ids), dtype=bool)
     for turn in turns:
         inside = (starts >= turn.start) & (starts < turn.end)
         should |= inside
-        if turn.header:  # a copy of the header inside the turn is a header (gpt-oss channels)
+        if turn.header:  # a copy of the header inside the turn was generated (gpt-oss channels): trained
             at = text.find(turn.header, turn.start)
             while 0 <= at < turn.end:
-                should &= ~((starts >= at) & (starts < at + len(turn.header)))
+                copies |= inside & (starts >= at) & (starts < at + len(turn.header))
                 at = text.find(turn.header, at + len(turn.header))
-    return GroundTruth(conv.name, text, ids, offsets, should, tuple(sorted(turns, key=lambda t: t.start)))
+    return GroundTruth(conv.name, text, ids, offsets, should, tuple(sorted(turns, key=lambda t: t.start)),
+                       header_copies=copies, dropped=tuple(missing))
 
 
 def _shift(span: tuple[int, int] | None, by: int) -> tuple[int, int] | None:
@@ -548,6 +600,11 @@ class ConversationReport:
     error: str | None = None  # the ground truth could not be built
     truth: GroundTruth | None = field(default=None, repr=False, compare=False)
     labels: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # what the template dropped: message text (the conversation is then not checked, ``error`` says so),
+    # or reasoning of earlier turns (checked as rendered)
+    dropped: tuple[MissingText, ...] = ()
+    # trained tokens no marker set can train (a header copy inside a turn, gpt-oss); not counted as missing
+    beyond_markers: tuple[int, ...] = ()
 
     @property
     def exact(self) -> bool:
@@ -563,6 +620,8 @@ class VerifyReport:
     conversations: tuple[ConversationReport, ...]
     decode: Any = field(default=None, repr=False, compare=False)
     notes: tuple[str, ...] = ()  # what the user should know about these markers (from detection)
+    # per kind of conversation (from detection): (kind, "exact" or "not rendered", detail)
+    kinds: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -581,6 +640,15 @@ class VerifyReport:
         return sum(c.error is not None for c in self.conversations)
 
     @property
+    def beyond_markers(self) -> int:
+        return sum(len(c.beyond_markers) for c in self.conversations)
+
+    @property
+    def dropped(self) -> tuple[tuple[str, MissingText], ...]:
+        """``(conversation, what)`` for every message text the template dropped."""
+        return tuple((c.name, d) for c in self.conversations for d in c.dropped)
+
+    @property
     def ok(self) -> bool:
         return bool(self.conversations) and all(c.exact for c in self.conversations)
 
@@ -597,19 +665,27 @@ class VerifyReport:
         )
         if self.errors:
             text += f", {self.errors} not checkable"
+        if self.beyond_markers:
+            text += (f"; {self.beyond_markers} trained tokens no marker can train (a copy of the assistant header "
+                     "inside a turn), so they are not trained")
         return text
 
     def __str__(self) -> str:
         lines = [f"verify {self.tokenizer}: {self.summary()}"]
         lines += [f"  note: {note}" for note in self.notes]
+        lines += [f"  {kind}: {status}" + (f" ({detail})" if detail else "") for kind, status, detail in self.kinds]
         for c in self.conversations:
             if c.error is not None:
                 lines.append(f"  {c.name}: not checked: {c.error}")
-            elif not c.exact:
-                lines.append(f"  {c.name}: {len(c.missing)} missing, {len(c.extra)} extra of {c.tokens} tokens")
+                continue
+            reasoning = sorted({d.message for d in c.dropped if d.part == "reasoning"})
+            dropped = f"; the template dropped the reasoning of message {', '.join(map(str, reasoning))}" if reasoning else ""
+            if not c.exact:
+                lines.append(f"  {c.name}: {len(c.missing)} missing, {len(c.extra)} extra of {c.tokens} tokens{dropped}")
                 lines += ["    " + line for line in _describe(c, self.decode)]
             else:
-                lines.append(f"  {c.name}: exact ({c.expected_trained} of {c.tokens} tokens trained)")
+                beyond = f", {len(c.beyond_markers)} beyond any marker" if c.beyond_markers else ""
+                lines.append(f"  {c.name}: exact ({c.expected_trained} of {c.tokens} tokens trained{beyond}){dropped}")
         return "\n".join(lines)
 
 
@@ -634,7 +710,15 @@ def _describe(report: ConversationReport, decode, *, limit: int = 3) -> list[str
     return lines
 
 
-def check(tokenizer: Any, markers: Markers, truths: Sequence[GroundTruth | tuple[str, str]]) -> VerifyReport:
+class Unchecked(NamedTuple):
+    """A conversation whose ground truth could not be built: why, and what the template dropped."""
+
+    name: str
+    error: str
+    dropped: tuple[MissingText, ...] = ()
+
+
+def check(tokenizer: Any, markers: Markers, truths: Sequence[GroundTruth | tuple]) -> VerifyReport:
     """Compare ``make_labels`` under ``markers`` with ground truths already built (or their errors)."""
     ct = load_tokenizer(tokenizer)
     reports = []
@@ -643,19 +727,22 @@ def check(tokenizer: Any, markers: Markers, truths: Sequence[GroundTruth | tuple
     by_truth = iter(labels)
     for t in truths:
         if not isinstance(t, GroundTruth):
-            name, error = t
-            reports.append(ConversationReport(name, 0, 0, error=error))
+            name, error, *rest = t
+            reports.append(ConversationReport(name, 0, 0, error=error, dropped=tuple(rest[0]) if rest else ()))
             continue
         got = np.asarray(next(by_truth), dtype=np.int64)
         trained = got != -100
-        missing = tuple(int(k) for k in np.flatnonzero(t.should_train & ~trained))
+        copies = t.header_copies if t.header_copies is not None else np.zeros(len(t.ids), dtype=bool)
+        missing = tuple(int(k) for k in np.flatnonzero(t.should_train & ~trained & ~copies))
+        beyond = tuple(int(k) for k in np.flatnonzero(t.should_train & ~trained & copies))
         extra = tuple(int(k) for k in np.flatnonzero(trained & ~t.should_train))
-        reports.append(ConversationReport(t.name, len(t.ids), int(t.should_train.sum()), missing, extra, truth=t, labels=got))
+        reports.append(ConversationReport(t.name, len(t.ids), int(t.should_train.sum()), missing, extra, truth=t,
+                                          labels=got, dropped=t.dropped, beyond_markers=beyond))
     return VerifyReport(ct.name, markers, tuple(reports), decode=ct.decode)
 
 
-def build_truths(tokenizer: Any, conversations: Sequence[Any]) -> list[GroundTruth | tuple[str, str]]:
-    """The ground truth of each conversation, or ``(name, error)`` where it cannot be built."""
+def build_truths(tokenizer: Any, conversations: Sequence[Any]) -> list[GroundTruth | Unchecked]:
+    """The ground truth of each conversation, or ``Unchecked(name, error, dropped)`` where it cannot be built."""
     ct = load_tokenizer(tokenizer)
     out: list[GroundTruth | tuple[str, str]] = []
     for index, obj in enumerate(conversations):
@@ -663,23 +750,37 @@ def build_truths(tokenizer: Any, conversations: Sequence[Any]) -> list[GroundTru
         try:
             out.append(ground_truth(ct, conv))
         except (GroundTruthError, ChatTemplateError) as exc:
-            out.append((conv.name, str(exc)))
+            out.append(Unchecked(conv.name, str(exc), getattr(exc, "dropped", ())))
     return out
 
 
 def renderable_probes(tokenizer: Any) -> list[Conversation]:
     """The built-in probes this template can render (templates raise on a system role, on tools...)."""
+    return sort_probes(tokenizer)[0]
+
+
+def sort_probes(tokenizer: Any) -> tuple[list[Conversation], dict[str, str]]:
+    """``(renderable, {name: why not})``: the built-in probes the template renders, and the others.
+
+    A probe is not renderable when the template raises on it, or (tool probes) writes none of its
+    tool calls: a template that accepts arguments only as objects, or only as JSON strings, renders
+    the probes of that form only.
+    """
     ct = load_tokenizer(tokenizer)
-    kept = []
+    kept, skipped = [], {}
     for probe in probe_conversations():
         try:
             text = ct.render(probe.messages, tools=probe.tools)
-        except ChatTemplateError:
+        except ChatTemplateError as exc:
+            skipped[probe.name] = f"the template raised: {str(exc).split(': ', 1)[-1][:160]}"
             continue
-        if probe.tools and "get_weather" not in text.split("Oslo?", 1)[-1]:
-            continue  # the template ignores tool calls: no tool probe
+        if probe.tools:
+            calls = [call["function"]["name"] for m in probe.messages for call in m.get("tool_calls") or ()]
+            if text.split(probe.messages[0]["content"], 1)[-1].count("get_weather") < 1 and calls:
+                skipped[probe.name] = "the template writes no tool call (it ignores tool_calls)"
+                continue
         kept.append(probe)
-    return kept
+    return kept, skipped
 
 
 def verify(tokenizer: Any, markers: Markers, conversations: Sequence[Any] | None = None) -> VerifyReport:
