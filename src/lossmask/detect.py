@@ -139,6 +139,13 @@ def _close_openers(ct: ChatTokenizer, markers: Markers, report: VerifyReport, tr
     return (widened, retry) if retry.ok else (markers, report)
 
 
+def _form(probe: str) -> str:
+    """How a tool probe passes arguments, or the probe's name."""
+    if probe.startswith(("tool", "parallel-tools")):
+        return "arguments as JSON strings" if probe.endswith("-json") else "arguments as objects"
+    return probe
+
+
 def _kinds(report: VerifyReport, skipped: dict[str, str], dropped: dict) -> tuple[tuple[str, str, str], ...]:
     """``(kind, status, detail)`` per kind of probe: "exact", or "not rendered" with the reason."""
     by_kind: dict[str, dict] = {kind: {"exact": [], "skipped": [], "dropped": []} for kind in KINDS}
@@ -156,7 +163,8 @@ def _kinds(report: VerifyReport, skipped: dict[str, str], dropped: dict) -> tupl
         entry = by_kind[kind]
         exact, others = entry["exact"], entry["skipped"] + entry["dropped"]
         if not exact:
-            detail = "; ".join(f"{name}: {why}" for name, why in others) or "no probe"
+            whys = list(dict.fromkeys(why for _, why in others))
+            detail = whys[0] if len(whys) == 1 else "; ".join(f"{_form(name)}: {why}" for name, why in others) or "no probe"
             out.append((kind, "not rendered", detail))
             continue
         notes = []
@@ -177,7 +185,7 @@ def _kinds(report: VerifyReport, skipped: dict[str, str], dropped: dict) -> tupl
         if kind in ("tools", "parallel tools"):
             forms = ["objects" if not c.name.endswith("-json") else "JSON strings" for c in exact]
             notes.append("arguments as " + " and ".join(sorted(set(forms))))
-            notes += [f"{name}: {why}" for name, why in others]
+            notes += [f"{_form(name)}: {why}" for name, why in others]
         beyond = sum(len(c.beyond_markers) for c in exact)
         if beyond:
             notes.append(f"{beyond} generated header tokens beyond any marker, not trained")

@@ -30,7 +30,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from .content import MissingText, message_pieces, missing_message_text
+from .content import MissingText, find_marker_text, message_pieces, missing_message_text  # noqa: F401
 from .labels import make_labels
 from .markers import Markers
 from .tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
@@ -788,11 +788,16 @@ def verify(tokenizer: Any, markers: Markers, conversations: Sequence[Any] | None
 
     ``tokenizer``: anything ``lossmask.load_tokenizer`` accepts. ``conversations``: lists of
     messages, or mappings with ``"messages"`` (and ``"tools"``). Returns a ``VerifyReport``:
-    ``report.ok``, totals, and per conversation the missing and extra token positions.
+    ``report.ok``, totals, and per conversation the missing and extra token positions. A conversation
+    the template drops message text of (Phi-3 drops tool messages, Qwen2.5 a message with an unknown
+    role) is not checked: ``report.dropped`` names the message (index and role). To find rows whose
+    messages quote a marker's text (pre-tokenised ids of such rows cannot be trusted), use
+    ``lossmask.find_marker_text``.
     """
     if not isinstance(markers, Markers):
         raise TypeError(f"markers must be a lossmask.Markers, got {type(markers).__name__}")
     ct = load_tokenizer(tokenizer)
-    if conversations is None:
-        conversations = renderable_probes(ct)
+    if conversations is None:  # the probes; those the template drops a message of render no kind to check
+        truths = [t for t in build_truths(ct, renderable_probes(ct)) if not (isinstance(t, Unchecked) and t.dropped)]
+        return check(ct, markers, truths)
     return check(ct, markers, build_truths(ct, conversations))
