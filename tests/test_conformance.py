@@ -121,3 +121,6 @@ def test_conformance_script_writes_the_table(tmp_path):
     text = out.read_text(encoding="utf-8")
     assert "**2 of 2 families exact.**" in text
     assert "| chatml | real base + 2 added tokens | detected | `<\\|im_start\\|> assistant\\n` | `<\\|im_end\\|>` |" in text
+    assert "## Kinds of conversation verified" in text
+    assert "| chatml | exact | exact | exact | no | no | no |" in text
+    assert "- **chatml**, tools: the template raised: Conversation roles must alternate" in text
