@@ -95,12 +95,13 @@ def random_conversations(seed: int, count: int) -> list[list[dict]]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_detected_markers_hold_on_unseen_conversations(family):
     ct = chat_tokenizer(family)
-    markers, _ = detected_markers(family)
+    markers, report = detected_markers(family)
+    # templates that reject a system role (Gemma-2) or drop it (Phi-3; Mistral v3/Nemo when the chat
+    # ends with an assistant turn) render no system conversation: those are verified without one
+    system = dict((kind, status) for kind, status, _ in report.kinds)["system"] == "exact"
     conversations = []
     for messages in random_conversations(seed=FAMILIES.index(family), count=12):
-        try:
-            ct.render(messages)
-        except ValueError:  # templates that reject a system role (Gemma-2)
+        if not system:
             messages = [m for m in messages if m["role"] != "system"]
         conversations.append(messages)
     report = verify(ct, markers, conversations)
