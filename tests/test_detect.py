@@ -347,3 +347,14 @@ def test_lossmask_detect_prints_the_kinds(capsys):
     assert "conversation kinds:" in out
     assert "parallel tools  exact: arguments as JSON strings" in out
     assert "reasoning       not rendered" in out
+
+
+def test_lossmask_detect_json_lists_the_kinds(capsys):
+    import json
+
+    from lossmask.cli import main
+
+    assert main(["detect", str(tokenizer_path("phi-3")), "--json"]) == 0
+    kinds = {k["kind"]: k for k in json.loads(capsys.readouterr().out)["verification"]["kinds"]}
+    assert kinds["system"]["status"] == "not rendered" and "message 0 (system)" in kinds["system"]["detail"]
+    assert kinds["plain"]["status"] == "exact"
