@@ -95,8 +95,11 @@ def _render_sample(ct: Any) -> tuple[str, tuple[str, ...]]:
     without_tools = [m for m in messages if m["role"] != "tool" and not m.get("tool_calls")]
     merged = _merge_assistant_runs(without_tools)
     without_system = [m for m in merged if m["role"] != "system"]
+    as_strings = [_arguments_as_json(m) for m in messages]
     attempts = [
         (messages, tools, ()),
+        (as_strings, tools, ("the template takes tool-call arguments only as JSON strings (DeepSeek-V3); the sample "
+                             "passes them so",)),
         (merged, None, ("the template does not render tool calls, so the sample's tool turns are left out",)),
         (without_system, None, ("the template accepts neither tools nor a system message; both are left out of the sample",)),
     ]
@@ -112,6 +115,19 @@ def _render_sample(ct: Any) -> tuple[str, tuple[str, ...]]:
             continue  # the template silently drops tool calls: show the chat without them
         return text, notes
     raise ChatTemplateError(f"the chat template of {ct.name!r} renders none of the sample conversations: {errors[-1]}")
+
+
+def _arguments_as_json(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The message with its tool-call arguments serialised to JSON strings."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = dict(call["function"])
+        if not isinstance(function.get("arguments"), str):
+            function["arguments"] = json.dumps(function.get("arguments", {}), ensure_ascii=False)
+        calls.append({**call, "function": function})
+    return {**message, "tool_calls": calls}
 
 
 def _merge_assistant_runs(messages: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
