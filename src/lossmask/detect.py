@@ -8,8 +8,15 @@ reads the token ids around every turn boundary as they occur in context:
   ``<|im_start|>assistant\\n``, Llama-2's `` [/INST]``), ending where training starts;
 * ``end``: the stop token of each turn (``<|im_end|>``, ``</s>``, gpt-oss ``<|end|>`` and
   ``<|return|>`` and ``<|call|>``, GLM's next role token);
-* ``instruction``: only for turns with no stop token (Falcon's plain-text roles): the header of the
-  message that follows, which closes the span.
+* ``instruction``: for turns with no stop token (Falcon's plain-text roles), the header of the
+  message that follows, which closes the span; and where a header also precedes a message that is
+  not an assistant turn (DeepSeek-V3.1's ``<｜tool▁output▁end｜>`` before the next tool output with
+  parallel calls, Mistral's ``[/TOOL_RESULTS][TOOL_RESULTS]``), that message's opener.
+
+The probes cover six kinds of conversation (plain, system, multi-turn, tools and parallel tools
+with arguments as objects and as JSON strings, reasoning). A kind the template renders must verify
+exactly; one it raises on, ignores or drops message text of is reported as not rendered
+(``report.kinds``).
 
 Every variant that occurs is kept. The result is then checked with ``verify`` on the same probes,
 and ``MarkerDetectionError`` is raised instead of returning markers that do not reproduce the
