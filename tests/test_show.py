@@ -170,3 +170,15 @@ def test_cli_detect_text_and_json(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["source"] == "detected" and info["verification"]["ok"] and [200002] in info["markers"]["end"]
     assert "<|return|>" in info["decoded"]["end"]
+
+
+def test_show_sample_passes_json_string_arguments_where_the_template_needs_them(capsys):
+    """DeepSeek-V3's template concatenates tool-call arguments: the sample's tool turn is shown with
+    JSON-string arguments, and the answer after the tool result is trained."""
+    from conftest import tokenizer_path
+    from lossmask.cli import main
+
+    assert main(["show", str(tokenizer_path("deepseek-v3"))]) == 0
+    out = capsys.readouterr().out
+    assert "JSON strings" in out
+    assert "<｜tool▁outputs▁end｜>[It is -3 °C and snowing." in out

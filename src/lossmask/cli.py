@@ -141,8 +141,9 @@ def _add_show_commands(commands) -> None:
     detect = commands.add_parser(
         "detect", help="print the markers of a tokenizer, where they came from, and their verification",
         description="Choose markers as training would (detection from the chat template, then the template table) "
-        "and print them as ids and text, their source and the verification against the ground truth. "
-        "Exits 1 when there is no verified masking.",
+        "and print them as ids and text, their source and the verification against the ground truth, with the kinds "
+        "of conversation verified exact (plain, system, multi-turn, tools, parallel tools, reasoning) and those the "
+        "template cannot render. Exits 1 when there is no verified masking.",
     )
     detect.add_argument("tokenizer", metavar="TOKENIZER", help="tokenizer folder (tokenizer.json + tokenizer_config.json)")
     detect.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
