@@ -9,11 +9,12 @@ EXAMPLE_STAMP := $(VENV)/.lossmask-example
 TEST_STAMP := $(VENV)/.lossmask-test
 
 # torch: PyPI's Linux wheel is the CUDA build (with multi-GB nvidia-* packages). On Linux without an NVIDIA
-# driver, PyTorch's CPU index is offered as well (its +cpu wheel wins when reachable; when it is not,
-# pip says so and falls back to whatever its configured indexes hold). Override: make test TORCH_INDEX=
+# driver, PyTorch's CPU index is offered as well when it answers (its +cpu wheel then wins); when it does
+# not, pip takes torch from the indexes it is configured with, and the recipe says so. Override: TORCH_INDEX=
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-TORCH_INDEX ?= $(if $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi 2>/dev/null),,--extra-index-url $(TORCH_CPU_INDEX) --retries 1))
+NEEDS_CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+TORCH_INDEX ?= $(if $(NEEDS_CPU_TORCH),$(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1 && echo --extra-index-url $(TORCH_CPU_INDEX)))
 
 .PHONY: example test fixtures bench setup clean
 
@@ -50,6 +51,8 @@ $(EXAMPLE_STAMP): pyproject.toml setup.py | $(PY)
 	touch $@
 
 $(TEST_STAMP): pyproject.toml setup.py | $(PY)
+	@if [ -n "$(NEEDS_CPU_TORCH)" ] && [ -z "$(TORCH_INDEX)" ]; then echo "note: no NVIDIA GPU, but $(TORCH_CPU_INDEX) \
+	does not answer: torch comes from pip's configured indexes (from PyPI alone, the CUDA build)"; fi
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(TORCH_INDEX)
 	$(PY) -m pip install -q -e '.[dev,all]'
 	touch $@ $(EXAMPLE_STAMP)

@@ -142,10 +142,10 @@ def test_detect_prints_grouped_markers_and_its_verification_once(capsys):
 
 
 def _base_tokenizer(tmp_path):
-    """qwen2.5's tokenizer without its chat template: what a base model ships."""
+    """The small in-repo LFM2 tokenizer without its chat template: what a base model ships."""
     folder = tmp_path / "base"
     folder.mkdir()
-    source = tokenizer_path("qwen2.5")
+    source = tokenizer_path("lfm2")
     (folder / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
     config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
     config.pop("chat_template")
@@ -157,13 +157,13 @@ def test_base_model_tokenizer_follows_the_policy(tmp_path):
     pytest.importorskip("transformers")
     base = _base_tokenizer(tmp_path)
     ids = tmp_path / "ids.jsonl"
-    ids.write_text('{"input_ids": [9707, 11, 1879]}\n', encoding="utf-8")
+    ids.write_text('{"input_ids": [97, 311, 1879]}\n', encoding="utf-8")
     with pytest.warns(lossmask.FullSequenceWarning):
-        report = lossmask.mask_files(ids, tmp_path / "out.parquet", tokenizer=base, model_name="Qwen/Qwen2.5-7B")
+        report = lossmask.mask_files(ids, tmp_path / "out.parquet", tokenizer=base, model_name="LiquidAI/LFM2-1.2B")
     assert report.markers_source == "none" and report.tokens_trained == 3
     assert any("--chat-template" in m for m in report.messages)
     with pytest.raises(lossmask.MarkerResolutionError):
-        lossmask.mask_files(ids, tmp_path / "out.parquet", tokenizer=base, model_name="Qwen/Qwen2.5-7B", strict=True)
+        lossmask.mask_files(ids, tmp_path / "out.parquet", tokenizer=base, model_name="LiquidAI/LFM2-1.2B", strict=True)
     chats = _jsonl(tmp_path / "chats.jsonl", [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
