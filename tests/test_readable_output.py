@@ -169,3 +169,26 @@ def test_base_model_tokenizer_follows_the_policy(tmp_path):
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match="--chat-template"):
             lossmask.mask_files(chats, tmp_path / "out.parquet", tokenizer=base)
+
+
+def test_trl_max_length_that_cut_the_assistant_turns_is_named(deepseek, tmp_path):
+    """Issue 13 item 7 with TRL itself: SFTConfig(max_length=40) cuts every assistant turn."""
+    datasets = pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
+    trl = pytest.importorskip("trl")
+    from lossmask.hf import train_on_responses_only
+
+    system = {"role": "system", "content": "You are a careful assistant who answers briefly and exactly. " * 3}
+    chats = [[system, {"role": "user", "content": f"What is {i} times 3?"}, {"role": "assistant", "content": str(3 * i)}]
+             for i in range(8)]
+    config = transformers.LlamaConfig(vocab_size=len(deepseek.tokenizer), hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                         max_length=40)
+    trainer = trl.SFTTrainer(model=transformers.LlamaForCausalLM(config), args=args, processing_class=deepseek.tokenizer,
+                             train_dataset=datasets.Dataset.from_dict({"messages": chats}))
+    with pytest.raises(TooManyDroppedRows) as info:
+        train_on_responses_only(trainer, verbose=False)
+    text = str(info.value)
+    assert "8 of 8 dropped rows reach max_length=40 (the trainer's args.max_length" in text
+    assert "derived from another tokenizer" not in text
