@@ -65,7 +65,7 @@ def test_dataset_dict_and_iterable(tmp_path):
 
 def test_safety_net_raises_for_datasets():
     ds = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]] * 10 + [[1, 2, 9, 4]]})
-    with pytest.raises(lossmask.TooManyDroppedRows, match="no response pattern"):
+    with pytest.raises(lossmask.TooManyDroppedRows, match="contain no response marker: the markers match nothing"):
         mask_dataset(ds, markers=MARKERS)
 
 

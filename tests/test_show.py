@@ -165,7 +165,7 @@ def test_cli_detect_text_and_json(capsys):
     path = str(tokenizer_path("gpt-oss"))
     assert main(["detect", path]) == 0
     out = capsys.readouterr().out
-    assert "source: detected" in out and "'<|return|>'" in out and "[200002]" in out and "verification: exact" in out
+    assert "source: detected" in out and "'<|return|>'" in out and "[200002]" in out and "verified: exact" in out
     assert main(["detect", path, "--model-name", "openai/gpt-oss-20b", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["source"] == "detected" and info["verification"]["ok"] and [200002] in info["markers"]["end"]

@@ -71,12 +71,16 @@ def _add_mask_command(commands) -> None:
         description="Label INPUT (Parquet file, folder or glob; Arrow IPC; JSONL) and write OUTPUT (Parquet), "
         "dropping rows that train nothing (counted per reason). Markers come from --markers or from --tokenizer.",
     )
-    mask.add_argument("input", metavar="INPUT")
-    mask.add_argument("output", metavar="OUTPUT")
+    mask.add_argument("input", metavar="INPUT", help="Parquet file, folder or glob of them; Arrow IPC; or JSONL. Rows hold "
+                      "input_ids (token ids), messages (a chat) or prompt + completion")
+    mask.add_argument("output", metavar="OUTPUT", help="the Parquet file to write (its folder must exist): the input "
+                      "columns plus labels (and input_ids when tokenised here); written only when the job succeeds")
     source = mask.add_argument_group("markers (one of)")
     source.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder: markers from its chat template; "
                         "also renders and tokenises messages / prompt+completion rows")
-    source.add_argument("--markers", metavar="FILE.json", help="Markers JSON, for data tokenised elsewhere")
+    source.add_argument("--markers", metavar="FILE.json", help='markers as token ids, for data tokenised elsewhere: '
+                        '{"response": [[ids...], ...], "instruction": [[ids...]], "end": [[ids...]], "mask_out": []} '
+                        '(lists of id patterns; only "response" is required; `lossmask detect TOKENIZER --json` prints them)')
     mask.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
     mask.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the tokenizer's own")
     mask.add_argument("--strict", action="store_true", help="fail instead of training full sequences when no markers are found")
@@ -91,9 +95,9 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--max-length", type=int, metavar="N", help="truncate tokenised rows to N tokens")
     mask.add_argument("--keep-dropped", action="store_true", help="keep rows that train nothing (still counted)")
     mask.add_argument("--max-drop-fraction", type=float, default=0.30, metavar="F",
-                      help="abort, writing nothing, when more than F of the rows train nothing (default 0.30)")
+                      help="abort, writing nothing, when more than F of the rows train nothing (default %(default)s)")
     mask.add_argument("--last-turn-only", action="store_true", help="train only the last assistant turn of each row")
-    mask.add_argument("--batch-size", type=int, default=16_384, metavar="ROWS", help="rows per batch (bounds memory)")
+    mask.add_argument("--batch-size", type=int, default=16_384, metavar="ROWS", help="rows per batch (bounds memory; default %(default)s)")
     mask.add_argument("--label-dtype", choices=("int64", "int32"), default="int64",
                       help="labels as int64 (the Hugging Face convention) or int32 (smaller files, faster writes)")
     mask.add_argument("--compression", default="snappy", metavar="CODEC",

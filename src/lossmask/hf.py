@@ -38,6 +38,7 @@ def mask_dataset(
     options: MaskOptions | None = None,
     return_report: bool = False,
     verbose: bool = False,
+    quiet: bool = False,
     **option_fields: Any,
 ):
     """Add ``labels`` to a Hugging Face ``Dataset``, ``DatasetDict`` or ``IterableDataset``.
@@ -52,7 +53,8 @@ def mask_dataset(
 
     Returns the masked dataset of the same kind; with ``return_report=True``, ``(dataset, report)``
     where report is a ``MaskReport`` (a dict of them for a ``DatasetDict``; for an ``IterableDataset``,
-    a function that returns the report of the rows iterated so far). ``verbose`` prints the summary.
+    a function that returns the report of the rows iterated so far). Dropped rows are logged in one
+    line on stderr (``quiet=True`` silences it); ``verbose`` prints the whole summary.
     """
     import datasets
 
@@ -62,7 +64,7 @@ def mask_dataset(
     chat = load_chat_tokenizer(tokenizer) if tokenizer is not None else None
     resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
                                           response_part=response_part, instruction_part=instruction_part)
-    job = _Job(options, resolved, source, tuple(messages), chat, verbose)
+    job = _Job(options, resolved, source, tuple(messages), chat, verbose, quiet=quiet)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         results = {split: job.run(part, name=split) for split, part in dataset.items()}
         out = type(dataset)({split: result[0] for split, result in results.items()})
@@ -94,6 +96,9 @@ class _Job:
     messages: tuple[str, ...]
     tokenizer: Any
     verbose: bool
+    quiet: bool = False
+    truncated_at: int | None = None  # the length a trainer cut the rows to before masking
+    truncation: str | None = None  # that length, named for a person ("max_length=40 (SFTConfig.max_length)")
 
     def run(self, dataset: Any, *, name: str):
         import datasets
@@ -115,11 +120,11 @@ class _Job:
             batches = dataset.with_format("arrow").iter(batch_size=self.options.batch_size)
         for table in batches:
             parts.append(mask_batch(table, self.markers, self.options, tally, tokenizer=self.tokenizer, kind=kind,
-                                    first_row=first_row, source=name))
+                                    first_row=first_row, source=name, truncated_at=self.truncated_at))
             first_row += table.num_rows
         from .stream import _check_drops
 
-        _check_drops(tally, self.tokenizer, self.options)
+        _check_drops(tally, self.tokenizer, self.options, truncation=self.truncation)
         table = pa.concat_tables([p.cast(out_schema) for p in parts]) if parts else out_schema.empty_table()
         features = datasets.Features({**dataset.features, **_new_features(out_schema, schema)})
         info = dataset.info.copy()
@@ -139,13 +144,14 @@ class _Job:
 
         tally = Tally()
         state = {"first_row": 0}
-        options, markers, tokenizer = self.options, self.markers, self.tokenizer
+        options, markers, tokenizer, truncated_at = self.options, self.markers, self.tokenizer, self.truncated_at
 
         def label(table: pa.Table) -> pa.Table:
-            out = mask_batch(table, markers, options, tally, tokenizer=tokenizer, first_row=state["first_row"], source=name)
+            out = mask_batch(table, markers, options, tally, tokenizer=tokenizer, first_row=state["first_row"], source=name,
+                             truncated_at=truncated_at)
             state["first_row"] += table.num_rows
             if tally.rows_in >= MIN_ROWS_FOR_STREAMING_CHECK:  # over the rows seen so far (no end to wait for)
-                _check_drops(tally, tokenizer, options)
+                _check_drops(tally, tokenizer, options, truncation=self.truncation)
             return out
 
         fmt = getattr(dataset, "_formatting", None)
@@ -158,6 +164,8 @@ class _Job:
                                   keep_dropped=self.options.keep_dropped, input=name, messages=self.messages)
         if self.verbose and not quiet:
             print(f"lossmask [{name}]: " + report.summary().replace("\n", f"\nlossmask [{name}]: "), file=sys.stderr)
+        elif report.rows_dropped and not (quiet or self.quiet):
+            print(f"lossmask [{name}]: {report.drop_line()}", file=sys.stderr)
         return report
 
 
@@ -210,11 +218,11 @@ def train_on_responses_only(
                                           response_part=response_part, instruction_part=instruction_part)
     options = MaskOptions.resolve(options, **option_fields)
     args = getattr(trainer, "args", None)
-    trl_max_length = getattr(args, "max_length", None)  # TRL truncated (or packed) the rows at this length
-    if options.max_length is None and isinstance(trl_max_length, int) and not isinstance(trl_max_length, bool):
-        # a no-op cut, so that the drop check knows which length truncated the rows
-        options = MaskOptions.resolve(options, max_length=trl_max_length)
-    job = _Job(options, resolved, source, tuple(messages), chat, verbose)
+    limit = getattr(args, "max_length", None)
+    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+    job = _Job(options, resolved, source, tuple(messages), chat, verbose, truncated_at=limit,
+               truncation=f"max_length={limit} (the trainer's args.max_length, e.g. SFTConfig(max_length=...); "
+                          "the trainer truncated the rows before lossmask saw them)" if limit else None)
     if verbose:
         for message in messages:
             print(f"lossmask: {message}", file=sys.stderr)
@@ -304,7 +312,7 @@ def _count_packed_documents(job: "_Job", dataset: Any, name: str, truncation_mod
         documents = pa.LargeListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(seq_lengths)]), pa.int64()), values)
         counts = counts + label_batch(documents, job.markers, last_turn_only=job.options.last_turn_only).counts
     tally = Tally(counts=counts, rows_out=counts.rows)
-    _check_drops(tally, job.tokenizer, job.options)
+    _check_drops(tally, job.tokenizer, job.options, truncation=job.truncation)
     report = MaskReport.build(tally, markers=job.markers, markers_source=job.source, keep_dropped=True,
                               input=f"{name} (packed documents)", messages=job.messages)
     if job.verbose:

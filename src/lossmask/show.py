@@ -372,9 +372,14 @@ def run_show(tokenizer: Any, conversation_path: str | os.PathLike | None = None,
 
 def detect_report(tokenizer: Any, *, model_name: str | None = None) -> dict[str, Any]:
     """What ``lossmask detect --json`` prints: markers (ids and text), source, reason, messages, verification."""
-    from .tokenizer import load_tokenizer
+    from .tokenizer import ChatTemplateError, load_tokenizer
 
-    ct = load_tokenizer(tokenizer)
+    try:
+        ct = load_tokenizer(tokenizer)
+    except ChatTemplateError:  # a base model's tokenizer: the policy says what it does without a template
+        r = _resolve_quietly(tokenizer, model_name)
+        return {"tokenizer": str(tokenizer), "source": r.source, "template": r.template, "reason": r.reason,
+                "messages": list(r.messages), "markers": None, "decoded": {}, "verification": None}
     r = _resolve_quietly(ct, model_name)
     report = r.report
     verification = None
@@ -416,14 +421,19 @@ def run_detect(tokenizer: Any, *, model_name: str | None = None, as_json: bool =
     if info["markers"] is None:
         print("markers: none: the full sequence trains", file=out)
     else:
-        print("markers:", file=out)
-        for kind in KINDS:
-            for ids, text in zip(info["markers"][kind], info["decoded"].get(kind, [])):
-                print(f"  {kind:<11} {text!r:<40} {ids}", file=out)
+        from .report import marker_lines
+
+        print("markers (text = ids; whitespace variants are the header merged with the reply's leading whitespace):",
+              file=out)
+        markers = {kind: info["markers"][kind] for kind in KINDS if info["markers"].get(kind)}
+        for line in marker_lines(markers, info["decoded"]):
+            print(f"  {line}", file=out)
+    summary = info["verification"]["summary"] if info["verification"] is not None else None
     for message in info["messages"]:
         print(message, file=out)
+    if summary is not None and not any(summary in message for message in info["messages"]):
+        print(f"verification: {summary}", file=out)
     if info["verification"] is not None:
-        print(f"verification: {info['verification']['summary']}", file=out)
         kinds = info["verification"]["kinds"]
         if kinds:
             print("conversation kinds:", file=out)

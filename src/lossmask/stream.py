@@ -75,19 +75,21 @@ def mask_files(
         if os.path.realpath(report) == os.path.realpath(output):
             raise ValueError(f"report {report} is the output {output}; write the report to another path")
     kind = job_input_kind(dataset, options)
-    tokenizer = load_chat_tokenizer(tokenizer, chat_template=chat_template) if tokenizer is not None else None
+    tokenizer, bare = _job_tokenizer(tokenizer, chat_template, kind, source), tokenizer
     if kind == "prompt_completion" and is_text_pairs(dataset.schema, options):
         if tokenizer is None:
             raise ValueError(f"{source}: prompt/completion text needs a tokenizer (--tokenizer DIR / tokenizer=)")
         resolved, markers_source, messages = None, "position", (POSITION_NOTE,)
     else:
         resolved, markers_source, messages = resolve_job_markers(
-            markers, tokenizer=tokenizer, model_name=model_name, strict=strict
+            markers, tokenizer=tokenizer if tokenizer is not None or markers is not None else bare,
+            model_name=model_name, strict=strict,
         )
     schema = output_schema(dataset.schema, options, kind)
     messages = (*messages, *dataset.skipped, *remove_stale_partials(output),
                 *(remove_stale_partials(report) if report is not None else ()))
     tally = Tally()
+    tally.time("setup", time.perf_counter() - started)  # open, load the tokenizer, choose and verify the markers
     temporary = partial_name(output)
     report_partial = partial_name(report) if report is not None else None
     show = _progress_bar(progress, total=dataset.count_rows())
@@ -118,6 +120,7 @@ def mask_files(
         result = MaskReport.build(
             tally, markers=resolved, markers_source=markers_source, keep_dropped=options.keep_dropped,
             input=source, output=output, messages=messages,
+            decode=(lambda t: tokenizer.decode([t])) if tokenizer is not None else None,
         )
         if report_partial is not None:
             result.to_json(report_partial)
@@ -304,6 +307,24 @@ def resolve_job_markers(markers: Any, *, tokenizer: Any, model_name: str | None,
     return resolution.markers, resolution.source, tuple(resolution.messages)
 
 
+def _job_tokenizer(tokenizer: Any, chat_template: Any, kind: str, source: str):
+    """The job's tokenizer adapter; None for pre-tokenised rows when the tokenizer has no chat template (a base
+    model: the policy then decides, and says so). Chat rows need a template: the error names --chat-template."""
+    if tokenizer is None:
+        return None
+    from .tokenizer import ChatTemplateError
+
+    try:
+        return load_chat_tokenizer(tokenizer, chat_template=chat_template)
+    except ChatTemplateError as exc:
+        if kind == "input_ids":
+            return None
+        raise ChatTemplateError(
+            f"{exc}. {source}: {kind} rows are rendered with a chat template: pass the one you train with "
+            "(--chat-template FILE.jinja, or chat_template= in Python)"
+        ) from None
+
+
 def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | None = None):
     """The tokenizer adapter of a job, with its chat template replaced when ``chat_template`` is given."""
     from .encode import chat_tokenizer
@@ -352,17 +373,25 @@ def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, inpu
     return "\n".join(lines)
 
 
-def _check_drops(tally: Tally, tokenizer: Any, options: MaskOptions) -> None:
-    """The safety net: the engine's outcomes first (its message names the cause), then rows rejected as invalid."""
+def _check_drops(tally: Tally, tokenizer: Any, options: MaskOptions, *, truncation: str | None = None) -> None:
+    """The safety net: the engine's outcomes first (its message names the cause the dropped rows show,
+    with an example row each), then rows rejected as invalid. ``truncation`` names the length that cut
+    the rows when it was not lossmask's own ``max_length`` (e.g. ``"max_length=40 (SFTConfig.max_length)"``)."""
+    from .safety import format_row
+
+    decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
     example = None
     if tally.dropped_example is not None:
-        from .safety import format_row
-
         ids, labels = tally.dropped_example
-        decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
         example = format_row(ids, labels, decode, ignore_index=options.ignore_index)
+    examples = {cause: f"row {row} (0-based; trained tokens in [brackets]):\n    "
+                       + format_row(ids, labels, decode, ignore_index=options.ignore_index, max_tokens=40)
+                for cause, (row, ids, labels) in tally.drop_examples.items()}
+    if truncation is None and options.max_length:
+        truncation = f"max_length={options.max_length} (--max-length / MaskOptions.max_length)"
     max_drop_fraction = options.max_drop_fraction
-    check_drop_fraction(tally.counts, max_drop_fraction=max_drop_fraction, example=example)
+    check_drop_fraction(tally.counts, max_drop_fraction=max_drop_fraction, example=example,
+                        causes=tally.drop_causes, examples=examples, truncation=truncation)
     rows_in = tally.rows_in
     untrained = tally.invalid + tally.counts.rows_dropped
     if rows_in and untrained / rows_in > max_drop_fraction:
