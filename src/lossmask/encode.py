@@ -70,7 +70,7 @@ def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
             for p, c in zip(messages_from_arrow(prompts), messages_from_arrow(completions))
         ]
         where = f"{options.prompt_column}+{options.completion_column}"
-    tools = table.column("tools").to_pylist() if "tools" in table.column_names else None
+    tools = json_values(table.column("tools")) if "tools" in table.column_names else None
     errors: list[tuple[int, str]] = []
     chats, rows = [], []
     for r, messages in enumerate(conversations):
@@ -264,6 +264,17 @@ def messages_from_arrow(column: pa.Array | pa.ChunkedArray) -> list[list[dict] |
     """
     rows = column.to_pylist()
     return [None if row is None else [_message(m) for m in row] for row in rows]
+
+
+def json_values(column: pa.Array | pa.ChunkedArray) -> list:
+    """A column as Python values, with JSON text (``arrow.json``, or a list of it) decoded."""
+    values = column.to_pylist()
+    arrow_type = column.type
+    if getattr(arrow_type, "extension_name", None) == "arrow.json":
+        return [None if v is None else json.loads(v) for v in values]
+    if pa.types.is_list(arrow_type) and getattr(arrow_type.value_type, "extension_name", None) == "arrow.json":
+        return [None if v is None else [None if item is None else json.loads(item) for item in v] for v in values]
+    return values
 
 
 def _message(message: Any) -> Any:

@@ -157,6 +157,8 @@ def _label(input_ids, markers, backend, last_turn_only, ignore_index, out_dtype,
     kernel = get_backend(backend)
 
     def run(rows: TokenRows, out: np.ndarray):
+        if not write_mask:
+            batches.check_label_range(rows, out.dtype)
         trained, outcomes, first_bad = kernel.label_rows(
             rows.values, rows.starts, rows.ends, markers,
             last_turn_only=last_turn_only, ignore_index=ignore_index, out=out, write_mask=write_mask,
