@@ -102,7 +102,7 @@ def test_a_retried_task_counts_its_rows_once(local_ray, tmp_path):
         assert int(fh.read()) == 500  # the worker did die, after its rows 2000-2499 were labelled
     assert report.rows_in == 4000 == report.rows_out + sum(report.dropped.values())
     assert report.rows_out == int(expected.keep.sum()) == rows_out
-    assert report.dropped == {**expected.counts.dropped, "invalid": 0}
+    assert report.dropped == {**expected.counts.dropped, "invalid": 0, "content_dropped": 0, "special_tokens_in_content": 0}
     assert report.tokens_in == expected.counts.tokens and report.tokens_trained == expected.counts.tokens_trained
 
 
