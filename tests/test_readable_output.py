@@ -137,8 +137,8 @@ def test_detect_prints_grouped_markers_and_its_verification_once(capsys):
     assert run_detect(tokenizer_path("qwen2.5")) == 0
     out = capsys.readouterr().out
     assert "response  '<|im_start|>assistant\\n' = [151644, 77091, 198]  + 33 whitespace variants" in out
-    assert out.count("exact: ") == 1
-    assert len(out.splitlines()) < 10
+    assert out.count("tokens checked") == 1  # the verification sentence once (the per-kind lines follow)
+    assert len(out.splitlines()) < 16  # markers grouped; six conversation-kind lines follow
 
 
 def _base_tokenizer(tmp_path):

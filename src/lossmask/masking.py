@@ -233,8 +233,14 @@ def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit,
     if kind == "messages" and options.messages_column in table.column_names:
         chats = table.column(options.messages_column).combine_chunks()
         turns = pc.list_flatten(chats)
+        if isinstance(turns, pa.ExtensionArray):  # arrow.json: each message is its JSON text
+            turns = turns.storage
+        is_assistant = None
         if pa.types.is_struct(turns.type) and turns.type.get_field_index("role") >= 0:
             is_assistant = pc.fill_null(pc.equal(pc.struct_field(turns, "role"), "assistant"), False)
+        elif pa.types.is_string(turns.type) or pa.types.is_large_string(turns.type):
+            is_assistant = pc.fill_null(pc.match_substring_regex(turns, r'"role"\s*:\s*"assistant"'), False)
+        if is_assistant is not None:
             parents = pc.list_parent_indices(chats).to_numpy(zero_copy_only=False)
             hits = parents[is_assistant.to_numpy(zero_copy_only=False)]
             has_assistant = np.bincount(hits, minlength=len(table)) > 0
