@@ -25,6 +25,7 @@ the tool calls themselves; Qwen2.5 skips a message whose role it does not know) 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -76,8 +77,8 @@ def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
         if isinstance(function.get("name"), str) and function["name"].strip():
             pieces.append((function["name"], False, "tool call name"))
         arguments = function.get("arguments")
-        if isinstance(arguments, Mapping):
-            pieces += [(v, True, "tool call arguments") for v in _strings(arguments) if v.strip()]
+        if isinstance(arguments, Mapping):  # as the template's tojson writes it, else each string value
+            pieces.append((_ObjectText(arguments), True, "tool call arguments"))
         elif isinstance(arguments, str) and arguments.strip():
             pieces.append((arguments, True, "tool call arguments"))
     return pieces
@@ -110,16 +111,42 @@ def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool
                 if required and missing is None and not (system_optional and role == "system"):
                     missing = (index, role, what)
                 continue
-            spans.append(found)
+            spans.append(_core(text, found))
             after = found[1]
         cursor = max(cursor, after)
     return Located(_merge(spans), missing)
 
 
+class _ObjectText(str):
+    """An object's arguments: its JSON text as tojson writes it (``str`` of this), else its string values."""
+
+    def __new__(cls, value: Mapping):
+        self = super().__new__(cls, json.dumps(value, ensure_ascii=False))
+        self.forms = (json.dumps(value, ensure_ascii=False), json.dumps(value), json.dumps(value, separators=(",", ":")))
+        self.leaves = [v for v in _strings(value) if v.strip()]
+        return self
+
+
 def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
+    if isinstance(piece, _ObjectText):
+        for form in piece.forms:
+            at = text.find(form, start)
+            if at >= 0:
+                return at, at + len(form)
+        # each value as a JSON string or an XML-style element (GLM writes <arg_value>v</arg_value>); a bare
+        # value could be any later text that quotes it
+        found = [_find_first(text, (f'"{leaf}"', json.dumps(leaf), f">{leaf}<"), start) for leaf in piece.leaves]
+        if not found or None in found:
+            return None
+        return min(f[0] for f in found) + 1, max(f[1] for f in found) - 1
     at = text.find(piece, start)
     if at >= 0:
         return at, at + len(piece)
+    # a string the template wrote through tojson (gpt-oss's tool results, Qwen2.5's string arguments)
+    for escaped in {json.dumps(piece, ensure_ascii=False)[1:-1], json.dumps(piece)[1:-1]} - {piece}:
+        at = text.find(escaped, start)
+        if at >= 0:
+            return at, at + len(escaped)
     stripped = piece.strip()
     at = text.find(stripped, start)
     if at >= 0:
@@ -130,6 +157,22 @@ def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
         if match:
             return match.span()
     return None
+
+
+def _core(text: str, span: tuple[int, int]) -> tuple[int, int]:
+    """The span without its edge whitespace: a template that strips a content may leave its own newline
+    where the content's was, and whitespace at the edges is where header variants merge; only the core is data."""
+    start, end = span
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return start, end
+
+
+def _find_first(text: str, forms: Sequence[str], start: int) -> tuple[int, int] | None:
+    hits = [(at, at + len(form)) for form in forms for at in [text.find(form, start)] if at >= 0]
+    return min(hits) if hits else None
 
 
 def _merge(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
