@@ -6,9 +6,12 @@ tiktoken, which refuses special tokens in text unless they are allowed, lossmask
 ordinary text by default. Which strings count, decided once per tokenizer from its own template
 (``ContentTokens.of``):
 
-- **structural** tokens: every token flagged special, and every added token the template writes
-  outside an assistant turn's body in a chat without tools (headers, closings, BOS/EOS: the
-  framing of every turn; community ChatML fine-tunes add ``<|im_end|>`` without the special flag).
+- **structural** tokens: every token flagged special that the template writes (or the tokenizer's
+  BOS/EOS/PAD/UNK), and every added token the template writes outside an assistant turn's body in a
+  chat without tools (headers, closings, BOS/EOS: the framing of every turn; community ChatML
+  fine-tunes add ``<|im_end|>`` without the special flag). A special token the template never
+  writes (LFM2's ``<|tool_call_start|>``, which LFM2 data writes into the reply) can be no marker
+  and frames nothing: it stays a token.
   In message text they are encoded as ordinary text (``special_tokens_in_content="text"``).
 - **body** tokens: added tokens that the template writes only inside an assistant turn's body, after
   the generation prompt (``<think>``/``</think>`` on Qwen3, ``<tool_call>`` on Qwen2.5,
@@ -83,7 +86,10 @@ class ContentTokens:
         controls = {ct.tokenizer.bos_token_id, ct.tokenizer.eos_token_id, ct.tokenizer.pad_token_id,
                     ct.tokenizer.unk_token_id}
         body = {i: contents[i] for i in inside - outside - controls}
-        structural = {i: contents[i] for i in (set(ct.special_ids) & set(contents)) | framing if i not in body}
+        # a special token the template never writes (LFM2's <|tool_call_start|>, which its data puts in the
+        # reply itself) is no marker and no framing: it stays a token, as the model generates it
+        written = (inside | outside | controls) & set(ct.special_ids)
+        structural = {i: contents[i] for i in written | framing if i not in body and i in contents}
         structural = {i: s for i, s in structural.items() if s}
         drops_system = _drops_system(ct)
         return cls(structural, body, drops_system, _alternation(structural.values()))
