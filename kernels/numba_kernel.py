@@ -1,17 +1,22 @@
 """The CPU engine: one pass per row, rows in parallel (``prange``), over flat Arrow buffers.
 
-Equal to ``reference.py`` bit for bit. The scan keeps three positions per row instead of the sets
-of SPEC.md: the latest open, the latest close and the end of the latest mask_out match. At token
-``i`` the events that land on ``i`` are exactly
+Equal to ``reference.py`` bit for bit. Each row is scanned once by the Aho-Corasick automaton of
+the markers (``lossmask/automaton.py``): one class lookup and one transition per token, whatever
+the number of patterns, and the state tells which patterns end at that token.
 
-- a response or instruction pattern that *starts* at ``i`` (close at ``i``), and a mask_out pattern
-  that starts at ``i`` (covers ``[i, i+len)``): checked forwards from ``t[i]``;
-- a response pattern that *ends* at ``i-1`` (open at ``i``) and an end pattern that ends at ``i-1``
-  (close at ``i``): checked backwards from ``t[i-1]``.
-
-So one forward scan sees every event in order. A per-token-id flag table (``flags``) keeps the
-pattern loops off the common path: most tokens neither start nor end any pattern, and between two
-flagged tokens the label is either every token or ``ignore_index``, written by a tight loop.
+The labels need more than matches at their ends: a response or instruction match closes at its
+*start* and a mask_out match covers the tokens *before* its end. So labels are written with a lag.
+A small ring of per-position events (open / close / masked) holds the positions not yet written;
+after token ``i`` has moved the automaton to a state whose ``pending`` is ``d`` (the longest suffix of
+the row so far that a match may still grow from), no match can still start at or before ``i - d``,
+so those positions are final and are written, in order, keeping SPEC.md's "latest open / latest
+close at or before ``i``" as two integers. At ``d == 0`` nothing is pending and the automaton is back
+in its start state, where a token whose class is *quiet* (it starts no pattern) leaves it: the
+common case. A token that does begin some pattern but not with the token after it (``<|im_start|>``
+before ``user``, or ``\n`` before a word; ``Automaton.pair``) is stepped over too: from the start
+state the automaton would be back there one token later, having fired nothing. From such a place,
+the labels up to the next token that may begin a match are all one decision, written by a tight loop
+that only classifies tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..markers import END, ENDS_PATTERN, INSTRUCTION, MASK_OUT, RESPONSE, STARTS_PATTERN, Markers
+from ..automaton import CLOSE_AT_START, CLOSE_NEXT, MASK, OPEN_NEXT
+from ..markers import Markers
 from ..outcomes import Outcome
 
 _TRAINED = np.int8(Outcome.TRAINED)
@@ -27,173 +33,239 @@ _NO_RESPONSE = np.int8(Outcome.NO_RESPONSE)
 _EMPTY_RESPONSE = np.int8(Outcome.EMPTY_RESPONSE)
 _EMPTY = np.int8(Outcome.EMPTY)
 
+# Bits of the event ring: what happens at a position not yet written.
+_EV_OPEN, _EV_CLOSE, _EV_MASKED = 1, 2, 4
 
-@njit(cache=True, nogil=True, inline="always")
-def _matches(values, at, lo, hi, tokens, p_lo, p_hi):
-    """Does the pattern ``tokens[p_lo:p_hi]`` occur at ``values[at:]`` within the row ``[lo, hi)``?"""
-    if at < lo or at + (p_hi - p_lo) > hi:
-        return False
-    for k in range(p_hi - p_lo):
-        if values[at + k] != tokens[p_lo + k]:
-            return False
-    return True
-
-
-@njit(cache=True, nogil=True)
-def _last_open(values, lo, hi, tokens, offsets, kinds, flags):
-    """max(OPEN) for the row, scanning backwards from its end; -1 when no response pattern occurs."""
-    for i in range(hi, lo, -1):  # an open at i comes from a response pattern ending at i-1
-        if not (_flag(values[i - 1], flags) & ENDS_PATTERN):
-            continue
-        for k in range(kinds.shape[0]):
-            if kinds[k] == RESPONSE:
-                length = offsets[k + 1] - offsets[k]
-                if _matches(values, i - length, lo, hi, tokens, offsets[k], offsets[k + 1]):
-                    return i
-    return -1
+# Rows per unit of parallel work: each unit allocates its own event ring once.
+_ROWS_PER_BLOCK = 64
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _flag(v, flags):
-    """The flag bits of token ``v``; ids outside the table start and end nothing."""
-    if v < 0 or v >= flags.shape[0]:
-        return 0
-    return flags[v]
-
-
-@njit(cache=True, nogil=True)
-def _label_row(values, lo, hi, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask):
-    """Label one row in place; return (trained tokens, outcome code, first negative index or -1).
-
-    The state (trained or not) can only change on a token that starts or ends a pattern, or where a
-    mask_out match ends. So the row is walked as: settle the events at ``i``, then write the run of
-    tokens up to the next such place with one tight loop that only looks at ``flags``.
-    """
-    if hi <= lo:
-        return 0, _EMPTY, -1
-    n_patterns = kinds.shape[0]
-    n_flags = np.uint64(flags.shape[0])  # unsigned: a negative id compares as huge and skips the lookup
-    only_open = _last_open(values, lo, hi, tokens, offsets, kinds, flags) if last_turn_only else -2
-    trained_value = 1 if write_mask else 0
-    untrained_value = 0 if write_mask else ignore_index
-    last_open = -1
-    last_close = -1
-    masked_until = -1
-    saw_response = False
-    n_trained = 0
-    sign = values[lo] & 0  # OR of the tokens written by the fast loops: negative iff one of them was
-    i = lo
-    while i <= hi:  # i == hi only settles a response pattern that ends the row
-        # Events at i from patterns that end at i-1 (checked backwards) ...
-        if i > lo and _flag(values[i - 1], flags) & ENDS_PATTERN:
-            previous = values[i - 1]
-            for k in range(n_patterns):  # last token first: the cheapest test rules out most patterns
-                if tokens[offsets[k + 1] - 1] == previous and (kinds[k] == RESPONSE or kinds[k] == END):
-                    if _matches(values, i - (offsets[k + 1] - offsets[k]), lo, hi, tokens, offsets[k], offsets[k + 1]):
-                        if kinds[k] == RESPONSE:
-                            last_open = i
-                            saw_response = True
-                        else:
-                            last_close = i
-        if i == hi:
-            break
-        # ... and from patterns that start at i (checked forwards).
-        v = values[i]
-        sign |= v
-        flag = _flag(v, flags)
-        if flag & STARTS_PATTERN:
-            for k in range(n_patterns):
-                if tokens[offsets[k]] == v and kinds[k] != END and _matches(values, i, lo, hi, tokens, offsets[k], offsets[k + 1]):
-                    if kinds[k] == MASK_OUT:
-                        masked_until = max(masked_until, i + offsets[k + 1] - offsets[k])
-                    else:
-                        last_close = i
-        trained = last_open > last_close and i >= masked_until
-        if last_turn_only:
-            trained = trained and last_open == only_open
-        # The run: from i to the next token with a flag, the end of the mask_out match, or i+1 when
-        # token i itself ends a pattern (its event lands on i+1).
-        run_end = hi
-        if i < masked_until < hi:
-            run_end = masked_until
-        if flag & ENDS_PATTERN:
-            run_end = i + 1
-        j = i + 1
-        if trained and not write_mask:
-            out[i] = v
-            while j < run_end:
-                w = values[j]
-                if np.uint64(w) < n_flags and flags[w] != 0:
-                    break
-                out[j] = w
-                sign |= w
-                j += 1
+def _big_class(v, big_ids, big_classes):
+    """Class of an id beyond the dense table: binary search in the sorted pattern ids there, else 0."""
+    u = np.uint64(v)
+    lo, hi = 0, big_ids.shape[0]
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if big_ids[mid] < u:
+            lo = mid + 1
         else:
-            fill = trained_value if trained else untrained_value
-            out[i] = fill
-            while j < run_end:
-                w = values[j]
-                if np.uint64(w) < n_flags and flags[w] != 0:
+            hi = mid
+    if lo < big_ids.shape[0] and big_ids[lo] == u:
+        return np.int64(big_classes[lo])
+    return np.int64(0)
+
+
+# The class of a token id, written out wherever it is needed (never as a call: see _label_block):
+# ``classes[min(uint64(v), last)]``: every id at or past the table's last slot (negative ids too,
+# as unsigned) reads that slot, branch-free. It holds 0, or the BIG class ``n_classes`` when some
+# pattern ids lie beyond the table; those go to ``_big_class``.
+
+
+@njit(cache=True, nogil=True)
+def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_only, ignore_index, out, write_mask,
+                 trained_tokens, outcomes, first_bad):
+    """Label rows ``[r_lo, r_hi)`` in place, with their trained tokens, outcome codes and first negative index.
+
+    One function body for the whole block (no call per row: numba keeps reference counts on the
+    arrays handed to a call, which costs more than a short row). ``ring`` (a power of two, at least
+    the longest pattern + 2 long) holds the events of positions not yet written; every row leaves it
+    all zero for the next.
+    """
+    (n_quiet, n_classes, max_response_length, classes, big_ids, big_classes, goto, pending, outputs,
+     close_offsets, close_lengths, mask_length, pair, back_goto, back_quiet, back_open_length) = auto
+    last = np.uint64(classes.shape[0] - 1)  # unsigned: a negative id compares as huge and reads the last slot
+    width = n_classes + 1
+    ring = np.zeros(ring_size, np.uint8)
+    ring_mask = ring_size - 1
+    for r in range(r_lo, r_hi):
+        lo, hi = starts[r], ends[r]
+        if hi <= lo:
+            trained_tokens[r] = 0
+            outcomes[r] = _EMPTY
+            first_bad[r] = -1
+            continue
+        only_open = -2
+        if last_turn_only:  # max(OPEN): scan back from the row's end with the reversed-response automaton
+            only_open = -1
+            state = 0
+            i = hi - 1
+            while i >= lo and not (only_open >= 0 and i + max_response_length <= only_open):
+                # (once found, no match starting at or before i can open later)
+                c = np.int64(classes[min(np.uint64(values[i]), last)])
+                if c == n_classes:
+                    c = _big_class(values[i], big_ids, big_classes)
+                if state != 0 or back_quiet[c] == 0:
+                    state = back_goto[state * n_classes + c]
+                    length = back_open_length[state]  # the longest response pattern starting at i
+                    if length != 0 and i + length > only_open:
+                        only_open = i + length
+                i -= 1
+        trained_value = 1 if write_mask else 0
+        untrained_value = 0 if write_mask else ignore_index
+        last_open = -1
+        last_close = -1
+        saw_response = False
+        n_trained = 0
+        sign = values[lo] & 0  # OR of every token: negative iff one of them is
+        state = 0
+        p = lo  # the first position whose label is not written yet
+        i = lo
+        while i < hi:
+            v = values[i]
+            # The class, written out (see above): numba keeps a reference count on every array handed
+            # to a call, even an inlined one, and that costs more than the lookup itself.
+            c = np.int64(classes[min(np.uint64(v), last)])
+            if c == n_classes:
+                c = _big_class(v, big_ids, big_classes)
+            if state == 0 and c < n_quiet:
+                # Nothing pending (p == i), and nothing starts here: one decision up to the next token
+                # that may begin a match. Only a match that ended at i-1 can put events on i.
+                slot = i & ring_mask
+                event = ring[slot]
+                if event != 0:
+                    ring[slot] = 0
+                    if event & _EV_OPEN:
+                        last_open = i
+                    if event & _EV_CLOSE:
+                        last_close = i
+                trained = last_open > last_close and (not last_turn_only or last_open == only_open)
+                sign |= v
+                j = i + 1
+                if trained and not write_mask:
+                    out[i] = v
+                    while j < hi:
+                        w = values[j]
+                        a = np.int64(classes[min(np.uint64(w), last)])
+                        if a >= n_quiet:  # begins some pattern: does it begin one here? (Automaton.pair)
+                            b = np.int64(classes[min(np.uint64(values[j + 1]), last)]) if j + 1 < hi else np.int64(0)
+                            if pair[a * width + b] != 0:
+                                break
+                        out[j] = w
+                        sign |= w
+                        j += 1
+                else:
+                    fill = trained_value if trained else untrained_value
+                    out[i] = fill
+                    while j < hi:
+                        w = values[j]
+                        a = np.int64(classes[min(np.uint64(w), last)])
+                        if a >= n_quiet:  # begins some pattern: does it begin one here? (Automaton.pair)
+                            b = np.int64(classes[min(np.uint64(values[j + 1]), last)]) if j + 1 < hi else np.int64(0)
+                            if pair[a * width + b] != 0:
+                                break
+                        out[j] = fill
+                        sign |= w
+                        j += 1
+                if trained:
+                    n_trained += j - i
+                i = j
+                p = j
+                continue
+            # One automaton step; record the events of every match that ends at i.
+            sign |= v
+            state = goto[state * n_classes + c]
+            bits = outputs[state]
+            if bits != 0:
+                if bits & OPEN_NEXT:
+                    ring[(i + 1) & ring_mask] |= _EV_OPEN
+                    saw_response = True
+                if bits & CLOSE_NEXT:
+                    ring[(i + 1) & ring_mask] |= _EV_CLOSE
+                if bits & CLOSE_AT_START:
+                    for k in range(close_offsets[state], close_offsets[state + 1]):
+                        ring[(i + 1 - close_lengths[k]) & ring_mask] |= _EV_CLOSE
+                if bits & MASK:
+                    for q in range(i + 1 - mask_length[state], i + 1):
+                        ring[q & ring_mask] |= _EV_MASKED
+            # Write the positions that no match can reach any more.
+            held = pending[state]
+            final = i - held
+            while p <= final:
+                slot = p & ring_mask
+                event = ring[slot]
+                ring[slot] = 0
+                if event & _EV_OPEN:
+                    last_open = p
+                if event & _EV_CLOSE:
+                    last_close = p
+                trained = last_open > last_close and not (event & _EV_MASKED)
+                trained = trained and (not last_turn_only or last_open == only_open)
+                if trained:
+                    out[p] = trained_value if write_mask else values[p]
+                    n_trained += 1
+                else:
+                    out[p] = untrained_value
+                p += 1
+            if held == 0:  # nothing the row ends with can grow into a match: back to the start state
+                state = 0
+            i += 1
+        while p < hi:  # the row's end settles whatever was pending
+            slot = p & ring_mask
+            event = ring[slot]
+            ring[slot] = 0
+            if event & _EV_OPEN:
+                last_open = p
+            if event & _EV_CLOSE:
+                last_close = p
+            trained = last_open > last_close and not (event & _EV_MASKED)
+            trained = trained and (not last_turn_only or last_open == only_open)
+            if trained:
+                out[p] = trained_value if write_mask else values[p]
+                n_trained += 1
+            else:
+                out[p] = untrained_value
+            p += 1
+        ring[hi & ring_mask] = 0  # events one past the row (a response pattern that ends it)
+        bad_at = -1
+        if sign < 0:  # rare: find the first negative id for the error message
+            for k in range(lo, hi):
+                if values[k] < 0:
+                    bad_at = k
                     break
-                out[j] = fill
-                sign |= w
-                j += 1
-        if trained:
-            n_trained += j - i
-        i = j
-    first_bad = -1
-    if sign < 0:  # rare: find the first negative id for the error message
-        for k in range(lo, hi):
-            if values[k] < 0:
-                first_bad = k
-                break
-    if n_trained:
-        return n_trained, _TRAINED, first_bad
-    return 0, (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE), first_bad
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _label_into(r, values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask,
-                trained_tokens, outcomes, first_bad):
-    n, code, bad = _label_row(
-        values, starts[r], ends[r], tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask
-    )
-    trained_tokens[r] = n
-    outcomes[r] = code
-    first_bad[r] = bad
+        trained_tokens[r] = n_trained
+        outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
+        first_bad[r] = bad_at
 
 
 # Two drivers, one per schedule: waking the thread pool costs more than it saves on small batches
 # (a collator's 16 rows), and far more on a loaded machine. They must be two Python functions: numba
 # keys its on-disk cache by function, so one body compiled twice would load one schedule for both.
 @njit(cache=True, parallel=True, nogil=True)
-def _label_rows_parallel(values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask):
+def _label_rows_parallel(values, starts, ends, auto, ring_size, last_turn_only, ignore_index, out, write_mask):
     n_rows = starts.shape[0]
     trained_tokens, outcomes, first_bad = np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int8), np.full(n_rows, -1, np.int64)
-    for r in prange(n_rows):
-        _label_into(r, values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask,
-                    trained_tokens, outcomes, first_bad)
+    n_blocks = (n_rows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK
+    for b in prange(n_blocks):
+        _label_block(b * _ROWS_PER_BLOCK, min(n_rows, (b + 1) * _ROWS_PER_BLOCK), values, starts, ends, auto,
+                     ring_size, last_turn_only, ignore_index, out, write_mask, trained_tokens, outcomes, first_bad)
     return trained_tokens, outcomes, first_bad
 
 
 @njit(cache=True, nogil=True)
-def _label_rows_serial(values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask):
+def _label_rows_serial(values, starts, ends, auto, ring_size, last_turn_only, ignore_index, out, write_mask):
     n_rows = starts.shape[0]
     trained_tokens, outcomes, first_bad = np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int8), np.full(n_rows, -1, np.int64)
-    for r in range(n_rows):
-        _label_into(r, values, starts, ends, tokens, offsets, kinds, flags, last_turn_only, ignore_index, out, write_mask,
-                    trained_tokens, outcomes, first_bad)
+    _label_block(0, n_rows, values, starts, ends, auto, ring_size, last_turn_only, ignore_index, out, write_mask,
+                 trained_tokens, outcomes, first_bad)
     return trained_tokens, outcomes, first_bad
 
 
 PARALLEL_MIN_TOKENS = 1 << 18
 
 
+def automaton_args(markers: Markers) -> tuple[tuple, int]:
+    """``(auto, ring_size)``: the automaton as the drivers take it, and the size of the event ring."""
+    a = markers.compiled().automaton
+    auto = (a.n_quiet, a.n_classes, a.max_response_length) + a.kernel_args()
+    return auto, 1 << (a.max_length + 1).bit_length()  # a power of two >= max_length + 2
+
+
 def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
     """Backend entry point (see ``lossmask.kernels``)."""
-    c = markers.compiled()
+    auto, ring_size = automaton_args(markers)
     kernel = _label_rows_parallel if values.shape[0] >= PARALLEL_MIN_TOKENS else _label_rows_serial
     return kernel(
-        values, starts, ends, c.tokens, c.offsets, c.kinds, c.flags,
+        values, starts, ends, auto, ring_size,
         bool(last_turn_only), out.dtype.type(ignore_index), out, bool(write_mask),
     )

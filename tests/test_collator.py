@@ -160,8 +160,10 @@ def test_row_labels_keep_and_rebuild():
 def test_errors_say_what_to_pass():
     with pytest.raises(ValueError, match="padding_side='up'"):
         CompletionCollator(markers=MARKERS, pad_token_id=0, padding_side="up")
-    with pytest.raises(ValueError, match="pad_token_id=None"):
-        CompletionCollator(markers=MARKERS, pad_token_id=None)
+    with pytest.raises(ValueError, match="pad_token_id=-1"):
+        CompletionCollator(markers=MARKERS, pad_token_id=-1)
+    with pytest.raises(ValueError, match="truncation_mode='middle'"):
+        CompletionCollator(markers=MARKERS, truncation_mode="middle")
     with pytest.raises(ValueError, match="prompt_loss_weight=2"):
         CompletionCollator(markers=MARKERS, pad_token_id=0, prompt_loss_weight=2)
     with pytest.raises(TypeError, match="lossmask.Markers"):
@@ -169,10 +171,65 @@ def test_errors_say_what_to_pass():
     collate = CompletionCollator(markers=MARKERS, pad_token_id=0)
     with pytest.raises(ValueError, match="seq_lengths add up to 3 but the row has 4"):
         collate([{"input_ids": [1, 2, 3, 4], "seq_lengths": [1, 2]}])
+    with pytest.raises(ValueError, match="negative length"):
+        collate([{"input_ids": [1, 2, 3, 4], "seq_lengths": [5, -1]}])
     with pytest.raises(ValueError, match="row 1 holds the negative token id -100 at position 1"):
         collate([{"input_ids": [1, 2]}, {"input_ids": [1, -100]}])
     with pytest.raises(TypeError, match="input_ids"):
         collate([{"text": "hi"}])
+
+
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_rows_truncated_after_packing_cut_their_seq_lengths(mode, padding_free):
+    """SFTConfig(max_length) shorter than rows packed beforehand: TRL cuts input_ids, not seq_lengths."""
+    docs = [ROWS[1], ROWS[0], ROWS[1]]
+    packed = [t for d in docs for t in d]
+    n = len(ROWS[1]) + 20  # the cut falls inside the middle document; one document is cut away entirely
+    lo = 0 if mode == "keep_start" else len(packed) - n
+    kept, cut, start = packed[lo : lo + n], [], 0
+    for d in docs:  # the pieces of each document inside the kept window
+        piece = d[max(0, lo - start) : max(0, lo + n - start)]
+        cut += [piece] if piece else []
+        start += len(d)
+    assert sum(map(len, cut)) == n and len(cut) == 2
+    examples = [{"input_ids": kept, "seq_lengths": [len(d) for d in docs]}, {"input_ids": ROWS[1], "seq_lengths": [len(ROWS[1])]}]
+    batch = CompletionCollator(markers=MARKERS, pad_token_id=0, padding_free=padding_free, truncation_mode=mode)(examples)
+    want = np.concatenate([np.concatenate([[-100], lab[1:]]) for lab in engine_labels(cut)])
+    got = batch["labels"][0].numpy()[:n]
+    np.testing.assert_array_equal(got, want)  # each kept piece labelled on its own, its first token masked
+    if padding_free:
+        assert batch["position_ids"][0, :n].tolist() == [i for d in cut for i in range(len(d))]
+
+
+def test_tokenizer_without_a_pad_token():
+    """Llama 3.1 has no pad token: the collator takes the tokenizer (EOS pads, as in TRL) or pads by position anyway."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path("llama-3.1"))
+    assert tok.pad_token_id is None
+    markers = lossmask.detect_markers(tok)
+    convs = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, friend."}],
+             [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1 2 3 4 5 6 7 8 9 10 11 12"}]]
+    rows = [tok.apply_chat_template(c, return_dict=False) for c in convs]
+    for collator in (CompletionCollator(markers=markers, tokenizer=tok),
+                     CompletionCollator(markers=markers, pad_token_id=tok.pad_token_id)):
+        batch = collator([{"input_ids": r} for r in rows])
+        for r, row in enumerate(rows):
+            labels = batch["labels"][r].numpy()
+            np.testing.assert_array_equal(labels[: len(row)], engine_labels_for(markers, row))
+            assert (labels[len(row):] == -100).all() and batch["attention_mask"][r, len(row):].sum() == 0
+    assert CompletionCollator(markers=markers, tokenizer=tok).pad_token_id == tok.eos_token_id
+    assert CompletionCollator(markers=markers, pad_token_id=tok.pad_token_id).pad_token_id == 0
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    short = CompletionCollator(markers=markers, pad_token_id=eot)([{"input_ids": r} for r in rows])
+    assert short["labels"][0, len(rows[0]) - 1].item() == eot  # the real end of turn trains although pad == it
+
+
+def engine_labels_for(markers, row):
+    labels = np.asarray(lossmask.make_labels([row], markers)[0], dtype=np.int64)
+    labels[0] = -100
+    return labels
 
 
 def test_prompt_weighted_loss():
@@ -265,9 +322,12 @@ def test_sft_trainer_steps_and_loss_counts_trained_tokens(tmp_path, prompt_loss_
         torch.testing.assert_close(prompt_weighted_loss(logits, ids, inputs["loss_weights"]), (ce * weights).sum() / weights.sum())
 
 
-def test_sft_trainer_with_trl_packed_rows_padding_free(tmp_path):
+@pytest.mark.parametrize("max_length", [None, 64])
+def test_sft_trainer_with_trl_packed_rows_padding_free(tmp_path, max_length):
     """TRL refuses a custom collator with its own padding-free packing; rows packed beforehand with
-    trl's pack_dataset (bfd) go through this collator's padding-free mode, one label pass per sequence."""
+    trl's pack_dataset (bfd) go through this collator's padding-free mode, one label pass per sequence.
+    With SFTConfig(max_length) shorter than the packs, TRL cuts input_ids but not seq_lengths: the
+    collator cuts seq_lengths the same way."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -283,12 +343,16 @@ def test_sft_trainer_with_trl_packed_rows_padding_free(tmp_path):
             seen.append(({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, num_items_in_batch))
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, max_length=None,
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, max_length=max_length,
                      logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
     trainer = Recording(model=_tiny_llama(len(tok)), args=args, train_dataset=packed, processing_class=tok,
                         data_collator=CompletionCollator(markers=markers, pad_token_id=tok.pad_token_id, padding_free=True))
     trainer.train()
     inputs, num_items = seen[-1]
+    if max_length is not None:
+        assert max(len(r) for r in trainer.train_dataset["input_ids"]) == max_length
+        assert any(sum(s) > max_length for s in trainer.train_dataset["seq_lengths"])  # TRL left them uncut
+        assert inputs["input_ids"].shape[1] <= 2 * max_length
     cu = inputs["cu_seq_lens_q"].tolist()
     ids = inputs["input_ids"][0].tolist()
     want = lossmask.label_batch([ids[a:b] for a, b in zip(cu[:-1], cu[1:])], markers)

@@ -27,7 +27,8 @@ def test_detect_chatml_family_keeps_in_context_variants():
     [
         ("gpt-oss", {"<|start|>assistant"}, {"<|end|>", "<|return|>", "<|call|>"}, set()),
         ("glm-4", {"<|assistant|>"}, {"<|user|>", "<|observation|>"}, set()),
-        ("mistral-v3", {"[/INST]", "[/TOOL_RESULTS]"}, {"</s>"}, set()),
+        # parallel tool calls: '[/TOOL_RESULTS]' opens the answer and also precedes the next result
+        ("mistral-v3", {"[/INST]", "[/TOOL_RESULTS]"}, {"</s>"}, {"[TOOL_RESULTS]"}),
         ("phi-3", {"<|assistant|>"}, {"<|end|>"}, set()),
     ],
 )
@@ -214,3 +215,146 @@ def test_vocabulary_whitespace_merges_with_the_header(family):
     leads = ["\n" + " " * k for k in range(1, 17)] + ["\n" * k for k in range(1, 12)] + ["\t" * k for k in range(1, 6)]
     chats = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": f"{lead}x = 1"}] for lead in leads]
     assert verify(ct, markers, chats).ok
+
+
+# -- tool turns in every argument form, kinds of conversation (issue 9) ----------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _tool_chat(arguments, *, parallel: bool = False) -> dict:
+    calls = [{"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": arguments("Turku")}}]
+    results = [{"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": "two degrees"}]
+    if parallel:
+        calls.append({"id": "call00002", "type": "function", "function": {"name": "get_weather", "arguments": arguments("Pori")}})
+        results.append({"role": "tool", "tool_call_id": "call00002", "name": "get_weather", "content": "four degrees"})
+    return {"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "How cold is it up north?"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        *results,
+        {"role": "assistant", "content": "Chilly up there."},
+    ]}
+
+
+def _trained_text(ct, markers, chat) -> str:
+    from lossmask import make_labels
+
+    ids = ct.encode(ct.render(chat["messages"], tools=chat["tools"]))
+    labels = make_labels([ids], markers)[0]
+    return "".join(ct.decode([t]) if lab != -100 else "·" for t, lab in zip(ids, labels))
+
+
+def test_deepseek_v3_trains_the_answer_after_json_string_tool_calls():
+    """DeepSeek-V3's template concatenates arguments, so only JSON strings render; the answer after
+    the results opens with '<｜tool▁outputs▁end｜>'."""
+    import json
+
+    ct = chat_tokenizer("deepseek-v3")
+    markers, report = detected_markers("deepseek-v3")
+    for parallel in (False, True):
+        chat = _tool_chat(lambda city: json.dumps({"city": city}), parallel=parallel)
+        assert verify(ct, markers, [chat]).ok
+        assert "Chilly up there.<｜end▁of▁sentence｜>" in _trained_text(ct, markers, chat)
+    kinds = {kind: (status, detail) for kind, status, detail in report.kinds}
+    assert kinds["tools"][0] == "exact" and "arguments as JSON strings" in kinds["tools"][1]
+    assert kinds["parallel tools"][0] == "exact"
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3.1", "mistral-v3", "mistral-nemo", "qwen2.5"])
+def test_parallel_tool_results_are_masked(family):
+    """DeepSeek-V3.1's '<｜tool▁output▁end｜>' and Mistral's '[/TOOL_RESULTS]' open the answer after tool
+    results and also precede the next result: that result must stay masked."""
+    ct = chat_tokenizer(family)
+    markers, _ = detected_markers(family)
+    chat = _tool_chat(lambda city: {"city": city}, parallel=True)
+    assert verify(ct, markers, [chat]).ok
+    trained = _trained_text(ct, markers, chat)
+    assert "four degrees" not in trained and "two degrees" not in trained
+    assert "Chilly" in trained
+
+
+def test_gpt_oss_header_between_analysis_and_final_is_trained_by_the_rule():
+    """The model writes '<|start|>assistant' between its analysis and its final message in one
+    sampling run: the rule trains it; markers cannot (it is the turn's header, token for token), and
+    verify counts those tokens apart, so the report stays exact and says so."""
+    from lossmask.verify import ground_truth
+
+    ct = chat_tokenizer("gpt-oss")
+    markers, report = detected_markers("gpt-oss")
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "thinking": "Add."}]
+    truth = ground_truth(ct, chat)
+    copies = [k for k in range(len(truth.ids)) if truth.header_copies[k]]
+    assert ct.decode(truth.ids[copies]) == "<|start|>assistant" and truth.should_train[copies].all()
+    checked = verify(ct, markers, [chat])
+    assert checked.ok and checked.beyond_markers == 2
+    assert "no marker can train" in checked.summary()
+    assert report.ok and report.beyond_markers > 0
+
+
+KIND_EXPECTATIONS = {
+    # family: {kind: status}, from what each template can render
+    "deepseek-v3": {"tools": "exact", "parallel tools": "exact", "reasoning": "not rendered"},
+    "deepseek-v3.1": {"tools": "exact", "parallel tools": "exact"},
+    "gpt-oss": {"tools": "exact", "parallel tools": "not rendered", "reasoning": "exact"},
+    "llama-3.1": {"tools": "exact", "parallel tools": "not rendered"},
+    "phi-3": {"system": "not rendered", "tools": "not rendered"},
+    "mistral-v3": {"system": "not rendered", "tools": "exact", "parallel tools": "exact"},
+    "gemma-2": {"system": "not rendered", "tools": "not rendered"},
+    "qwen3": {"plain": "exact", "system": "exact", "multi-turn": "exact", "tools": "exact",
+              "parallel tools": "exact", "reasoning": "exact"},
+}
+
+
+@pytest.mark.parametrize("family", sorted(KIND_EXPECTATIONS))
+def test_detection_reports_each_kind_of_conversation(family):
+    _, report = detected_markers(family)
+    kinds = {kind: status for kind, status, _ in report.kinds}
+    assert set(kinds) == {"plain", "system", "multi-turn", "tools", "parallel tools", "reasoning"}
+    for kind, status in KIND_EXPECTATIONS[family].items():
+        assert kinds[kind] == status, (kind, report.kinds)
+    assert kinds["plain"] == kinds["multi-turn"] == "exact"
+
+
+def test_mistral_v3_system_prompt_is_reported_as_dropped():
+    """Mistral v3 writes the system prompt only before the last user message: a chat ending with an
+    assistant turn loses it, and detection says which message went missing."""
+    _, report = detected_markers("mistral-v3")
+    detail = dict((kind, detail) for kind, _, detail in report.kinds)["system"]
+    assert "message 0 (system)" in detail
+
+
+def test_a_rendered_kind_that_is_not_exact_is_refused():
+    """A template that writes tool results inside an assistant block: plain chats verify, the tool
+    probes cannot, so detection refuses rather than return markers that train tool output."""
+    template = (
+        "{% for m in messages %}"
+        "{% if m['role'] == 'tool' %}<|im_start|>assistant\nRESULT {{ m['content'] }}<|im_end|>\n"
+        "{% elif m.get('tool_calls') %}<|im_start|>assistant\n{% for c in m['tool_calls'] %}CALL "
+        "{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}{% endfor %}<|im_end|>\n"
+        "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(MarkerDetectionError, match="tool"):
+        detect_markers(_with_template(template))
+
+
+def test_lossmask_detect_prints_the_kinds(capsys):
+    from lossmask.cli import main
+
+    assert main(["detect", str(tokenizer_path("deepseek-v3"))]) == 0
+    out = capsys.readouterr().out
+    assert "conversation kinds:" in out
+    assert "parallel tools  exact: arguments as JSON strings" in out
+    assert "reasoning       not rendered" in out
+
+
+def test_lossmask_detect_json_lists_the_kinds(capsys):
+    import json
+
+    from lossmask.cli import main
+
+    assert main(["detect", str(tokenizer_path("phi-3")), "--json"]) == 0
+    kinds = {k["kind"]: k for k in json.loads(capsys.readouterr().out)["verification"]["kinds"]}
+    assert kinds["system"]["status"] == "not rendered" and "message 0 (system)" in kinds["system"]["detail"]
+    assert kinds["plain"]["status"] == "exact"

@@ -65,7 +65,7 @@ def test_dataset_dict_and_iterable(tmp_path):
 
 def test_safety_net_raises_for_datasets():
     ds = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]] * 10 + [[1, 2, 9, 4]]})
-    with pytest.raises(lossmask.TooManyDroppedRows, match="no response pattern"):
+    with pytest.raises(lossmask.TooManyDroppedRows, match="contain no response marker: the markers match nothing"):
         mask_dataset(ds, markers=MARKERS)
 
 
@@ -103,7 +103,7 @@ def test_messages_dataset_equals_mask_files(deepseek, chats, tmp_path):
 
     out, report = mask_dataset(chats, deepseek, max_length=256, return_report=True)
     assert report.markers_source == "detected"
-    assert report.dropped == {"no_response": 1, "empty_response": 1, "empty": 0, "invalid": 2}
+    assert report.dropped == {"no_response": 1, "empty_response": 1, "empty": 0, "invalid": 2, "content_dropped": 0, "special_tokens_in_content": 0}
     assert out.column_names == ["messages", "input_ids", "labels"]
     markers = lossmask.Markers.from_dict(report.markers)
     assert list(out["labels"]) == lossmask.make_labels(list(out["input_ids"]), markers)
@@ -180,4 +180,118 @@ def test_train_on_responses_only_with_trl_sft_trainer(deepseek, chats, tmp_path)
     markers = lossmask.resolve_markers(deepseek).markers
     assert list(ours["labels"]) == lossmask.make_labels(list(ours["input_ids"]), markers)
     assert ours.num_rows == data.num_rows - 1  # TRL's max_length cut the long row right after the header
+    assert np.isfinite(trainer.train().training_loss)
+
+
+# -- TRL's packing and padding-free training kept by the drop-in ----------------------------------
+
+
+def _lfm2_conversations(n=10):
+    return [
+        {"messages": [{"role": "user", "content": f"What is {a} plus {a + 1}?" + " Quick." * (a % 3)},
+                      {"role": "assistant", "content": f"{2 * a + 1}."},
+                      {"role": "user", "content": "And doubled?"},
+                      {"role": "assistant", "content": f"It is {2 * (2 * a + 1)}."}]}
+        for a in range(n)
+    ]
+
+
+@pytest.mark.parametrize("config", [{"packing": True, "max_length": 96}, {"padding_free": True, "max_length": None}])
+def test_trl_packing_and_padding_free_keep_documents_apart(tmp_path, config):
+    """Step 1's loss equals the cross-entropy of each document on its own over its trained tokens: the
+    collator keeps TRL's padding-free layout (position_ids, cu_seq_lens), so packed documents never attend
+    to each other, and labels every document by itself."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    trl = pytest.importorskip("trl")
+    from conftest import tokenizer_path
+    from lossmask.collator import CompletionCollator
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_path("lfm2"))
+    markers = lossmask.resolve_markers(tok).markers
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=1.0))  # sharp attention: context matters
+    seen = []
+
+    def per_document(model, inputs):
+        """Each document of the flattened batch run on its own; its labels checked against the engine."""
+        cu = inputs["cu_seq_lens_q"].tolist()
+        ids, labels = inputs["input_ids"][0], inputs["labels"][0]
+        total, count, documents = 0.0, 0, 0
+        for a, b in zip(cu[:-1], cu[1:]):
+            want = lossmask.make_labels([ids[a:b].tolist()], markers)[0]
+            assert labels[a:b].tolist() == [-100] + want[1:]  # every document labelled on its own
+            if b - a > 1:
+                documents += 1
+                logits = model(input_ids=ids[a:b][None], use_cache=False).logits[0, :-1]
+                trained = labels[a + 1 : b] != -100
+                total += torch.nn.functional.cross_entropy(logits[trained], ids[a + 1 : b][trained], reduction="sum").item()
+                count += int(trained.sum())
+        whole = model(input_ids=ids[None], labels=labels[None], use_cache=False).loss.item()  # one causal sequence
+        return total / count, documents, whole
+
+    class Recording(trl.SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if not seen:
+                with torch.no_grad():
+                    reference = per_document(model, inputs)
+            loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            if not seen:
+                seen.append((dict(inputs), loss.item(), reference))
+            return loss
+
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, learning_rate=1e-3,
+                         report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, **config)
+    trainer = Recording(model=model, args=args, train_dataset=datasets.Dataset.from_list(_lfm2_conversations()),
+                        processing_class=tok)
+    assert trainer.padding_free
+    train_on_responses_only(trainer, verbose=False)
+    assert isinstance(trainer.data_collator, CompletionCollator) and trainer.data_collator.padding_free
+    trainer.train()
+    inputs, loss, (want, documents, whole) = seen[0]
+    assert inputs["input_ids"].shape[0] == 1 and "attention_mask" not in inputs and "position_ids" in inputs
+    assert documents >= (4 if config.get("packing") else 2)
+    assert loss == pytest.approx(want, rel=1e-6)
+    assert abs(whole - want) > 1e-3 * want  # documents attending to each other would give another loss
+    if config.get("packing"):  # TRL packed several documents into a row
+        assert max(len(s) for s in trainer.train_dataset["seq_lengths"]) > 1
+
+
+def test_trl_rows_packed_beforehand_and_cut_by_max_length(tmp_path):
+    """Rows packed beforehand, then cut by SFTConfig(max_length) (TRL cuts input_ids, not seq_lengths): the
+    documents are counted on the cut rows and the collator labels each kept piece on its own."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    trl = pytest.importorskip("trl")
+    from trl.data_utils import pack_dataset
+
+    from conftest import tokenizer_path
+    from lossmask.collator import CompletionCollator
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_path("lfm2"))
+    rows = [tok.apply_chat_template(c["messages"], return_dict=False) for c in _lfm2_conversations()]
+    packed = pack_dataset(datasets.Dataset.from_dict({"input_ids": rows}), 160, "bfd")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512))
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                         use_cpu=True, save_strategy="no", disable_tqdm=True, max_length=100)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=packed, processing_class=tok)
+    assert any(sum(s) > 100 for s in trainer.train_dataset["seq_lengths"])  # TRL cut input_ids only
+    train_on_responses_only(trainer, verbose=False)
+    collator = trainer.data_collator
+    assert isinstance(collator, CompletionCollator) and not collator.padding_free
+    batch = collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+    markers = lossmask.resolve_markers(tok).markers
+    for r in range(batch["input_ids"].shape[0]):
+        n = int(batch["attention_mask"][r].sum())
+        assert n <= 100
+        seq = trainer.train_dataset[r]["seq_lengths"]
+        bounds = np.minimum(np.cumsum([0] + seq), n)  # keep_start: the pieces left of each document
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                want = lossmask.make_labels([batch["input_ids"][r, a:b].tolist()], markers)[0]
+                assert batch["labels"][r, a:b].tolist() == [-100] + want[1:]
     assert np.isfinite(trainer.train().training_loss)

@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 
 from lossmask import Markers
@@ -63,10 +64,33 @@ def test_json_missing_kinds_default_to_empty_and_unknown_keys_are_refused():
         Markers.from_json("{response")
 
 
-def test_compiled_form_flags_first_and_last_tokens():
+def test_compiled_form_classes_quiet_tokens_first():
     c = Markers(response=[[1, 2]], instruction=[[3]], end=[[4, 5]], mask_out=[[6]]).compiled()
     assert c.tokens.tolist() == [1, 2, 3, 4, 5, 6]
     assert c.offsets.tolist() == [0, 2, 3, 5, 6]
     assert c.kinds.tolist() == [0, 1, 2, 3]
-    # starts: 1 (response), 3 (instruction), 6 (mask_out); ends: 2 (response), 5 (end)
-    assert [int(f) for f in c.flags] == [0, 1, 2, 1, 0, 2, 1]
+    a = c.automaton
+    # 2 and 5 never start a pattern: quiet classes 1, 2 (0 is every other id); 1, 3, 4, 6 start one.
+    assert a.n_quiet == 3 and a.n_classes == 7
+    assert a.class_of(np.arange(9)).tolist() == [0, 3, 1, 4, 5, 2, 6, 0, 0]
+    assert a.classes.shape == (8,) and a.big_ids.size == 0  # one slot past the largest id
+
+
+@pytest.mark.parametrize("big", [2**40, 2**63 - 1])
+def test_huge_marker_ids_cost_no_huge_table(big):
+    a = Markers(response=[[5, big]], end=[[7]]).compiled().automaton
+    assert a.classes.shape == (9,) and a.big_ids.tolist() == [big]  # the dense table stops past 7
+    assert a.class_of(np.array([big, big - 1, 5, 7])).tolist() == [1, 0, 2, 3]
+
+
+@pytest.mark.parametrize("big", [10**30, 2**63, 2**64 - 100])
+def test_marker_ids_beyond_int64_are_refused_naming_the_id(big):
+    with pytest.raises(ValueError, match=rf"Markers.end\[0\] holds the id {big}, beyond"):
+        Markers(response=[[1]], end=[[big]])
+
+
+def test_marker_sets_too_large_for_the_automaton_are_refused_when_the_engine_needs_it():
+    m = Markers(response=[[t] for t in range(1000, 7000)])  # 6,000 distinct one-token patterns
+    assert m.compiled().tokens.size == 6000  # the pattern arrays (torch, MLX) are still built
+    with pytest.raises(ValueError, match="above the engine's limit"):
+        m.compiled().automaton

@@ -16,6 +16,9 @@ from lossmask import mlx as lm  # noqa: E402
 
 from conftest import tokenizer_path  # noqa: E402
 
+# most folders here hold no valid.jsonl on purpose; the warning itself is tested below
+pytestmark = pytest.mark.filterwarnings("ignore:.*has no valid.jsonl:UserWarning")
+
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
                                            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}]
 
@@ -105,8 +108,8 @@ def test_clear_errors_where_mlx_lm_crashes_or_is_silent(tmp_path, tok, markers):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "train.jsonl").write_text("\n")
-    with pytest.raises(ValueError, match="has no rows"):
-        lm.load_dataset(empty, tok, markers=markers)
+    with pytest.raises(ValueError, match="has no rows; put one JSON object per line in it$"):
+        lm.load_dataset(empty, tok, markers=markers)  # train is required: no advice to remove it
     mixed = write(tmp_path / "mixed", "train", chat_rows(2) + [{"text": "hello"}])
     with pytest.raises(ValueError, match="mixes row shapes: row 0 is chat, row 2 is text"):
         lm.load_dataset(mixed, tok, markers=markers)
@@ -208,3 +211,70 @@ def test_accepts_mlx_lm_tokenizer_wrapper(tmp_path, tok, markers):
     plain, _, _ = lm.load_dataset(folder, tok, markers=markers)
     assert [wrapped[i][0] for i in range(4)] == [plain[i][0] for i in range(4)]
     assert wrapped.counts.tokens_trained == plain.counts.tokens_trained
+
+
+def test_split_messages_follow_mlx_lm(tmp_path, tok, markers):
+    folder = write(tmp_path / "d", "train", chat_rows(4))
+    with pytest.warns(UserWarning, match="has no valid.jsonl: training goes on without validation"):
+        train, valid, test = lm.load_dataset(folder, tok, markers=markers)
+    assert valid == [] and test == []
+    (folder / "valid.jsonl").write_text("")
+    with pytest.raises(ValueError, match="valid.jsonl has no rows; .*or remove the file to go without a valid split"):
+        lm.load_dataset(folder, tok, markers=markers)
+    with pytest.raises(ValueError, match=r"empty split \(\[\]\).*valid.jsonl or test.jsonl"):
+        next(lm.iterate_batches(test, 2, 64))
+
+
+def test_global_seed_fixes_the_order_as_mlx_lm_lora_seed(tmp_path, tok, markers):
+    train, _, _ = lm.load_dataset(write(tmp_path / "d", "train", chat_rows(16)), tok, markers=markers)
+
+    def order():
+        return [np.array(b[2]).tolist() for b in lm.iterate_batches(train, 2, 2048)]
+
+    np.random.seed(0)  # what `mlx_lm lora --seed 0` does before training
+    first = order()
+    np.random.seed(0)
+    assert order() == first
+    np.random.seed(1)
+    assert order() != first  # 8 groups: a different seed gives another order
+    state = np.random.get_state()[1].copy()
+    assert [np.array(b[2]).tolist() for b in lm.iterate_batches(train, 2, 2048, seed=3)] == \
+        [np.array(b[2]).tolist() for b in lm.iterate_batches(train, 2, 2048, seed=3)]
+    assert (np.random.get_state()[1] == state).all()  # an explicit seed leaves the global generator alone
+
+
+def test_parquet_split_from_lossmask_mask(tmp_path, tok, markers):
+    """`lossmask mask` output is a split too: its labels are used as they are."""
+    import pyarrow.parquet as pq
+
+    folder = write(tmp_path / "jsonl", "train", chat_rows(6))
+    masked = tmp_path / "masked"
+    masked.mkdir()
+    report = lossmask.mask_files(folder / "train.jsonl", masked / "train.parquet", tokenizer=tok, markers=markers,
+                                 keep_dropped=True)
+    assert report.rows_out == 6
+    from_jsonl, _, _ = lm.load_dataset(folder, tok, markers=markers)
+    from_parquet, _, _ = lm.load_dataset(masked, tok, markers=markers)
+    a, b = next(lm.iterate_batches(from_jsonl, 6, 2048, seed=0)), next(lm.iterate_batches(from_parquet, 6, 2048, seed=0))
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+    assert from_parquet.counts.tokens_trained == from_jsonl.counts.tokens_trained
+    # rows whose labels train nothing are dropped and counted with the reason the markers give
+    table = pq.read_table(masked / "train.parquet")
+    labels = table.column("labels").to_pylist()
+    labels[0] = [-100] * len(labels[0])
+    ids = table.column("input_ids").to_pylist()
+    ids[1], labels[1] = [], []
+    pq.write_table(pa_table(ids, labels), masked / "train.parquet")
+    dropped, _, _ = lm.load_dataset(masked, tok, markers=markers, max_drop_fraction=0.5)
+    assert len(dropped) == 4
+    assert dropped.counts.dropped == {"no_response": 1, "empty_response": 0, "empty": 1}
+    (masked / "train.jsonl").write_text("")
+    with pytest.raises(ValueError, match="both train.jsonl and train.parquet"):
+        lm.load_dataset(masked, tok, markers=markers)
+
+
+def pa_table(ids, labels):
+    import pyarrow as pa
+
+    return pa.table({"input_ids": pa.array(ids, pa.large_list(pa.int32())), "labels": pa.array(labels, pa.large_list(pa.int64()))})

@@ -34,13 +34,3 @@ def test_example_prints_highlighted_rows_and_counts(capsys):
     assert "[Paris.] [<|im_end|>]" in text  # the answer and its stop token train
     assert "<|im_start|> tool \\n -3C, snow <|im_end|>" in text  # the tool result does not
     assert "dropped: 2 {'no_response': 1, 'empty_response': 1, 'empty': 0}" in text
-
-
-def test_readme_usage_example_runs():
-    import re
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
-    assert "lossmask.make_labels" in block
-    exec(compile(block, "README.md", "exec"), {})

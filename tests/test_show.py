@@ -165,8 +165,20 @@ def test_cli_detect_text_and_json(capsys):
     path = str(tokenizer_path("gpt-oss"))
     assert main(["detect", path]) == 0
     out = capsys.readouterr().out
-    assert "source: detected" in out and "'<|return|>'" in out and "[200002]" in out and "verification: exact" in out
+    assert "source: detected" in out and "'<|return|>'" in out and "[200002]" in out and "verified: exact" in out
     assert main(["detect", path, "--model-name", "openai/gpt-oss-20b", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["source"] == "detected" and info["verification"]["ok"] and [200002] in info["markers"]["end"]
     assert "<|return|>" in info["decoded"]["end"]
+
+
+def test_show_sample_passes_json_string_arguments_where_the_template_needs_them(capsys):
+    """DeepSeek-V3's template concatenates tool-call arguments: the sample's tool turn is shown with
+    JSON-string arguments, and the answer after the tool result is trained."""
+    from conftest import tokenizer_path
+    from lossmask.cli import main
+
+    assert main(["show", str(tokenizer_path("deepseek-v3"))]) == 0
+    out = capsys.readouterr().out
+    assert "JSON strings" in out
+    assert "<｜tool▁outputs▁end｜>[It is -3 °C and snowing." in out

@@ -64,7 +64,7 @@ def test_labels_equal_the_engine_and_the_report_adds_up(tmp_path):
     assert out.column("labels").to_pylist() == [r for r, k in zip(expected.labels.to_pylist(), keep) if k]
     check_adds_up(report)
     assert report.rows_out == int(keep.sum())
-    assert report.dropped == {**expected.counts.dropped, "invalid": 0}
+    assert report.dropped == {**expected.counts.dropped, "invalid": 0, "content_dropped": 0, "special_tokens_in_content": 0}
     assert report.tokens_in == expected.counts.tokens and report.tokens_trained == expected.counts.tokens_trained
     on_disk = json.loads((tmp_path / "report.json").read_text())
     for key in ("rows_in", "rows_out", "dropped", "tokens_in", "tokens_trained", "markers", "markers_source"):
@@ -222,7 +222,9 @@ def test_chat_rows_the_template_rejects_are_counted_invalid(deepseek, tmp_path):
     report = mask_files(tmp_path / "chats.jsonl", tmp_path / "out.parquet", tokenizer=deepseek, batch_size=5)
     check_adds_up(report)
     assert report.rows_out == 6 and report.dropped["invalid"] == 2
-    assert report.invalid_examples[0].startswith("row 3: ") and report.invalid_examples[1].startswith("row 6: ")
+    # named by the job's row and by the file's line
+    assert report.invalid_examples[0].startswith("row 3 (") and "chats.jsonl, line 4): " in report.invalid_examples[0]
+    assert report.invalid_examples[1].startswith("row 6 (") and "chats.jsonl, line 7): " in report.invalid_examples[1]
     assert "invalid 2" in report.summary()
     # wrong types are refused before any row is read
     pq.write_table(pa.table({"messages": ["not a chat"]}), tmp_path / "bad.parquet")

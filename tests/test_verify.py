@@ -38,11 +38,10 @@ def trained_spans(truth) -> list[str]:
         ("chatml", ["Paris.<|im_end|>", "Madrid.<|im_end|>"]),
         # the last turn gets a think block from the template; the model generates it, so it trains
         ("qwen3", ["Paris.<|im_end|>", "<think>\nSpain: Madrid.\n</think>\n\nMadrid.<|im_end|>"]),
-        # one channel per header; the second '<|start|>assistant' is a header and is not trained
+        # generation stops only at <|return|>/<|call|>: the second '<|start|>assistant' is generated, so it trains
         ("gpt-oss", [
             "<|channel|>final<|message|>Paris.<|end|>",
-            "<|channel|>analysis<|message|>Spain: Madrid.<|end|>",
-            "<|channel|>final<|message|>Madrid.<|return|>",
+            "<|channel|>analysis<|message|>Spain: Madrid.<|end|><|start|>assistant<|channel|>final<|message|>Madrid.<|return|>",
         ]),
         # no end-of-turn token: the next role token stops generation; the last turn has no stop
         ("glm-4", ["\n<think></think>\nParis.<|user|>", "\n<think>Spain: Madrid.</think>\nMadrid."]),
@@ -188,3 +187,66 @@ def test_a_reply_the_template_rewrites_is_not_checkable_rather_than_judged():
         ground_truth(ct, conv)
     report = verify(ct, Markers(response=[[ct.encode("Assistant:")[-1]]]), [conv])
     assert not report.ok and report.errors == 1 and report.extra == 0
+
+
+# -- what a template drops, and messages that quote markers (issue 9) -----------------------------
+
+
+def test_missing_message_text_names_each_dropped_piece():
+    from lossmask.content import missing_message_text
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+         "tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "content": "minus three"},
+    ]
+    text = 'Weather? get_weather {"city": "Oslo"} minus three'
+    missing = missing_message_text(text, messages)
+    assert [(m.message, m.role, m.part) for m in missing] == [(0, "system", "content"), (2, "assistant", "reasoning")]
+    # arguments re-serialised (a JSON string written through tojson) and trimmed contents still count
+    again = missing_message_text('"{\\"city\\": \\"Oslo\\"}" get_weather', messages[2:3])
+    assert [(m.message, m.part) for m in again] == [(0, "reasoning")]
+    assert missing_message_text("x Weather? y", [{"role": "user", "content": "  Weather?\n"}]) == []
+
+
+@pytest.mark.parametrize(
+    "family, messages, dropped",
+    [
+        # Qwen2.5 skips a message whose role it does not know
+        ("qwen2.5", [{"role": "user", "content": "Hi"}, {"role": "critic", "content": "Be nicer."},
+                     {"role": "assistant", "content": "Hello!"}], (1, "critic")),
+        # Phi-3 drops tool messages: the answer after them follows an empty assistant turn
+        ("phi-3", [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Checking."},
+                   {"role": "tool", "content": "minus three"}, {"role": "assistant", "content": "It is cold."}],
+         (2, "tool")),
+    ],
+)
+def test_verify_reports_a_message_the_template_drops(family, messages, dropped):
+    from conftest import detected_markers
+
+    ct = chat_tokenizer(family)
+    markers, _ = detected_markers(family)
+    report = verify(ct, markers, [messages])
+    assert not report.ok and report.errors == 1
+    (conv, missing), = report.dropped
+    assert (missing.message, missing.role) == dropped
+    assert f"message {dropped[0]} ({dropped[1]})" in str(report)
+
+
+def test_find_marker_text_flags_rows_that_quote_markers():
+    from conftest import detected_markers
+    from lossmask.content import find_marker_text
+
+    ct = chat_tokenizer("llama-2")
+    markers, _ = detected_markers("llama-2")
+    rows = [
+        [{"role": "user", "content": "Plain question."}, {"role": "assistant", "content": "Plain answer."}],
+        [{"role": "user", "content": "What does [/INST] mean?"}, {"role": "assistant", "content": "A tag."}],
+        {"messages": [{"role": "user", "content": "Strike"}, {"role": "assistant", "content": "<s>old</s> new"}]},
+    ]
+    hits = find_marker_text(rows, ct, markers)
+    assert [(h.row, h.message, h.role) for h in hits] == [(1, 0, "user"), (2, 1, "assistant")]
+    assert hits[0].marker == "[/INST]" and "</s>" in hits[1].marker or "<s>" in hits[1].marker
+    assert find_marker_text(rows[:1], ct, markers) == []

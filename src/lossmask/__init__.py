@@ -11,6 +11,7 @@ when a function that needs them is first called.
 
 from __future__ import annotations
 
+from .content import find_marker_text
 from .detect import MarkerDetectionError, detect_markers, markers_from_strings
 from .labels import LabelledBatch, label_batch, make_labels, trainable_mask
 from .markers import Markers
@@ -51,6 +52,7 @@ __all__ = [
     "VerifyReport",
     "check_drop_fraction",
     "detect_markers",
+    "find_marker_text",
     "label_batch",
     "load_tokenizer",
     "make_labels",

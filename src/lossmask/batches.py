@@ -104,6 +104,54 @@ def _raise_on_null_inside_row(child: pa.Array, starts: np.ndarray, ends: np.ndar
         )
 
 
+def first_id_at_or_above(rows: TokenRows, upper: int) -> tuple[int, int, int] | None:
+    """``(row, position, id)`` of the first token id >= ``upper`` inside a row, or None.
+
+    One vectorised pass (``max``), skipped when the values' dtype cannot reach ``upper``; only a batch
+    that holds such an id is searched for it. Values outside every row (under null rows) are ignored.
+    """
+    values = rows.values
+    if values.size == 0 or values.dtype.kind not in "iu" or np.iinfo(values.dtype).max < upper:
+        return None
+    if int(values.max()) < upper:
+        return None
+    positions = np.flatnonzero(values >= values.dtype.type(upper))
+    row_of = np.searchsorted(rows.starts, positions, side="right") - 1
+    inside = (row_of >= 0) & (positions < rows.ends[np.maximum(row_of, 0)])
+    if not inside.any():
+        return None
+    k = int(np.argmax(inside))
+    r = int(row_of[k])
+    return r, int(positions[k] - rows.starts[r]), int(values[positions[k]])
+
+
+def check_label_range(rows: TokenRows, label_dtype: np.dtype) -> None:
+    """Refuse token ids that labels of ``label_dtype`` cannot hold (they would wrap, e.g. to -100)."""
+    limit = int(np.iinfo(label_dtype).max)
+    bad = first_id_at_or_above(rows, limit + 1)
+    if bad is not None:
+        r, position, token = bad
+        fix = ("pass label_dtype='int64' (--label-dtype int64)" if label_dtype == np.int32
+               else "token ids must be below 2**63; is this column token ids?")
+        raise ValueError(f"row {rows.first_row + r} holds the token id {token} at position {position}, which "
+                         f"{np.dtype(label_dtype).name} labels cannot hold (at most {limit}); {fix}")
+
+
+def check_vocabulary(arr: pa.Array | pa.ChunkedArray, size: int, *, first_row: int = 0) -> None:
+    """Refuse token ids >= ``size``, the tokenizer's vocabulary (ids the tokenizer does not have)."""
+    chunks = arr.chunks if isinstance(arr, pa.ChunkedArray) else [arr]
+    for chunk in chunks:
+        bad = first_id_at_or_above(rows_from_arrow(chunk, first_row=first_row), size)
+        if bad is not None:
+            r, position, token = bad
+            raise ValueError(
+                f"row {first_row + r} holds the token id {token} at position {position}, but the tokenizer has "
+                f"{size:,} tokens (ids 0 to {size - 1}); the rows were tokenised with another tokenizer: pass that "
+                "one, or --markers FILE.json without --tokenizer"
+            )
+        first_row += len(chunk)
+
+
 def labels_to_arrow(arr: pa.Array, values: pa.Buffer, dtype: np.dtype, *, base: int = 0) -> pa.Array:
     """A list array shaped like ``arr`` over the label ``values`` of its rows.
 

@@ -16,6 +16,8 @@ def _mask(args: argparse.Namespace) -> int:
     from .options import MaskOptions
     from .stream import mask_files, preview_rows
 
+    _fail_cleanly_on_signals()
+
     try:
         options = MaskOptions.resolve(
             input_ids_column=args.input_ids_column, messages_column=args.messages_column,
@@ -23,6 +25,7 @@ def _mask(args: argparse.Namespace) -> int:
             labels_column=args.labels_column, completion_mask=args.completion_mask, max_length=args.max_length,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
             last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
+            special_tokens_in_content=args.special_tokens_in_content,
         )
         report = mask_files(
             args.input, args.output, tokenizer=args.tokenizer, chat_template=args.chat_template,
@@ -30,7 +33,7 @@ def _mask(args: argparse.Namespace) -> int:
             options=options, compression=args.compression, num_proc=args.num_proc,
             progress=False if args.no_progress else None, report=args.report,
         )
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+    except (ValueError, TypeError, OSError, ImportError) as exc:  # OSError: one line naming the path and the cause
         print(f"lossmask mask: error: {exc}", file=sys.stderr)
         return 1
     print(report.summary())
@@ -46,18 +49,39 @@ def _mask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fail_cleanly_on_signals() -> None:
+    """SIGTERM ends the job like Ctrl-C (its partial files are removed); beyond the file size limit a write fails
+    with an error (EFBIG) instead of SIGXFSZ killing the process with its partial files in place."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
 def _add_mask_command(commands) -> None:
     mask = commands.add_parser(
         "mask", help="label a dataset file by file, batch by batch, and write Parquet with labels",
         description="Label INPUT (Parquet file, folder or glob; Arrow IPC; JSONL) and write OUTPUT (Parquet), "
         "dropping rows that train nothing (counted per reason). Markers come from --markers or from --tokenizer.",
     )
-    mask.add_argument("input", metavar="INPUT")
-    mask.add_argument("output", metavar="OUTPUT")
+    mask.add_argument("input", metavar="INPUT", help="Parquet file, folder or glob of them; Arrow IPC; or JSONL. Rows hold "
+                      "input_ids (token ids), messages (a chat) or prompt + completion")
+    mask.add_argument("output", metavar="OUTPUT", help="the Parquet file to write (its folder must exist): the input "
+                      "columns plus labels (and input_ids when tokenised here); written only when the job succeeds")
     source = mask.add_argument_group("markers (one of)")
     source.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder: markers from its chat template; "
                         "also renders and tokenises messages / prompt+completion rows")
-    source.add_argument("--markers", metavar="FILE.json", help="Markers JSON, for data tokenised elsewhere")
+    source.add_argument("--markers", metavar="FILE.json", help='markers as token ids, for data tokenised elsewhere: '
+                        '{"response": [[ids...], ...], "instruction": [[ids...]], "end": [[ids...]], "mask_out": []} '
+                        '(lists of id patterns; only "response" is required; `lossmask detect TOKENIZER --json` prints them)')
     mask.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
     mask.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the tokenizer's own")
     mask.add_argument("--strict", action="store_true", help="fail instead of training full sequences when no markers are found")
@@ -70,11 +94,14 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--completion-mask", nargs="?", const=True, default=None, metavar="NAME",
                       help="also write TRL's 0/1 completion_mask (under NAME, default completion_mask)")
     mask.add_argument("--max-length", type=int, metavar="N", help="truncate tokenised rows to N tokens")
+    mask.add_argument("--special-tokens-in-content", choices=("text", "keep", "drop", "error"), default="text",
+                      help="special-token strings inside message text: encode as ordinary text (default), keep as "
+                           "control tokens, drop the row, or stop with an error naming it")
     mask.add_argument("--keep-dropped", action="store_true", help="keep rows that train nothing (still counted)")
     mask.add_argument("--max-drop-fraction", type=float, default=0.30, metavar="F",
-                      help="abort, writing nothing, when more than F of the rows train nothing (default 0.30)")
+                      help="abort, writing nothing, when more than F of the rows train nothing (default %(default)s)")
     mask.add_argument("--last-turn-only", action="store_true", help="train only the last assistant turn of each row")
-    mask.add_argument("--batch-size", type=int, default=16_384, metavar="ROWS", help="rows per batch (bounds memory)")
+    mask.add_argument("--batch-size", type=int, default=16_384, metavar="ROWS", help="rows per batch (bounds memory; default %(default)s)")
     mask.add_argument("--label-dtype", choices=("int64", "int32"), default="int64",
                       help="labels as int64 (the Hugging Face convention) or int32 (smaller files, faster writes)")
     mask.add_argument("--compression", default="snappy", metavar="CODEC",
@@ -122,8 +149,9 @@ def _add_show_commands(commands) -> None:
     detect = commands.add_parser(
         "detect", help="print the markers of a tokenizer, where they came from, and their verification",
         description="Choose markers as training would (detection from the chat template, then the template table) "
-        "and print them as ids and text, their source and the verification against the ground truth. "
-        "Exits 1 when there is no verified masking.",
+        "and print them as ids and text, their source and the verification against the ground truth, with the kinds "
+        "of conversation verified exact (plain, system, multi-turn, tools, parallel tools, reasoning) and those the "
+        "template cannot render. Exits 1 when there is no verified masking.",
     )
     detect.add_argument("tokenizer", metavar="TOKENIZER", help="tokenizer folder (tokenizer.json + tokenizer_config.json)")
     detect.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
@@ -143,10 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     example.set_defaults(run=_example)
     _add_mask_command(commands)
     _add_show_commands(commands)
+    commands.add_parser("lora", add_help=False, help="mlx-lm's LoRA / DoRA / full fine-tuning on lossmask's masks "
+                        "(the flags and YAML file of `mlx_lm lora`; `lossmask lora -h` lists them)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lora"]:  # mlx-lm's own parser reads the rest (lossmask.lora)
+        from .lora import main as lora_main
+
+        return lora_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:

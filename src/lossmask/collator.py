@@ -15,7 +15,7 @@ Importing this module imports torch; ``import lossmask`` does not import this mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 import numpy as np
@@ -41,11 +41,25 @@ class CompletionCollator:
       lets the trainer move it. With ``"cuda"`` use ``dataloader_num_workers=0`` and
       ``dataloader_pin_memory=False`` (only CPU tensors can be pinned).
 
+    - ``pad_token_id``: the id written at padding positions. Padding is told by position, so any id is
+      safe (a pad equal to EOS never masks the real EOS); ``None`` takes ``tokenizer``'s pad id, else its
+      EOS (as TRL does for tokenizers without a pad token, e.g. Llama 3), else 0.
+    - ``truncation_mode``: how rows were cut when their ``seq_lengths`` add up to more than their tokens
+      (``SFTConfig(max_length=...)`` shorter than rows packed beforehand: TRL cuts ``input_ids``, not
+      ``seq_lengths``): ``"keep_start"`` (TRL's default) or ``"keep_end"``, as ``SFTConfig.truncation_mode``.
+
     Rows packed by TRL carry ``seq_lengths``; each packed sequence is labelled on its own.
+
+    Rows arrive as token ids, so the collator cannot tell message text from the template's markup:
+    a marker's text inside a message (``[/INST]`` typed by a user on Llama-2, a quoted ``<|im_end|>``
+    tokenised as the control token) acts as the marker here. Rows labelled by ``lossmask.mask_files``
+    or ``lossmask.hf.mask_dataset`` from messages keep message text inert; use them with
+    ``row_labels="keep"``.
     """
 
     markers: Markers
-    pad_token_id: int
+    pad_token_id: int | None = None
+    tokenizer: Any = field(default=None, repr=False, compare=False)
     padding_side: Literal["right", "left"] = "right"
     padding_free: bool = False
     pad_to_multiple_of: int | None = None
@@ -54,6 +68,7 @@ class CompletionCollator:
     row_labels: Literal["rebuild", "keep"] = "rebuild"
     prompt_loss_weight: float = 0.0
     ignore_index: int = -100
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
     device: str | torch.device | None = None
 
     def __post_init__(self) -> None:
@@ -62,8 +77,12 @@ class CompletionCollator:
                 f"markers must be a lossmask.Markers, got {type(self.markers).__name__}; "
                 "build one with Markers(response=[[...]], ...) or Markers.from_json(path)"
             )
+        if self.pad_token_id is None:
+            object.__setattr__(self, "pad_token_id", pad_id_of(self.tokenizer))
         if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, (int, np.integer)) or self.pad_token_id < 0:
-            raise ValueError(f"pad_token_id={self.pad_token_id!r}; pass the tokenizer's pad id (tokenizer.pad_token_id), an int >= 0")
+            raise ValueError(f"pad_token_id={self.pad_token_id!r}; pass an int >= 0, or tokenizer= (its pad id, else its EOS)")
+        if self.truncation_mode not in ("keep_start", "keep_end"):
+            raise ValueError(f"truncation_mode={self.truncation_mode!r}; pass 'keep_start' or 'keep_end' (SFTConfig.truncation_mode)")
         if self.padding_side not in ("right", "left"):
             raise ValueError(f"padding_side={self.padding_side!r}; pass 'right' or 'left'")
         if self.row_labels not in ("rebuild", "keep"):
@@ -77,7 +96,7 @@ class CompletionCollator:
         if len(examples) == 0:
             raise ValueError("the collator got an empty batch; pass at least one row")
         layout = _Layout.build(examples, padding_free=self.padding_free, padding_side=self.padding_side,
-                               pad_to_multiple_of=self.pad_to_multiple_of)
+                               pad_to_multiple_of=self.pad_to_multiple_of, truncation_mode=self.truncation_mode)
         device = torch.device(self.device) if self.device is not None else torch.device("cpu")
         size = layout.n_rows * layout.width
         n_seqs = layout.seq_starts.shape[0]
@@ -152,7 +171,8 @@ class _Layout:
     row_offsets: np.ndarray  # int64 [n_examples + 1], tokens per example, cumulated
 
     @classmethod
-    def build(cls, examples, *, padding_free: bool, padding_side: str, pad_to_multiple_of: int | None) -> "_Layout":
+    def build(cls, examples, *, padding_free: bool, padding_side: str, pad_to_multiple_of: int | None,
+              truncation_mode: str = "keep_start") -> "_Layout":
         try:
             ids = [example["input_ids"] for example in examples]
         except (KeyError, TypeError):
@@ -164,7 +184,7 @@ class _Layout:
         lengths = rows.lengths.astype(np.int64)
         n_examples, total = len(ids), int(lengths.sum())
         row_offsets = np.concatenate([[0], np.cumsum(lengths)])
-        seq_lengths, seq_row = _sequence_lengths(examples, lengths)
+        seq_lengths, seq_row = _sequence_lengths(examples, lengths, truncation_mode)
 
         if padding_free:
             n_rows, width = 1, _round_up(total, pad_to_multiple_of)
@@ -192,8 +212,12 @@ def _round_up(n: int, multiple: int | None) -> int:
     return n if multiple is None else -(-n // multiple) * multiple
 
 
-def _sequence_lengths(examples, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Lengths of the sequences packed in each row (one per row when rows carry no ``seq_lengths``)."""
+def _sequence_lengths(examples, lengths: np.ndarray, truncation_mode: str = "keep_start") -> tuple[np.ndarray, np.ndarray]:
+    """Lengths of the sequences packed in each row (one per row when rows carry no ``seq_lengths``).
+
+    Rows cut after packing (``seq_lengths`` adding up to more than the row) have their ``seq_lengths``
+    cut the same way: from the end (``keep_start``) or from the start (``keep_end``).
+    """
     if "seq_lengths" not in examples[0]:
         return lengths, np.arange(len(lengths))
     try:
@@ -202,17 +226,47 @@ def _sequence_lengths(examples, lengths: np.ndarray) -> tuple[np.ndarray, np.nda
         raise ValueError("some rows carry 'seq_lengths' and some do not; pack all rows of a dataset or none") from None
     seq_lengths = packed.values[packed.starts[0] : packed.starts[0] + int(packed.lengths.sum())].astype(np.int64) if len(
         packed) else np.zeros(0, np.int64)
-    per_row = np.zeros(len(lengths), dtype=np.int64)
     seq_row = np.repeat(np.arange(len(lengths)), packed.lengths)
+    if (seq_lengths < 0).any():
+        r = int(seq_row[np.argmax(seq_lengths < 0)])
+        raise ValueError(f"row {r}: seq_lengths holds a negative length; seq_lengths must split input_ids exactly "
+                         "(as TRL's pack_dataset writes them)")
+    per_row = np.zeros(len(lengths), dtype=np.int64)
     np.add.at(per_row, seq_row, seq_lengths)
-    bad = np.flatnonzero(per_row != lengths)
-    if bad.size or (seq_lengths < 0).any():
-        r = int(bad[0]) if bad.size else int(seq_row[np.argmax(seq_lengths < 0)])
+    short = np.flatnonzero(per_row < lengths)
+    if short.size:
+        r = int(short[0])
         raise ValueError(
             f"row {r}: seq_lengths add up to {int(per_row[r])} but the row has {int(lengths[r])} tokens; "
             "seq_lengths must split input_ids exactly (as TRL's pack_dataset writes them)"
         )
+    if (per_row > lengths).any():  # truncated after packing: cut each row's sequences to its length
+        seq_lengths, seq_row = cut_packed_sequences(seq_lengths, seq_row, per_row, lengths, from_start=truncation_mode == "keep_end")
     return seq_lengths, seq_row
+
+
+def cut_packed_sequences(seq_lengths, seq_row, per_row, lengths, *, from_start: bool):
+    """Sequences of each row clipped to the row's kept tokens; sequences cut away entirely are removed."""
+    first = np.concatenate([[0], np.cumsum(per_row)[:-1]])  # where each row's sequences start, before the cut
+    begin = np.concatenate([[0], np.cumsum(seq_lengths)[:-1]]) - first[seq_row]  # sequence start within its row
+    end = begin + seq_lengths
+    lo = (per_row - lengths)[seq_row] if from_start else np.zeros_like(begin)
+    hi = lo + lengths[seq_row]
+    cut = np.clip(np.minimum(end, hi) - np.maximum(begin, lo), 0, None)
+    keep = cut > 0
+    return cut[keep], seq_row[keep]
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    """The tokenizer's pad id, else its EOS id, else 0 (padding is told by position: the id never trains)."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)  # a lossmask ChatTokenizer or an mlx-lm wrapper
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tok, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
 
 
 def _row_labels(examples, layout: _Layout) -> np.ndarray | None:

@@ -8,8 +8,15 @@ reads the token ids around every turn boundary as they occur in context:
   ``<|im_start|>assistant\\n``, Llama-2's `` [/INST]``), ending where training starts;
 * ``end``: the stop token of each turn (``<|im_end|>``, ``</s>``, gpt-oss ``<|end|>`` and
   ``<|return|>`` and ``<|call|>``, GLM's next role token);
-* ``instruction``: only for turns with no stop token (Falcon's plain-text roles): the header of the
-  message that follows, which closes the span.
+* ``instruction``: for turns with no stop token (Falcon's plain-text roles), the header of the
+  message that follows, which closes the span; and where a header also precedes a message that is
+  not an assistant turn (DeepSeek-V3.1's ``<｜tool▁output▁end｜>`` before the next tool output with
+  parallel calls, Mistral's ``[/TOOL_RESULTS][TOOL_RESULTS]``), that message's opener.
+
+The probes cover six kinds of conversation (plain, system, multi-turn, tools and parallel tools
+with arguments as objects and as JSON strings, reasoning). A kind the template renders must verify
+exactly; one it raises on, ignores or drops message text of is reported as not rendered
+(``report.kinds``).
 
 Every variant that occurs is kept. The result is then checked with ``verify`` on the same probes,
 and ``MarkerDetectionError`` is raised instead of returning markers that do not reproduce the
@@ -30,7 +37,10 @@ import numpy as np
 
 from .markers import Markers
 from .tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
-from .verify import GroundTruth, VerifyReport, build_truths, check, renderable_probes, vocabulary_probes
+from .verify import (
+    KINDS, GroundTruth, Unchecked, VerifyReport, build_truths, check, probe_kind, renderable_probes, sort_probes,
+    vocabulary_probes,
+)
 
 _HOW_TO_FIX = (
     "pass markers yourself (lossmask.Markers(response=[[...]], end=[[...]]), or "
@@ -55,20 +65,28 @@ def detect_markers(tokenizer: Any) -> Markers:
 
 
 def detect_markers_with_report(tokenizer: Any) -> tuple[Markers, VerifyReport]:
-    """``detect_markers``, also returning the verification report of the probes."""
+    """``detect_markers``, also returning the verification report of the probes.
+
+    ``report.kinds`` says, per kind of conversation (plain, system, multi-turn, tools, parallel
+    tools, reasoning), whether it was verified exact or why the template cannot render it.
+    """
     ct = _load(tokenizer)
-    probes = renderable_probes(ct)
+    probes, skipped = sort_probes(ct)
     if not probes:
         raise MarkerDetectionError(
             f"the chat template of {ct.name!r} renders none of the probe conversations (it raised on every one); "
             f"{_HOW_TO_FIX}"
         )
     truths = build_truths(ct, probes)
+    # a probe whose text the template drops (Phi-3 drops tool messages, Gemma-2 system prompts...)
+    # is a kind of conversation the template does not render: not a failure, and not labelled
+    dropped = {t.name: t for t in truths if isinstance(t, Unchecked) and t.dropped}
+    truths = [t for t in truths if t.name not in dropped]
     headers = sorted({turn.header for t in truths if isinstance(t, GroundTruth) for turn in t.turns})
     truths += build_truths(ct, vocabulary_probes(ct, headers))
     failed = [t for t in truths if not isinstance(t, GroundTruth)]
     if failed:
-        name, error = failed[0]
+        name, error = failed[0][:2]
         more = f" (and {len(failed) - 1} more probes)" if len(failed) > 1 else ""
         raise MarkerDetectionError(
             f"cannot analyse the chat template of {ct.name!r} on probe {name!r}{more}: {error}; {_HOW_TO_FIX}"
@@ -88,15 +106,98 @@ def detect_markers_with_report(tokenizer: Any) -> tuple[Markers, VerifyReport]:
                 again = check(ct, fewer, truths)
                 if again.ok:
                     markers, report = fewer, again
+    if not report.ok and report.extra and not report.missing:
+        markers, report = _close_openers(ct, markers, report, truths)
     if not report.ok:
         raise MarkerDetectionError(
             f"the markers read off the chat template of {ct.name!r} do not reproduce its ground truth, so lossmask "
             f"will not use them: {markers}\n{report}\n{_HOW_TO_FIX}"
         )
+    kinds = _kinds(report, skipped, dropped)
+    for kind, status, detail in kinds:
+        if kind in ("plain", "multi-turn") and status != "exact":
+            raise MarkerDetectionError(
+                f"the chat template of {ct.name!r} does not render {kind} conversations as given ({detail}); {_HOW_TO_FIX}"
+            )
     notes = _notes(ct, markers, truths)
     if not markers.end:
         warnings.warn(f"{ct.name!r}: {notes[0]}", UserWarning, stacklevel=3)
-    return markers, replace(report, notes=notes)
+    return markers, replace(report, notes=notes, kinds=kinds)
+
+
+def _close_openers(ct: ChatTokenizer, markers: Markers, report: VerifyReport, truths) -> tuple[Markers, VerifyReport]:
+    """Markers for a response pattern that also precedes a non-assistant message.
+
+    DeepSeek-V3.1 opens the answer after tool results with ``<｜tool▁output▁end｜>``, and with parallel
+    calls that token also precedes the next ``<｜tool▁output▁begin｜>``. Each run of extra tokens
+    starts with the opener of the message that wrongly trains; that opener, as an instruction
+    pattern, closes the span before it. Kept only when the result verifies exactly.
+    """
+    openers: list[tuple[int, ...]] = []
+    for c in report.conversations:
+        extra = set(c.extra)
+        for k in c.extra:
+            if k - 1 not in extra and c.truth is not None and int(c.truth.ids[k]) in ct.added_ids:
+                _add(openers, c.truth.ids[k : k + 1])
+    if not openers:
+        return markers, report
+    widened = replace(markers, instruction=tuple(markers.instruction) + tuple(openers))
+    retry = check(ct, widened, truths)
+    return (widened, retry) if retry.ok else (markers, report)
+
+
+def _form(probe: str) -> str:
+    """How a tool probe passes arguments, or the probe's name."""
+    if probe.startswith(("tool", "parallel-tools")):
+        return "arguments as JSON strings" if probe.endswith("-json") else "arguments as objects"
+    return probe
+
+
+def _kinds(report: VerifyReport, skipped: dict[str, str], dropped: dict) -> tuple[tuple[str, str, str], ...]:
+    """``(kind, status, detail)`` per kind of probe: "exact", or "not rendered" with the reason."""
+    by_kind: dict[str, dict] = {kind: {"exact": [], "skipped": [], "dropped": []} for kind in KINDS}
+    for c in report.conversations:  # all exact here: detection refuses otherwise
+        if not c.name.startswith("vocabulary-"):
+            by_kind[probe_kind(c.name)]["exact"].append(c)
+    for name, why in skipped.items():
+        by_kind[probe_kind(name)]["skipped"].append((name, why))
+    for name, unchecked in dropped.items():
+        d = unchecked.dropped[0]
+        by_kind[probe_kind(name)]["dropped"].append(
+            (name, f"the template drops message {d.message} ({d.role}): its {d.part} {d.text!r}"))
+    out = []
+    for kind in KINDS:
+        entry = by_kind[kind]
+        exact, others = entry["exact"], entry["skipped"] + entry["dropped"]
+        if not exact:
+            whys = list(dict.fromkeys(why for _, why in others))
+            detail = whys[0] if len(whys) == 1 else "; ".join(f"{_form(name)}: {why}" for name, why in others) or "no probe"
+            out.append((kind, "not rendered", detail))
+            continue
+        notes = []
+        if kind == "reasoning":
+            # reasoning given as a field (reasoning_content / thinking): does the template write it?
+            fields = [c for c in exact if c.name == "reasoning" and c.truth is not None]
+            turns = sum(len(c.truth.turns) for c in fields)
+            lost = sum(len({d.message for d in c.dropped if d.part == "reasoning"}) for c in fields)
+            if not fields or lost >= turns:
+                inline = [c for c in exact if c.name == "reasoning-in-content"]
+                stripped = any(d.part == "reasoning" for c in inline for d in c.dropped)
+                how = ("strips reasoning written into the content too" if stripped else
+                       "keeps reasoning written into the content as <think>...</think>, trained as content")
+                out.append((kind, "not rendered", f"the template ignores reasoning fields and {how}"))
+                continue
+            if lost:
+                notes.append(f"the template drops the reasoning of {lost} of {turns} turns (before the last user message)")
+        if kind in ("tools", "parallel tools"):
+            forms = ["objects" if not c.name.endswith("-json") else "JSON strings" for c in exact]
+            notes.append("arguments as " + " and ".join(sorted(set(forms))))
+            notes += [f"{_form(name)}: {why}" for name, why in others]
+        beyond = sum(len(c.beyond_markers) for c in exact)
+        if beyond:
+            notes.append(f"{beyond} generated header tokens beyond any marker, not trained")
+        out.append((kind, "exact", "; ".join(notes)))
+    return tuple(out)
 
 
 def _prefills(markers: Markers) -> list[tuple[int, ...]]:

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .rendered import SPECIAL_TOKENS, encode_rendered, text_can_match
+
 
 @dataclass(frozen=True)
 class EncodedBatch:
@@ -22,6 +24,10 @@ class EncodedBatch:
 
     ``errors``: ``(row in the whole input, message)`` for each rejected row. ``prompt_lengths``: for
     plain-text prompt/completion rows, how many leading tokens of each valid row are prompt.
+    ``in_content``: a bool per token of ``input_ids`` (back to back), True inside message text, which
+    labelling keeps inert. ``dropped``: ``(row, reason, message)`` for rows rendered but not labelled
+    (``content_dropped``, ``special_tokens_in_content``). ``special_rows``: rows whose message text held
+    a special-token string, with one example.
     """
 
     input_ids: pa.Array
@@ -29,6 +35,10 @@ class EncodedBatch:
     errors: list[tuple[int, str]]
     prompt_lengths: np.ndarray | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    in_content: np.ndarray | None = None
+    dropped: list[tuple[int, str, str]] = field(default_factory=list)
+    special_rows: int = 0
+    special_example: str | None = None
 
 
 def chat_tokenizer(tokenizer: Any):
@@ -40,21 +50,31 @@ def chat_tokenizer(tokenizer: Any):
 
 @dataclass(frozen=True)
 class RenderedBatch:
-    """The texts the template wrote for the rows of a batch (``valid`` marks them), before tokenisation."""
+    """The texts the template wrote for the rows of a batch (``valid`` marks them), before tokenisation.
+
+    ``chats``: the messages of each text (their text is located in it when tokenising: message text is
+    data); ``rows``: each text's row in the whole input."""
 
     texts: list[str]
+    chats: list[Any]
+    rows: list[int]
     valid: np.ndarray
     errors: list[tuple[int, str]]
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0) -> EncodedBatch:
-    """Render and tokenise the chat (``kind="messages"``) or prompt/completion rows of ``table``."""
+def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0,
+                 markers: Any = "unknown") -> EncodedBatch:
+    """Render and tokenise the chat (``kind="messages"``) or prompt/completion rows of ``table``.
+
+    ``markers``: what will label the rows; ``in_content`` is only computed where message text could
+    match one of them (``rendered.text_can_match``; always when they are not given).
+    """
     tok = chat_tokenizer(tokenizer)
     if kind != "messages" and is_text_pairs(table, options):
         return _encode_text_pairs(tok, table.column(options.prompt_column), table.column(options.completion_column),
                                   options, first_row=first_row)
-    return tokenize_rendered(tok, render_table(tok, table, kind, options, first_row=first_row), options)
+    return tokenize_rendered(tok, render_table(tok, table, kind, options, first_row=first_row), options, markers=markers)
 
 
 def is_text_pairs(table: pa.Table, options: Any) -> bool:
@@ -77,7 +97,7 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
             for p, c in zip(messages_from_arrow(prompts), messages_from_arrow(completions))
         ]
         where = f"{options.prompt_column}+{options.completion_column}"
-    tools = table.column("tools").to_pylist() if "tools" in table.column_names else None
+    tools = json_values(table.column("tools")) if "tools" in table.column_names else None
     errors: list[tuple[int, str]] = []
     chats, rows = [], []
     for r, messages in enumerate(conversations):
@@ -90,21 +110,42 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     texts, failures = render_chats(tok, chats)
     rendered = time.perf_counter()
     ok = np.array([text is not None for text in texts], dtype=bool)
-    valid = np.zeros(table.num_rows, dtype=bool)
     rows = np.asarray(rows, dtype=np.int64)
-    valid[rows[ok]] = True
+    ok_rows = rows[ok] if rows.size else rows
+    valid = np.zeros(table.num_rows, dtype=bool)
+    valid[ok_rows] = True
     errors += [(first_row + int(rows[local]), message) for local, message in failures]
     errors.sort()
-    return RenderedBatch([text for text in texts if text is not None], valid, errors,
-                         seconds={"read_messages": convert - started, "render": rendered - convert})
+    return RenderedBatch([text for text in texts if text is not None],
+                         [_messages_of(chat) for chat, good in zip(chats, ok) if good], (first_row + ok_rows).tolist(),
+                         valid, errors, seconds={"read_messages": convert - started, "render": rendered - convert})
 
 
-def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any) -> EncodedBatch:
-    """Token ids of a rendered batch (one batch call into the tokeniser), as ``list<int32>``."""
+def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, markers: Any = "unknown") -> EncodedBatch:
+    """Token ids of a rendered batch (one batch call into the tokeniser), as ``list<int32>``, with message text
+    kept as data (``rendered.encode_rendered``): rows whose message the template dropped are taken out here."""
     started = time.perf_counter()
-    input_ids = chat_tokenizer(tokenizer).encode_texts(rendered.texts, max_length=options.max_length)
+    tok = chat_tokenizer(tokenizer)
+    encoded = encode_rendered(
+        tok, rendered.texts, rendered.chats,
+        special_tokens_in_content=options.special_tokens_in_content, max_length=options.max_length,
+        row_numbers=rendered.rows,
+        positions=markers == "unknown" or text_can_match(tok, markers, options.special_tokens_in_content),
+    )
+    valid = rendered.valid
+    if not encoded.keep.all():
+        valid = valid.copy()
+        valid[np.flatnonzero(valid)[~encoded.keep]] = False
     seconds = {**rendered.seconds, "tokenize_text": time.perf_counter() - started}
-    return EncodedBatch(_as_list32(input_ids), rendered.valid, rendered.errors, seconds=seconds)
+    return EncodedBatch(
+        _as_list32(encoded.input_ids), valid, rendered.errors, seconds=seconds,
+        in_content=encoded.in_content, dropped=encoded.dropped,
+        special_rows=encoded.special_rows, special_example=encoded.special_example,
+    )
+
+
+def _messages_of(chat: Any) -> Any:
+    return chat["messages"] if isinstance(chat, dict) else chat
 
 
 def render_chats(tok, chats: list) -> tuple[list[str | None], list[tuple[int, str]]]:
@@ -149,9 +190,12 @@ def _encode_text_pairs(tok, prompts, completions, options, *, first_row: int) ->
         (first_row + r, f"column {options.prompt_column if p_text[r] is None else options.completion_column!r} is null")
         for r in np.flatnonzero(~valid)
     ]
+    dropped, special_rows, special_example, as_text = _special_text_pairs(tok, p_text, c_text, valid, options, first_row)
+    for row, _, _ in dropped:
+        valid[row - first_row] = False
     keep = np.flatnonzero(valid)
-    p_ids = tok.encode_texts([p_text[r] for r in keep])
-    c_ids = tok.encode_texts([c_text[r] for r in keep])
+    p_ids = _encode_plain(tok, [p_text[r] for r in keep], as_text[keep])
+    c_ids = _encode_plain(tok, [c_text[r] for r in keep], as_text[keep])
     eos = tok.eos_token_id
     p_len = np.diff(p_ids.offsets.to_numpy()).astype(np.int64)
     c_len = np.diff(c_ids.offsets.to_numpy()).astype(np.int64)
@@ -179,7 +223,48 @@ def _encode_text_pairs(tok, prompts, completions, options, *, first_row: int) ->
     prompt_lengths = p_len
     if options.max_length is not None:
         arr = _truncate(arr, options.max_length)
-    return EncodedBatch(_as_list32(arr), valid, errors, prompt_lengths=prompt_lengths)
+    return EncodedBatch(_as_list32(arr), valid, errors, prompt_lengths=prompt_lengths, dropped=dropped,
+                        special_rows=special_rows, special_example=special_example)
+
+
+def _special_text_pairs(tok, p_text, c_text, valid, options, first_row):
+    """Plain-text prompt/completion rows are all message text: apply ``special_tokens_in_content`` to them."""
+    as_text = np.zeros(len(p_text), dtype=bool)
+    dropped: list[tuple[int, str, str]] = []
+    special_rows, example = 0, None
+    tokens = tok.content_tokens
+    if tokens.pattern is None:
+        return dropped, special_rows, example, as_text
+    for r in np.flatnonzero(valid):
+        for column, text in ((options.prompt_column, p_text[r]), (options.completion_column, c_text[r])):
+            match = tokens.find(text)
+            if match is None:
+                continue
+            where = f"row {first_row + r}, column {column!r} holds the special-token string {match.group(0)!r}"
+            if options.special_tokens_in_content == "error":
+                raise ValueError(
+                    f"{where}; pass special_tokens_in_content='text' to encode it as ordinary text (the default), "
+                    "'keep' to keep it a control token, or 'drop' to drop such rows"
+                )
+            special_rows += 1
+            example = example or where
+            if options.special_tokens_in_content == "drop":
+                dropped.append((first_row + int(r), SPECIAL_TOKENS, f"column {column!r} holds {match.group(0)!r}"))
+            as_text[r] = options.special_tokens_in_content == "text"
+            break
+    return dropped, special_rows, example, as_text
+
+
+def _encode_plain(tok, texts: list[str], as_text: np.ndarray) -> pa.Array:
+    """``encode_texts``, with the rows marked ``as_text`` encoded with special-token strings as text."""
+    ids = tok.encode_texts(texts)
+    if not as_text.any():
+        return ids
+    rows = ids.to_pylist()
+    encoder = tok.text_encoder.first
+    for r in np.flatnonzero(as_text):
+        rows[r] = encoder.encode(texts[r], add_special_tokens=False).ids
+    return pa.array(rows, type=pa.large_list(pa.int32()))
 
 
 def _truncate(arr: pa.Array, max_length: int) -> pa.Array:
@@ -249,6 +334,17 @@ def _struct_messages(column: pa.Array) -> list[list[dict] | None]:
             messages[i] = None
     valid = column.is_valid().to_numpy(zero_copy_only=False) if column.null_count else None
     return [messages[offsets[r]:offsets[r + 1]] if valid is None or valid[r] else None for r in range(len(column))]
+
+
+def json_values(column: pa.Array | pa.ChunkedArray) -> list:
+    """A column as Python values, with JSON text (``arrow.json``, or a list of it) decoded."""
+    values = column.to_pylist()
+    arrow_type = column.type
+    if getattr(arrow_type, "extension_name", None) == "arrow.json":
+        return [None if v is None else json.loads(v) for v in values]
+    if pa.types.is_list(arrow_type) and getattr(arrow_type.value_type, "extension_name", None) == "arrow.json":
+        return [None if v is None else [None if item is None else json.loads(item) for item in v] for v in values]
+    return values
 
 
 def _message(message: Any) -> Any:

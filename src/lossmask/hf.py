@@ -38,6 +38,7 @@ def mask_dataset(
     options: MaskOptions | None = None,
     return_report: bool = False,
     verbose: bool = False,
+    quiet: bool = False,
     **option_fields: Any,
 ):
     """Add ``labels`` to a Hugging Face ``Dataset``, ``DatasetDict`` or ``IterableDataset``.
@@ -50,9 +51,15 @@ def mask_dataset(
     train nothing are removed (``keep_dropped`` keeps them) and counted; more than
     ``max_drop_fraction`` of them raises ``TooManyDroppedRows``.
 
+    ``messages`` and ``prompt``/``completion`` rows are rendered here, so message text stays data
+    (``special_tokens_in_content``; rows whose messages the template drops are ``content_dropped``).
+    Pre-tokenised ``input_ids`` cannot be told apart that way: a marker's text inside a message acts
+    as the marker there.
+
     Returns the masked dataset of the same kind; with ``return_report=True``, ``(dataset, report)``
     where report is a ``MaskReport`` (a dict of them for a ``DatasetDict``; for an ``IterableDataset``,
-    a function that returns the report of the rows iterated so far). ``verbose`` prints the summary.
+    a function that returns the report of the rows iterated so far). Dropped rows are logged in one
+    line on stderr (``quiet=True`` silences it); ``verbose`` prints the whole summary.
     """
     import datasets
 
@@ -64,7 +71,7 @@ def mask_dataset(
         chat.begin_job()  # the fast tokeniser loads on a thread while markers are resolved
     resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
                                           response_part=response_part, instruction_part=instruction_part)
-    job = _Job(options, resolved, source, tuple(messages), chat, verbose)
+    job = _Job(options, resolved, source, tuple(messages), chat, verbose, quiet=quiet)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         results = {split: job.run(part, name=split) for split, part in dataset.items()}
         out = type(dataset)({split: result[0] for split, result in results.items()})
@@ -107,6 +114,9 @@ class _Job:
     messages: tuple[str, ...]
     tokenizer: Any
     verbose: bool
+    quiet: bool = False
+    truncated_at: int | None = None  # the length a trainer cut the rows to before masking
+    truncation: str | None = None  # that length, named for a person ("max_length=40 (SFTConfig.max_length)")
 
     def run(self, dataset: Any, *, name: str):
         import datasets
@@ -128,11 +138,11 @@ class _Job:
             batches = dataset.with_format("arrow").iter(batch_size=self.options.batch_size)
         for table in batches:
             parts.append(mask_batch(table, self.markers, self.options, tally, tokenizer=self.tokenizer, kind=kind,
-                                    first_row=first_row, source=name))
+                                    first_row=first_row, source=name, truncated_at=self.truncated_at))
             first_row += table.num_rows
         from .stream import _check_drops
 
-        _check_drops(tally, self.tokenizer, self.options)
+        _check_drops(tally, self.tokenizer, self.options, truncation=self.truncation)
         table = pa.concat_tables([p.cast(out_schema) for p in parts]) if parts else out_schema.empty_table()
         features = datasets.Features({**dataset.features, **_new_features(out_schema, schema)})
         info = dataset.info.copy()
@@ -152,13 +162,14 @@ class _Job:
 
         tally = Tally()
         state = {"first_row": 0}
-        options, markers, tokenizer = self.options, self.markers, self.tokenizer
+        options, markers, tokenizer, truncated_at = self.options, self.markers, self.tokenizer, self.truncated_at
 
         def label(table: pa.Table) -> pa.Table:
-            out = mask_batch(table, markers, options, tally, tokenizer=tokenizer, first_row=state["first_row"], source=name)
+            out = mask_batch(table, markers, options, tally, tokenizer=tokenizer, first_row=state["first_row"], source=name,
+                             truncated_at=truncated_at)
             state["first_row"] += table.num_rows
             if tally.rows_in >= MIN_ROWS_FOR_STREAMING_CHECK:  # over the rows seen so far (no end to wait for)
-                _check_drops(tally, tokenizer, options)
+                _check_drops(tally, tokenizer, options, truncation=self.truncation)
             return out
 
         fmt = getattr(dataset, "_formatting", None)
@@ -171,6 +182,8 @@ class _Job:
                                   keep_dropped=self.options.keep_dropped, input=name, messages=self.messages)
         if self.verbose and not quiet:
             print(f"lossmask [{name}]: " + report.summary().replace("\n", f"\nlossmask [{name}]: "), file=sys.stderr)
+        elif report.rows_dropped and not (quiet or self.quiet):
+            print(f"lossmask [{name}]: {report.drop_line()}", file=sys.stderr)
         return report
 
 
@@ -206,6 +219,13 @@ def train_on_responses_only(
     by ``PadByPosition``, which pads ``labels`` with -100 by position. ``options`` (a ``MaskOptions``) or
     its fields as keywords (``max_length=``, ``keep_dropped=``, ``max_drop_fraction=``...) say how rows
     are labelled and kept. Returns the trainer.
+
+    TRL's packing and padding-free training are kept: when the trainer is padding-free
+    (``SFTConfig(padding_free=True)``, or ``packing=True`` with the ``bfd`` strategies) the collator is a
+    ``CompletionCollator(padding_free=True)``, which builds ``position_ids`` / ``cu_seq_lens`` as TRL's
+    does, so packed documents do not attend to each other; packed rows (``seq_lengths``) are labelled
+    document by document, and the report counts documents (those that train nothing stay in their pack,
+    counted as kept). ``max_length`` defaults to ``SFTConfig.max_length`` (the length TRL cut rows at).
     """
     tok = tokenizer if tokenizer is not None else _trainer_tokenizer(trainer)
     model_name = model_name or _model_name(trainer)
@@ -215,25 +235,106 @@ def train_on_responses_only(
     resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
                                           response_part=response_part, instruction_part=instruction_part)
     options = MaskOptions.resolve(options, **option_fields)
-    job = _Job(options, resolved, source, tuple(messages), chat, verbose)
+    args = getattr(trainer, "args", None)
+    limit = getattr(args, "max_length", None)
+    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+    job = _Job(options, resolved, source, tuple(messages), chat, verbose, truncated_at=limit,
+               truncation=f"max_length={limit} (the trainer's args.max_length, e.g. SFTConfig(max_length=...); "
+                          "the trainer truncated the rows before lossmask saw them)" if limit else None)
     if verbose:
         for message in messages:
             print(f"lossmask: {message}", file=sys.stderr)
+    packed = False
+    truncation_mode = getattr(args, "truncation_mode", None) or "keep_start"
     if getattr(trainer, "train_dataset", None) is not None:
-        trainer.train_dataset = job.run(_without_labels(trainer.train_dataset), name="train")[0]
+        trainer.train_dataset, is_packed = _mask_for_trainer(job, trainer.train_dataset, "train", truncation_mode)
+        packed |= is_packed
     eval_dataset = getattr(trainer, "eval_dataset", None)
     if isinstance(eval_dataset, dict):
-        trainer.eval_dataset = {
-            name: job.run(_without_labels(ds), name=f"eval {name}")[0] for name, ds in eval_dataset.items()
-        }
+        masked = {name: _mask_for_trainer(job, ds, f"eval {name}", truncation_mode) for name, ds in eval_dataset.items()}
+        trainer.eval_dataset = {name: ds for name, (ds, _) in masked.items()}
+        packed |= any(is_packed for _, is_packed in masked.values())
     elif eval_dataset is not None:
-        trainer.eval_dataset = job.run(_without_labels(eval_dataset), name="eval")[0]
+        trainer.eval_dataset, is_packed = _mask_for_trainer(job, eval_dataset, "eval", truncation_mode)
+        packed |= is_packed
+    padding_free = _padding_free(trainer)
+    if resolved is None:
+        if not (padding_free or packed):  # no markers: the full sequence trains, TRL's collator already does that
+            trainer.data_collator = PadByPosition(pad_token_id=_pad_id(chat), padding_side=getattr(chat.tokenizer, "padding_side", "right"))
+    elif padding_free or packed:
+        from .collator import CompletionCollator
+
+        trainer.data_collator = CompletionCollator(
+            markers=resolved, tokenizer=chat.tokenizer, padding_free=padding_free, last_turn_only=options.last_turn_only,
+            pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
+            truncation_mode=truncation_mode,
+        )
+    else:
+        trainer.data_collator = PadByPosition(pad_token_id=_pad_id(chat), padding_side=getattr(chat.tokenizer, "padding_side", "right"))
+    _keep_label_columns(trainer)
+    return trainer
+
+
+def _pad_id(chat: Any) -> int:
     pad = chat.tokenizer.pad_token_id
     if pad is None:
         pad = chat.eos_token_id if chat.eos_token_id is not None else 0
-    trainer.data_collator = PadByPosition(pad_token_id=int(pad), padding_side=getattr(chat.tokenizer, "padding_side", "right"))
-    _keep_label_columns(trainer)
-    return trainer
+    return int(pad)
+
+
+def _padding_free(trainer: Any) -> bool:
+    """Whether the trainer trains padding-free (TRL: ``padding_free=True``, or packing with a bfd strategy)."""
+    if hasattr(trainer, "padding_free"):
+        return bool(trainer.padding_free)
+    args = getattr(trainer, "args", None)
+    return bool(getattr(args, "padding_free", False)) or (
+        bool(getattr(args, "packing", False)) and getattr(args, "packing_strategy", "bfd") in ("bfd", "bfd_split"))
+
+
+def _mask_for_trainer(job: "_Job", dataset: Any, name: str, truncation_mode: str) -> tuple[Any, bool]:
+    """``(dataset, packed)``: labelled rows, or packed rows left as they are with their documents counted."""
+    if "seq_lengths" in (getattr(dataset, "column_names", None) or []):
+        _count_packed_documents(job, dataset, name, truncation_mode)
+        return dataset, True
+    return job.run(_without_labels(dataset), name=name)[0], False
+
+
+def _count_packed_documents(job: "_Job", dataset: Any, name: str, truncation_mode: str = "keep_start") -> None:
+    """Label the documents of packed rows (their ``seq_lengths``) to count and check them; the collator labels
+    them again per batch. Documents that train nothing cannot leave their pack: they are counted as kept."""
+    import pyarrow.compute as pc
+
+    if job.markers is None:  # no markers: every token trains, nothing to count
+        return
+    from .labels import label_batch
+    from .outcomes import OutcomeCounts
+    from .stream import _check_drops
+
+    counts = OutcomeCounts()
+    for table in dataset.select_columns(["input_ids", "seq_lengths"]).with_format("arrow").iter(batch_size=job.options.batch_size):
+        ids = table.column("input_ids").combine_chunks()
+        seq_column = table.column("seq_lengths").combine_chunks()
+        seq_lengths = np.asarray(pc.list_flatten(seq_column), dtype=np.int64)
+        values = pc.list_flatten(ids)
+        lengths = np.asarray(pc.list_value_length(ids).fill_null(0), dtype=np.int64)
+        seq_row = np.repeat(np.arange(len(lengths)), np.asarray(pc.list_value_length(seq_column).fill_null(0)))
+        per_row = np.bincount(seq_row, weights=seq_lengths, minlength=len(lengths)).astype(np.int64)
+        if (per_row < lengths).any():
+            r = int(np.flatnonzero(per_row < lengths)[0])
+            raise ValueError(f"{name} row {r}: seq_lengths add up to {int(per_row[r])} but the row has {int(lengths[r])} "
+                             "tokens; seq_lengths must split input_ids exactly (as TRL's pack_dataset writes them)")
+        if (per_row > lengths).any():  # cut after packing (SFTConfig(max_length) shorter than the packs): as the collator
+            from .collator import cut_packed_sequences
+
+            seq_lengths, _ = cut_packed_sequences(seq_lengths, seq_row, per_row, lengths, from_start=truncation_mode == "keep_end")
+        documents = pa.LargeListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(seq_lengths)]), pa.int64()), values)
+        counts = counts + label_batch(documents, job.markers, last_turn_only=job.options.last_turn_only).counts
+    tally = Tally(counts=counts, rows_out=counts.rows)
+    _check_drops(tally, job.tokenizer, job.options, truncation=job.truncation)
+    report = MaskReport.build(tally, markers=job.markers, markers_source=job.source, keep_dropped=True,
+                              input=f"{name} (packed documents)", messages=job.messages)
+    if job.verbose:
+        print(f"lossmask [{name}, packed documents]: " + report.summary().replace("\n", f"\nlossmask [{name}]: "), file=sys.stderr)
 
 
 def _trainer_tokenizer(trainer: Any) -> Any:

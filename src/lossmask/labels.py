@@ -56,6 +56,9 @@ def make_labels(
     welcome) or a ChunkedArray of them, Python lists of lists, or a 2-D NumPy array with
     ``lengths`` (real tokens per row; the rest is padding, labelled ``ignore_index``).
     Returns the same structure; Arrow outputs reuse the input's offsets buffer.
+
+    Token ids cannot tell message text from the template's markup: a marker's text inside a message
+    acts as the marker. Rows rendered by lossmask carry a mask that prevents it (``label_batch(data_mask=)``).
     """
     return label_batch(
         input_ids, markers, backend=backend, last_turn_only=last_turn_only,
@@ -84,15 +87,65 @@ def label_batch(
     ignore_index: int = -100,
     dtype: Any = "int64",
     lengths: Any = None,
+    data_mask: np.ndarray | None = None,
 ) -> LabelledBatch:
-    """``make_labels`` plus per-row trained-token counts and outcomes, in one pass."""
+    """``make_labels`` plus per-row trained-token counts and outcomes, in one pass.
+
+    ``data_mask``: a bool per token of a list-array ``input_ids`` (its rows' tokens back to back,
+    as ``.flatten()`` gives them), True for tokens that are message text (``rendered.encode_rendered``
+    gives it). No pattern can match such a token, so message text never opens, closes or extends a
+    span; it is still trained where its span is. Pre-tokenised ``input_ids`` carry no such mask: a
+    marker's text inside a message there acts as the marker.
+    """
     label_dtype = batches.resolve_label_dtype(dtype)
     info = np.iinfo(label_dtype)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)) or not (
         info.min <= ignore_index <= info.max
     ):
         raise ValueError(f"ignore_index={ignore_index!r} must be an integer that fits {label_dtype.name}")
+    if data_mask is not None and np.any(data_mask):
+        return _label_with_data(input_ids, markers, backend, last_turn_only, int(ignore_index), label_dtype, data_mask)
     return _label(input_ids, markers, backend, last_turn_only, int(ignore_index), label_dtype, lengths, write_mask=False)
+
+
+def inert_id(markers: Markers) -> int:
+    """A token id that occurs in no pattern of ``markers`` (one past the largest)."""
+    largest = max((int(t) for kind in markers.to_dict().values() for p in kind for t in p), default=-1)
+    return largest + 1
+
+
+def _label_with_data(input_ids, markers, backend, last_turn_only, ignore_index, out_dtype, data_mask) -> LabelledBatch:
+    """Label a scratch copy whose message-text tokens are an id no pattern holds; put the real ids back."""
+    if not isinstance(markers, Markers):
+        raise TypeError(f"markers must be a lossmask.Markers, got {type(markers).__name__}")
+    if isinstance(input_ids, pa.ChunkedArray):
+        input_ids = input_ids.combine_chunks() if input_ids.num_chunks != 1 else input_ids.chunk(0)
+    if not isinstance(input_ids, pa.Array):
+        raise TypeError("data_mask goes with a pyarrow List/LargeList array of input_ids")
+    rows = batches.rows_from_arrow(input_ids)
+    lengths = rows.lengths.astype(np.int64)
+    data_mask = np.asarray(data_mask, dtype=bool)
+    if data_mask.shape != (int(lengths.sum()),):
+        raise ValueError(f"data_mask has {data_mask.shape[0]} entries; the rows hold {int(lengths.sum())} tokens")
+    cu = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    position = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - rows.starts.astype(np.int64), lengths)
+    where = position[data_mask]  # where the message-text tokens lie in the values buffer
+    scratch = np.array(rows.values, copy=True)
+    inert = inert_id(markers)
+    scratch[where] = inert if inert != ignore_index else inert + 1  # never read as "untrained"
+    kernel = get_backend(backend)
+    buffer = _label_buffer(input_ids, rows, out_dtype)
+    out = np.frombuffer(buffer, dtype=out_dtype)
+    trained, outcomes, first_bad = kernel.label_rows(
+        scratch, rows.starts, rows.ends, markers,
+        last_turn_only=last_turn_only, ignore_index=ignore_index, out=out, write_mask=False,
+    )
+    _raise_on_negative_ids(rows, first_bad)
+    trained_text = where[out[where] != ignore_index]
+    out[trained_text] = rows.values[trained_text]
+    labels = batches.labels_to_arrow(input_ids, buffer, out_dtype, base=rows.base)
+    return _assemble(labels, [(trained, outcomes, rows.lengths)])
 
 
 def _label(input_ids, markers, backend, last_turn_only, ignore_index, out_dtype, lengths, *, write_mask) -> LabelledBatch:
@@ -104,6 +157,8 @@ def _label(input_ids, markers, backend, last_turn_only, ignore_index, out_dtype,
     kernel = get_backend(backend)
 
     def run(rows: TokenRows, out: np.ndarray):
+        if not write_mask:
+            batches.check_label_range(rows, out.dtype)
         trained, outcomes, first_bad = kernel.label_rows(
             rows.values, rows.starts, rows.ends, markers,
             last_turn_only=last_turn_only, ignore_index=ignore_index, out=out, write_mask=write_mask,

@@ -10,12 +10,17 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .automaton import Automaton
+
 KINDS = ("response", "instruction", "end", "mask_out")
 
 # Kind codes as the kernels see them.
 RESPONSE, INSTRUCTION, END, MASK_OUT = range(4)
 
 Pattern = tuple[int, ...]
+
+# The largest id a pattern may hold: kernels compare ids as int64.
+MAX_ID = (1 << 63) - 1
 
 
 def _as_patterns(kind: str, patterns: Iterable[Sequence[int]]) -> tuple[Pattern, ...]:
@@ -39,6 +44,12 @@ def _as_patterns(kind: str, patterns: Iterable[Sequence[int]]) -> tuple[Pattern,
                 raise TypeError(f"Markers.{kind}[{index}] holds {token!r}; token ids must be integers")
             if token < 0:
                 raise ValueError(f"Markers.{kind}[{index}] holds the negative id {token}; token ids are >= 0")
+            if token > MAX_ID:
+                raise ValueError(
+                    f"Markers.{kind}[{index}] holds the id {token}, beyond what a token id can be (int64, at most "
+                    f"{MAX_ID}); marker ids are indices into the tokenizer's vocabulary: pass the ids "
+                    "tokenizer.convert_tokens_to_ids gives, or derive them with lossmask.detect_markers"
+                )
         normalised = tuple(int(token) for token in ids)
         if normalised not in out:  # a variant listed twice is one variant
             out.append(normalised)
@@ -122,28 +133,28 @@ class Markers:
         return self._compiled  # type: ignore[return-value]
 
 
-# Bits of CompiledMarkers.flags: which lookups a token can start or finish.
-STARTS_PATTERN = 1  # first token of a response, instruction or mask_out pattern (matched forwards)
-ENDS_PATTERN = 2  # last token of a response or end pattern (matched backwards)
-
-
 @dataclass(frozen=True, eq=False)
 class CompiledMarkers:
-    """Patterns as flat arrays: ``tokens[offsets[k]:offsets[k+1]]`` is pattern ``k`` of kind ``kinds[k]``.
-
-    ``flags[v]`` says whether token id ``v`` can begin a forward-matched pattern or end a
-    backward-matched one, so that kernels touch the pattern list only on those (rare) tokens.
-    Ids at or beyond ``len(flags)`` start and end nothing.
+    """Patterns as flat arrays: ``tokens[offsets[k]:offsets[k+1]]`` is pattern ``k`` of kind ``kinds[k]``
+    (what the torch and MLX kernels read), and the ``automaton`` the numba kernel runs (``automaton.py``),
+    built on first use.
     """
 
     tokens: np.ndarray  # int64, all patterns concatenated
     offsets: np.ndarray  # int64, len = n_patterns + 1
     kinds: np.ndarray  # int8 kind codes
-    flags: np.ndarray  # uint8, indexed by token id
 
     @cached_property
     def max_length(self) -> int:
         return int(np.diff(self.offsets).max())
+
+    @cached_property
+    def automaton(self) -> Automaton:
+        patterns = [
+            (int(self.kinds[k]), self.tokens[self.offsets[k] : self.offsets[k + 1]].tolist())
+            for k in range(self.kinds.shape[0])
+        ]
+        return Automaton.build(patterns, response=RESPONSE, instruction=INSTRUCTION, end=END, mask_out=MASK_OUT)
 
     @classmethod
     def build(cls, markers: Markers) -> "CompiledMarkers":
@@ -153,10 +164,4 @@ class CompiledMarkers:
         np.cumsum(lengths, out=offsets[1:])
         tokens = np.fromiter((t for _, p in patterns for t in p), dtype=np.int64, count=int(offsets[-1]))
         kinds = np.array([code for code, _ in patterns], dtype=np.int8)
-        flags = np.zeros(int(tokens.max()) + 1, dtype=np.uint8)
-        for code, p in patterns:
-            if code in (RESPONSE, INSTRUCTION, MASK_OUT):
-                flags[p[0]] |= STARTS_PATTERN
-            if code in (RESPONSE, END):
-                flags[p[-1]] |= ENDS_PATTERN
-        return cls(tokens=tokens, offsets=offsets, kinds=kinds, flags=flags)
+        return cls(tokens=tokens, offsets=offsets, kinds=kinds)

@@ -2,9 +2,13 @@
 
 A batch comes in as a ``pyarrow.RecordBatch`` or ``Table`` with one of three input shapes:
 
-- ``input_ids``: token ids already (list of integers); labelled as they are, zero-copy;
+- ``input_ids``: token ids already (list of integers); labelled as they are, zero-copy. Ids cannot tell
+  message text from the template's markup, so a marker's text inside a message acts as the marker
+  there; give ``messages`` to have message text kept inert;
 - ``messages``: chat rows (list of ``{role, content, ...}``), rendered with the tokenizer's chat template
-  and tokenised in one batch call; rows the template rejects are dropped as ``invalid``;
+  and tokenised in one batch call; rows the template rejects are dropped as ``invalid``, rows where it
+  dropped or rewrote a message as ``content_dropped`` (``rendered.py``). Message text is data: its
+  special-token strings are text (``special_tokens_in_content``) and no marker matches inside it;
 - ``prompt`` / ``completion``: conversational (lists of messages, joined into one chat) or plain strings
   (tokenised as prompt then completion plus EOS; the completion trains, the prompt does not, by position).
 
@@ -22,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .batches import TokenRows, labels_to_arrow, rows_from_arrow
+from .batches import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
 from .encode import encode_table
 from .labels import label_batch
 from .markers import Markers
@@ -121,6 +125,7 @@ def mask_batch(
     first_row: int = 0,
     source: str = "input",
     encoded: Any = None,
+    truncated_at: int | None = None,
 ) -> pa.Table:
     """Label one batch; return the rows to keep (as a Table) and add what happened to ``tally``.
 
@@ -129,14 +134,22 @@ def mask_batch(
 
     ``markers=None`` trains every token (the policy's "no masking" outcome, e.g. raw text).
     ``first_row`` is the batch's first row in the whole input, so that errors and invalid rows
-    are named by the row the user knows.
+    are named by the row the user knows. ``truncated_at``: the length the rows were cut to before
+    they came here (a trainer's ``max_length``), so that dropped rows are told as cut.
     """
     table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
     kind = kind or input_kind(table.schema, options, source=source)
     keep_valid = None
+    data_mask = None  # which tokens are message text (known only for rows rendered here)
     if kind == "input_ids":
         input_ids = table.column(options.input_ids_column)
         prompt_lengths = None
+        size = vocabulary_size(tokenizer)
+        if size is not None:
+            try:
+                check_vocabulary(input_ids, size, first_row=first_row)
+            except ValueError as exc:
+                raise ValueError(f"{source}: column {options.input_ids_column!r}: {exc}") from None
     else:
         if tokenizer is None and encoded is None:
             raise ValueError(
@@ -146,9 +159,12 @@ def mask_batch(
             )
         started = time.perf_counter()
         if encoded is None:
-            encoded = encode_table(tokenizer, table, kind, options, first_row=first_row)
+            encoded = encode_table(tokenizer, table, kind, options, first_row=first_row, markers=markers)
         for row, message in encoded.errors:
             tally.add_invalid(row, message)
+        for row, reason, message in encoded.dropped:
+            tally.add_rejected(row, reason, message)
+        tally.add_special(encoded.special_rows, encoded.special_example)
         tally.time("tokenize", time.perf_counter() - started)
         for stage, seconds in encoded.seconds.items():
             tally.time(stage, seconds)
@@ -156,6 +172,7 @@ def mask_batch(
         table = table.filter(pa.array(keep_valid)) if not keep_valid.all() else table
         input_ids = encoded.input_ids
         prompt_lengths = encoded.prompt_lengths
+        data_mask = encoded.in_content
 
     started = time.perf_counter()
     if isinstance(input_ids, pa.ChunkedArray):
@@ -163,13 +180,16 @@ def mask_batch(
     if prompt_lengths is not None:
         labels, trained, outcomes, counts = _label_by_position(input_ids, prompt_lengths, options)
     elif markers is None:
-        labels, trained, outcomes, counts = _label_everything(input_ids, options)
+        try:
+            labels, trained, outcomes, counts = _label_everything(input_ids, options)
+        except ValueError as exc:
+            raise ValueError(f"{source}: column {options.input_ids_column!r}: {_renumber(str(exc), first_row, keep_valid)}") from None
     else:
         engine_started = time.perf_counter()
         try:
             result = label_batch(
                 input_ids, markers, backend=options.backend, last_turn_only=options.last_turn_only,
-                ignore_index=options.ignore_index, dtype=options.label_dtype,
+                ignore_index=options.ignore_index, dtype=options.label_dtype, data_mask=data_mask,
             )
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{source}: column {options.input_ids_column!r}: {_renumber(str(exc), first_row, keep_valid)}") from None
@@ -179,6 +199,9 @@ def mask_batch(
     if tally.dropped_example is None and counts.rows_dropped:
         r = int(np.flatnonzero(outcomes != Outcome.TRAINED)[0])
         tally.dropped_example = (input_ids[r].as_py() or [], labels[r].as_py() or [])
+    if counts.rows_dropped:
+        limit = truncated_at or (options.max_length if kind != "input_ids" else None)
+        _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid)
     columns = {}
     if kind != "input_ids":
         columns[options.input_ids_column] = input_ids
@@ -199,6 +222,41 @@ def mask_batch(
 _ROW = re.compile(r"\brow (\d+)\b")
 
 
+def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid) -> None:
+    """Count the dropped rows of a batch by what they show (``safety.classify_drops``), one example each."""
+    import pyarrow.compute as pc
+
+    from .safety import CAUSES, classify_drops
+
+    lengths = pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False)
+    has_assistant = None
+    if kind == "messages" and options.messages_column in table.column_names:
+        chats = table.column(options.messages_column).combine_chunks()
+        turns = pc.list_flatten(chats)
+        if isinstance(turns, pa.ExtensionArray):  # arrow.json: each message is its JSON text
+            turns = turns.storage
+        is_assistant = None
+        if pa.types.is_struct(turns.type) and turns.type.get_field_index("role") >= 0:
+            is_assistant = pc.fill_null(pc.equal(pc.struct_field(turns, "role"), "assistant"), False)
+        elif pa.types.is_string(turns.type) or pa.types.is_large_string(turns.type):
+            is_assistant = pc.fill_null(pc.match_substring_regex(turns, r'"role"\s*:\s*"assistant"'), False)
+        if is_assistant is not None:
+            parents = pc.list_parent_indices(chats).to_numpy(zero_copy_only=False)
+            hits = parents[is_assistant.to_numpy(zero_copy_only=False)]
+            has_assistant = np.bincount(hits, minlength=len(table)) > 0
+    dropped, causes = classify_drops(outcomes, lengths, has_assistant=has_assistant, max_length=limit)
+    tally.tokens_dropped += int(lengths[dropped].sum())
+    index = np.flatnonzero(keep_valid) if keep_valid is not None else None
+    for code in np.unique(causes):
+        cause = CAUSES[int(code)]
+        rows = dropped[causes == code]
+        tally.drop_causes[cause] = tally.drop_causes.get(cause, 0) + int(rows.size)
+        if cause not in tally.drop_examples:
+            r = int(rows[0])
+            row = first_row + (int(index[r]) if index is not None and r < index.size else r)
+            tally.drop_examples[cause] = (row, input_ids[r].as_py() or [], labels[r].as_py() or [])
+
+
 def _renumber(message: str, first_row: int, valid: np.ndarray | None) -> str:
     """Engine errors count rows from the batch start; name the row of the whole input instead."""
     index = np.flatnonzero(valid) if valid is not None else None
@@ -212,6 +270,16 @@ def _renumber(message: str, first_row: int, valid: np.ndarray | None) -> str:
     return _ROW.sub(absolute, message, count=1)
 
 
+def vocabulary_size(tokenizer: Any) -> int | None:
+    """How many token ids a tokenizer (or ``ChatTokenizer``) has, added tokens included; None when unknown."""
+    if tokenizer is None:
+        return None
+    try:
+        return len(getattr(tokenizer, "tokenizer", tokenizer))
+    except TypeError:
+        return None
+
+
 def _with_values(arr: pa.Array, rows: TokenRows, values: np.ndarray) -> pa.Array:
     """A list array shaped like ``arr`` holding ``values``, one per value of ``rows`` (from ``rows_from_arrow``)."""
     values = np.ascontiguousarray(values)
@@ -221,6 +289,7 @@ def _with_values(arr: pa.Array, rows: TokenRows, values: np.ndarray) -> pa.Array
 def _label_everything(input_ids: pa.Array, options: MaskOptions):
     """No markers (the policy decided not to mask): every token trains."""
     rows = rows_from_arrow(input_ids)
+    check_label_range(rows, np.dtype(options.label_dtype))
     lengths = rows.lengths
     values = rows.values.astype(options.label_dtype)  # a null row stays null (its validity is kept)
     outcomes = np.where(lengths > 0, Outcome.TRAINED, Outcome.EMPTY).astype(np.int8)

@@ -8,7 +8,8 @@
 What it does differently from mlx-lm's own path:
 
 - every assistant turn of a multi-turn row trains (per-token masks from the engine, on the batch, in
-  MLX); ``--mask-prompt`` trains only the last message;
+  MLX), where mlx-lm's ``--mask-prompt`` trains only the last message (``last_turn_only=True`` does that);
+- a split may also be ``lossmask mask`` output (``train.parquet`` with ``input_ids`` / ``labels``);
 - padding targets are excluded from the loss (mlx-lm's ``default_loss`` counts one pad target per
   padded row);
 - batch widths are bucketed (8 widths per power of two) so that the compiled step recompiles rarely;
@@ -23,6 +24,7 @@ Importing this module imports MLX; ``import lossmask`` does not import it.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -36,7 +38,7 @@ from . import batches
 from .kernels import mlx_kernel
 from .labels import label_batch
 from .markers import Markers
-from .outcomes import OutcomeCounts
+from .outcomes import Outcome, OutcomeCounts
 from .safety import DEFAULT_MAX_DROP_FRACTION, TooManyDroppedRows, check_drop_fraction
 
 SPLITS = ("train", "valid", "test")
@@ -69,35 +71,56 @@ class MaskedDataset:
     """Tokenised rows of one split with the markers that label them.
 
     Rows are kept as flat buffers (``values``, ``offsets``). ``mask_prompt=False`` trains every token
-    (mlx-lm's behaviour without ``--mask-prompt``). ``counts`` are the rows' outcomes (SPEC.md); rows
+    (mlx-lm's behaviour without ``--mask-prompt``); ``last_turn_only`` trains only the last assistant turn;
+    ``labels`` (aligned with ``input_ids``, ``ignore_index`` where nothing trains, as ``lossmask mask`` writes
+    them) are used as they are instead of markers. ``counts`` are the rows' outcomes (SPEC.md); rows
     that train nothing are left out unless ``drop_untrained=False``; more than ``max_drop_fraction``
     of them raises ``TooManyDroppedRows`` with the likely cause. ``dataset[i]`` is
-    ``(tokens, 0)`` as mlx-lm's datasets give it.
+    ``(tokens, 0)`` as mlx-lm's datasets give it. ``data_mask`` (from ``ChatTokenizer.encode_chats``'s
+    ``in_content``) marks message-text tokens, which no marker may match; pre-tokenised rows have
+    none, so there a marker's text inside a message acts as the marker.
     """
 
     def __init__(self, input_ids: Any, markers: Markers | None, *, mask_prompt: bool = True, drop_untrained: bool = True,
-                 max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION, name: str = "dataset"):
-        if mask_prompt and not isinstance(markers, Markers):
+                 max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION, last_turn_only: bool = False,
+                 labels: Any = None, ignore_index: int = -100, name: str = "dataset",
+                 data_mask: np.ndarray | None = None):
+        if mask_prompt and labels is None and not isinstance(markers, Markers):
             raise TypeError(f"{name}: mask_prompt=True needs markers (a lossmask.Markers, e.g. lossmask.detect_markers(tokenizer))")
-        array = input_ids if not isinstance(input_ids, (list, tuple)) else batches.rows_from_pylist(list(input_ids))
+        array = _as_rows(input_ids)
         self.name = name
         self.markers = markers
         self.mask_prompt = bool(mask_prompt)
-        self.counts: OutcomeCounts | None = None
-        if mask_prompt:
-            labelled = label_batch(array, markers)
-            self.counts = labelled.counts
-            try:
-                check_drop_fraction(labelled.counts, max_drop_fraction=max_drop_fraction)
-            except TooManyDroppedRows as exc:
-                raise TooManyDroppedRows(f"{name}: {exc}", exc.counts) from None
-            if drop_untrained and not labelled.keep.all():
-                array = array.filter(pa.array(labelled.keep))
+        self.last_turn_only = bool(last_turn_only)
         rows = batches.rows_from_arrow(array)
         lengths = rows.lengths.astype(np.int64)
+        trained = None  # per-token trained flags, when the rows came with labels
+        if labels is not None:
+            trained = _trained_from_labels(_as_rows(labels), lengths, ignore_index, name)
+            self.counts = _counts_from_trained(array, trained, lengths, markers)
+            keep = _trained_per_row(trained, lengths) > 0
+        elif mask_prompt:
+            labelled = label_batch(array, markers, last_turn_only=last_turn_only, data_mask=data_mask)
+            self.counts, keep = labelled.counts, labelled.keep
+            if data_mask is not None:  # message text is inert: the labels are fixed here, not re-derived from ids per batch
+                trained = _trained_from_labels(labelled.labels, lengths, -100, name)
+        else:  # every token trains (mlx-lm without --mask-prompt, text rows)
+            keep = lengths > 0
+            self.counts = OutcomeCounts.from_rows(np.where(keep, Outcome.TRAINED, Outcome.EMPTY), lengths, lengths)
+        try:
+            check_drop_fraction(self.counts, max_drop_fraction=max_drop_fraction)
+        except TooManyDroppedRows as exc:
+            raise TooManyDroppedRows(f"{name}: {exc}", exc.counts) from None
+        if drop_untrained and not keep.all():
+            if trained is not None:
+                trained = trained[np.repeat(keep, lengths)]
+            array = array.filter(pa.array(keep))
+            rows = batches.rows_from_arrow(array)
+            lengths = rows.lengths.astype(np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self.values = _compact(rows, lengths).astype(np.int32)
         self.lengths = lengths
+        self.trained_values = trained
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -110,6 +133,38 @@ class MaskedDataset:
 
     def __repr__(self) -> str:
         return f"MaskedDataset({self.name!r}, rows={len(self)}, mask_prompt={self.mask_prompt})"
+
+
+def _as_rows(rows: Any) -> pa.Array:
+    return rows if not isinstance(rows, (list, tuple)) else batches.rows_from_pylist(list(rows))
+
+
+def _trained_per_row(trained: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Trained tokens of each row, from flat per-token flags."""
+    row = np.repeat(np.arange(len(lengths)), lengths)
+    return np.bincount(row, weights=trained, minlength=len(lengths)).astype(np.int64)
+
+
+def _trained_from_labels(labels: pa.Array, lengths: np.ndarray, ignore_index: int, name: str) -> np.ndarray:
+    """Flat per-token trained flags from a labels column (``lossmask mask`` output), checked against the ids."""
+    given = batches.rows_from_arrow(labels)
+    if not np.array_equal(given.lengths, lengths):
+        r = int(np.flatnonzero(given.lengths != lengths)[0])
+        raise ValueError(f"{name} row {r} has {int(given.lengths[r])} labels for {int(lengths[r])} input_ids; "
+                         "labels must align with input_ids (as `lossmask mask` writes them)")
+    return _compact(given, lengths) != ignore_index
+
+
+def _counts_from_trained(array: pa.Array, trained: np.ndarray, lengths: np.ndarray, markers: Markers | None) -> OutcomeCounts:
+    """Outcomes of rows labelled elsewhere: trained when a label is set; otherwise the reason the markers give
+    (``no_response`` when there are no markers to tell, ``empty`` for rows with no tokens)."""
+    per_row = _trained_per_row(trained, lengths)
+    outcomes = np.where(per_row > 0, Outcome.TRAINED, np.where(lengths > 0, Outcome.NO_RESPONSE, Outcome.EMPTY))
+    untrained = np.flatnonzero(outcomes == Outcome.NO_RESPONSE)
+    if untrained.size and isinstance(markers, Markers):
+        why = np.asarray(label_batch(array.take(pa.array(untrained)), markers).outcomes)
+        outcomes[untrained] = np.where(why == Outcome.TRAINED, Outcome.NO_RESPONSE, why)
+    return OutcomeCounts.from_rows(outcomes.astype(np.int8), per_row, lengths)
 
 
 def _compact(rows, lengths: np.ndarray) -> np.ndarray:
@@ -138,13 +193,19 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 raise ValueError(f"{path}:{number} holds a {type(row).__name__}; each line must be a JSON object")
             rows.append(row)
     if not rows:
-        raise ValueError(f"{path} has no rows; remove the file or put one JSON object per line in it")
+        raise ValueError(f"{path} has no rows; put one JSON object per line in it")
     return rows
 
 
 def tokenize_rows(rows: Sequence[dict], tokenizer: Any, *, features: Features = Features(), mask_prompt: bool = True,
                   name: str = "rows"):
     """Token ids (a LargeList array) of rows of one shape, as mlx-lm renders them, and that shape."""
+    ids, shape, _ = _tokenize_rows(rows, tokenizer, features=features, mask_prompt=mask_prompt, name=name)
+    return ids, shape
+
+
+def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_tokens_in_content: str = "text"):
+    """``tokenize_rows`` plus, for chat and completion rows, which tokens are message text (``in_content``)."""
     from .tokenizer import load_tokenizer
 
     if len(rows) == 0:
@@ -177,7 +238,7 @@ def tokenize_rows(rows: Sequence[dict], tokenizer: Any, *, features: Features = 
         if eos is not None:  # mlx-lm appends EOS to text rows that lack it
             ids = [r if (r and r[-1] == eos) else r + [eos] for r in encoded.to_pylist()]
             encoded = pa.array(ids, type=pa.large_list(pa.int32()))
-        return encoded, first
+        return encoded, first, None
     if first == "completions":
         conversations = [
             {"messages": [{"role": "user", "content": row[features.prompt]},
@@ -187,11 +248,17 @@ def tokenize_rows(rows: Sequence[dict], tokenizer: Any, *, features: Features = 
         ]
     else:
         conversations = [{"messages": row[features.chat], "tools": row.get(features.tools)} for row in rows]
-    encoded = ct.encode_chats(conversations)
+    encoded = ct.encode_chats(conversations, special_tokens_in_content=special_tokens_in_content)
     if encoded.errors:
         row, message = encoded.errors[0]
         raise ValueError(f"{name}: {len(encoded.errors)} rows could not be rendered by the chat template; first: {message}")
-    return encoded.input_ids, first
+    if encoded.dropped:
+        row, reason, message = encoded.dropped[0]
+        raise ValueError(
+            f"{name}: {len(encoded.dropped)} rows cannot be labelled ({reason}); first: row {row}: {message}. "
+            "Fix or remove them (a message the chat template does not render would leave its turn mislabelled)"
+        )
+    return encoded.input_ids, first, encoded.in_content
 
 
 def load_dataset(
@@ -200,38 +267,85 @@ def load_dataset(
     *,
     markers: Markers | None = None,
     mask_prompt: bool = True,
+    last_turn_only: bool = False,
     drop_untrained: bool = True,
     max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
     prompt_feature: str = "prompt",
     completion_feature: str = "completion",
     chat_feature: str = "messages",
     text_feature: str = "text",
+    special_tokens_in_content: str = "text",
 ) -> tuple[MaskedDataset | list, MaskedDataset | list, MaskedDataset | list]:
-    """``(train, valid, test)`` from an mlx-lm data folder (``train.jsonl``, optional ``valid.jsonl`` / ``test.jsonl``).
+    """``(train, valid, test)`` from an mlx-lm data folder.
 
-    A missing split is ``[]``, as in mlx-lm. ``markers`` default to ``lossmask.detect_markers(tokenizer)``
-    (only needed when ``mask_prompt``).
+    Each split is ``{split}.jsonl`` (mlx-lm's chat / completions / text rows, rendered with the
+    tokenizer's chat template) or ``{split}.parquet`` (``lossmask mask`` output: ``input_ids`` and, when
+    present, ``labels``, which are used as they are). ``train`` is required; a missing ``valid`` or
+    ``test`` split is ``[]``, as in mlx-lm (a missing ``valid`` warns: training goes on without
+    validation). ``markers`` default to ``lossmask.detect_markers(tokenizer)`` (only needed when
+    ``mask_prompt``, or to name why rows of a Parquet split train nothing). Message text is data:
+    special-token strings in it are encoded as text (``special_tokens_in_content``, as in
+    ``lossmask.MaskOptions``) and no marker can match inside it.
     """
     folder = Path(data)
     if not folder.is_dir():
         raise ValueError(f"data={str(data)!r} is not a folder; pass a folder holding train.jsonl (and valid.jsonl, test.jsonl)")
-    if not (folder / "train.jsonl").is_file():
-        raise ValueError(f"{folder} has no train.jsonl; mlx-lm data folders hold train.jsonl, valid.jsonl and test.jsonl")
     features = Features(prompt=prompt_feature, completion=completion_feature, chat=chat_feature, text=text_feature)
+    paths = [split_file(folder, split) for split in SPLITS]
+    if paths[0] is None:
+        raise ValueError(f"{folder} has no train.jsonl (or train.parquet); mlx-lm data folders hold train.jsonl, "
+                         "valid.jsonl and test.jsonl")
+    if paths[1] is None:
+        warnings.warn(f"{folder} has no valid.jsonl: training goes on without validation (as in mlx-lm)", stacklevel=2)
     if mask_prompt and markers is None:
         from .detect import detect_markers
 
         markers = detect_markers(tokenizer)
-    out = []
-    for split in SPLITS:
-        path = folder / f"{split}.jsonl"
-        if not path.is_file():
+    out: list[MaskedDataset | list] = []
+    for split, path in zip(SPLITS, paths):
+        if path is None:
             out.append([])
             continue
-        ids, _ = tokenize_rows(read_jsonl(path), tokenizer, features=features, mask_prompt=mask_prompt, name=str(path))
-        out.append(MaskedDataset(ids, markers, mask_prompt=mask_prompt, drop_untrained=drop_untrained,
-                                 max_drop_fraction=max_drop_fraction, name=str(path)))
+        options = dict(mask_prompt=mask_prompt, last_turn_only=last_turn_only, drop_untrained=drop_untrained,
+                       max_drop_fraction=max_drop_fraction, name=str(path))
+        if path.suffix == ".parquet":
+            ids, labels = read_parquet(path)
+            out.append(MaskedDataset(ids, markers, labels=labels, **options))
+            continue
+        try:
+            rows = read_jsonl(path)
+        except ValueError as exc:
+            if split == "train" or "has no rows" not in str(exc):
+                raise
+            raise ValueError(f"{exc}, or remove the file to go without a {split} split") from None
+        ids, _, in_content = _tokenize_rows(rows, tokenizer, features=features, mask_prompt=mask_prompt,
+                                            name=str(path), special_tokens_in_content=special_tokens_in_content)
+        out.append(MaskedDataset(ids, markers, data_mask=in_content, **options))
     return tuple(out)  # type: ignore[return-value]
+
+
+def split_file(folder: Path, split: str) -> Path | None:
+    """``{split}.jsonl`` or ``{split}.parquet`` in ``folder`` (None when neither is there; an error when both are)."""
+    found = [folder / f"{split}{suffix}" for suffix in (".jsonl", ".parquet") if (folder / f"{split}{suffix}").is_file()]
+    if len(found) > 1:
+        raise ValueError(f"{folder} holds both {split}.jsonl and {split}.parquet; keep one of them")
+    return found[0] if found else None
+
+
+def read_parquet(path: str | Path) -> tuple[pa.Array, pa.Array | None]:
+    """``input_ids`` and ``labels`` (None when absent) of a Parquet file, as ``lossmask mask`` writes it."""
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(path).names
+    if "input_ids" not in names:
+        raise ValueError(f"{path} has columns {names} but no input_ids; write it with `lossmask mask` "
+                         "(or pass JSONL rows: messages, prompt/completion or text)")
+    table = pq.read_table(path, columns=[c for c in ("input_ids", "labels") if c in names])
+    ids = table.column("input_ids").combine_chunks()
+    labels = table.column("labels").combine_chunks() if "labels" in names else None
+    if table.num_rows == 0:
+        raise ValueError(f"{path} has no rows")
+    return ids, labels
 
 
 # -- batches and loss ----------------------------------------------------------------------------
@@ -253,10 +367,16 @@ def iterate_batches(
     """Batches ``(tokens [B, W] int32, trained [B, W] bool, lengths [B] int32)`` for ``make_loss``.
 
     Same signature as mlx-lm's ``iterate_batches``. Rows are sorted by token length and grouped;
-    the groups come in random order (``seed``); ``loop=False`` stops after one pass. Rows longer
+    the groups come in random order: from ``seed`` when given, else from NumPy's global generator, so
+    ``np.random.seed(s)`` (what ``mlx_lm lora --seed`` does) fixes it, as in mlx-lm; ``loop=False`` stops after one pass. Rows longer
     than ``max_seq_length`` are cut there (and labelled as cut). ``trained`` comes from the MLX
     engine on the batch itself.
     """
+    if isinstance(dataset, list) and not dataset:
+        raise ValueError(
+            "iterate_batches got an empty split ([]): lossmask.mlx.load_dataset returns [] for a split whose file "
+            "is missing (valid.jsonl or test.jsonl); add that file to the data folder, or do not evaluate on that split"
+        )
     if not isinstance(dataset, MaskedDataset):
         raise TypeError(
             f"dataset is a {type(dataset).__name__}; lossmask.mlx.iterate_batches reads a MaskedDataset: "
@@ -269,9 +389,11 @@ def iterate_batches(
         raise ValueError(f"batch_size={batch_size} must be a multiple of the {step} workers")
     order = np.argsort(dataset.lengths, kind="stable")
     groups = [order[i + offset : i + batch_size : step] for i in range(0, len(order) - batch_size + 1, batch_size)]
-    rng = np.random.default_rng(seed)
+    # mlx-lm's convention: the order comes from NumPy's global generator (`mlx_lm lora --seed` seeds it with
+    # np.random.seed), or from `seed` when one is given (without touching the global state)
+    permutation = np.random.RandomState(seed).permutation if seed is not None else np.random.permutation
     while True:
-        for g in rng.permutation(len(groups)):
+        for g in permutation(len(groups)):
             yield _batch(dataset, groups[g], max_seq_length)
         if not loop:
             return
@@ -287,8 +409,12 @@ def _batch(dataset: MaskedDataset, rows: np.ndarray, max_seq_length: int):
     tokens[row, col] = dataset.values[np.repeat(dataset.offsets[rows], lengths) + col]
     tokens = mx.array(tokens)
     lengths_mx = mx.array(lengths.astype(np.int32))
-    if dataset.mask_prompt:
-        trained = mlx_kernel.trained_padded(tokens, lengths_mx, dataset.markers)
+    if dataset.trained_values is not None:
+        trained_np = np.zeros((len(rows), width), dtype=bool)
+        trained_np[row, col] = dataset.trained_values[np.repeat(dataset.offsets[rows], lengths) + col]
+        trained = mx.array(trained_np)
+    elif dataset.mask_prompt:
+        trained = mlx_kernel.trained_padded(tokens, lengths_mx, dataset.markers, last_turn_only=dataset.last_turn_only)
     else:
         trained = mx.arange(width)[None, :] < lengths_mx[:, None]
     return tokens, trained, lengths_mx

@@ -14,6 +14,8 @@ from typing import Any
 
 from .safety import DEFAULT_MAX_DROP_FRACTION
 
+SPECIAL_TOKENS_IN_CONTENT = ("text", "keep", "drop", "error")
+
 DEFAULT_BATCH_SIZE = 16_384
 LABEL_DTYPES = ("int64", "int32")
 
@@ -35,6 +37,9 @@ class MaskOptions:
     ignore_index: int = -100
     label_dtype: str = "int64"
     backend: str | None = None
+    # special-token strings in message text: "text" (encode as ordinary text), "keep" (as control
+    # tokens), "drop" (the row, counted as special_tokens_in_content) or "error"
+    special_tokens_in_content: str = "text"
     # what happens to rows that train nothing
     keep_dropped: bool = False
     max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION
@@ -51,6 +56,11 @@ class MaskOptions:
             raise ValueError(f"max_drop_fraction={self.max_drop_fraction!r} must be a fraction in [0, 1] (e.g. 0.30)")
         if self.label_dtype not in LABEL_DTYPES:
             raise ValueError(f"label_dtype={self.label_dtype!r}; pass one of {LABEL_DTYPES}")
+        if self.special_tokens_in_content not in SPECIAL_TOKENS_IN_CONTENT:
+            raise ValueError(
+                f"special_tokens_in_content={self.special_tokens_in_content!r}; pass one of {SPECIAL_TOKENS_IN_CONTENT} "
+                "('text', the default, encodes special-token strings in message text as ordinary text)"
+            )
         names = [self.labels_column] + ([self.completion_mask_column] if self.completion_mask_column else [])
         if len(set(names)) != len(names):
             raise ValueError(f"labels_column and completion_mask_column must differ, both are {self.labels_column!r}")

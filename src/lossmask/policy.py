@@ -123,7 +123,11 @@ def resolve_markers(
         if user_strings:
             raise
         name = getattr(tokenizer, "name_or_path", None) or (tokenizer if isinstance(tokenizer, str) else type(tokenizer).__name__)
-        return _full_sequence(str(name), [f"marker detection failed: {_first_line(exc)}"], strict, None, None, stacklevel=3)
+        messages = [f"marker detection failed: {_first_line(exc)}",
+                    "the template table is not tried: its strings become ids only where they are found in a rendered "
+                    "chat, and this tokenizer renders none (a base model's tokenizer). Give it the chat template you "
+                    "train with (--chat-template FILE.jinja, chat_template=), or markers (--markers FILE.json)"]
+        return _full_sequence(str(name), messages, strict, None, None, stacklevel=3)
     steps = Steps.default()
     if user_strings:
         return _from_user(ct, response_part, instruction_part, strict, steps)

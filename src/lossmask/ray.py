@@ -1,9 +1,11 @@
-"""Ray Data: mask a ``ray.data.Dataset`` across workers, with the drop counts added up from every worker.
+"""Ray Data: mask a ``ray.data.Dataset`` across workers, with the drop counts added up from what Ray committed.
 
 Markers are resolved once, on the driver; each worker labels pyarrow batches with the same
 ``mask_batch`` that files and Hugging Face datasets go through, so labels are identical. Each batch
-sends its tally to one small counting actor; the job's report is read from it when the data has been
-produced. ``ray`` is imported only here.
+returns its tally as data, in one extra row at the end of its output (every other column null), so
+a task that Ray retries after a worker died counts once: only the output Ray keeps is counted. The
+report is read from those rows once the labelled data is materialised, and the drop threshold is
+checked before anything is written. ``ray`` is imported only here.
 
 On a cluster, the call is the same::
 
@@ -16,7 +18,9 @@ On a cluster, the call is the same::
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Any
 
 import pyarrow as pa
@@ -62,66 +66,81 @@ def mask_dataset(
         raise TypeError(f"lossmask.ray.mask_dataset takes a ray.data.Dataset, got {type(dataset).__name__}")
     chat = load_chat_tokenizer(tokenizer) if tokenizer is not None else None
     resolved, source, messages = resolve_job_markers(markers, tokenizer=chat, model_name=model_name, strict=strict)
-    counter = ray.remote(num_cpus=0)(_Counter).remote()
     labelled = dataset.map_batches(
         _label_batch, batch_format="pyarrow", batch_size=options.batch_size, zero_copy_batch=True,
-        fn_kwargs={"markers": resolved, "options": options, "tokenizer": chat, "counter": counter},
-    )
-    if output is None:
-        result = labelled.materialize()
-    else:
-        result = _write(labelled, os.fspath(output))
-    tally = Tally.from_dict(ray.get(counter.total.remote()))
-    try:
-        _check_drops(tally, chat, options)
-    except ValueError:
-        if output is not None:
-            _remove(os.fspath(output))
-        raise
+        fn_kwargs={"markers": resolved, "options": options, "tokenizer": chat},
+    ).materialize()
+    tally = Tally()
+    for row in labelled.map_batches(_tallies_only, batch_format="pyarrow", zero_copy_batch=True).take_all():
+        tally = tally + Tally.from_dict(json.loads(row[TALLY_COLUMN]))
+    _check_drops(tally, chat, options)  # before anything is written
+    rows = labelled.map_batches(_rows_only, batch_format="pyarrow", zero_copy_batch=True)
+    result = rows.materialize() if output is None else _write(rows, os.fspath(output))
     report = MaskReport.build(tally, markers=resolved, markers_source=source, keep_dropped=options.keep_dropped,
                               input="ray dataset", output=None if output is None else os.fspath(output),
                               messages=messages)
     return result, report
 
 
-def _label_batch(batch: pa.Table, *, markers, options, tokenizer, counter) -> pa.Table:
-    """One worker batch: labels via ``mask_batch``; the batch's counts go to the job's counter."""
+TALLY_COLUMN = "__lossmask_tally__"
+
+
+def _label_batch(batch: pa.Table, *, markers, options, tokenizer) -> pa.Table:
+    """One worker batch: labels via ``mask_batch``, then one row holding the batch's tally (JSON)."""
     tally = Tally()
     out = mask_batch(batch, markers, options, tally, tokenizer=tokenizer, source="ray batch")
-    # Ray hands a worker no global row index: rows are numbered within their batch
-    tally.invalid_examples = [f"{example} (row numbered within its Ray batch)" for example in tally.invalid_examples]
-    _ray().get(counter.add.remote(tally.to_dict()))
-    return out
+    tally.invalid_examples = [_identify(batch, example) for example in tally.invalid_examples]
+    tally.rejected_examples = [_identify(batch, example) for example in tally.rejected_examples]
+    schema = pa.schema([field.with_nullable(True) for field in out.schema] + [pa.field(TALLY_COLUMN, pa.string())])
+    rows = out.append_column(TALLY_COLUMN, pa.nulls(out.num_rows, pa.string())).cast(schema)
+    carrier = pa.table([pa.nulls(1, field.type) for field in schema][:-1] + [pa.array([json.dumps(tally.to_dict())])],
+                       schema=schema)
+    return pa.concat_tables([rows, carrier])
 
 
-class _Counter:
-    """Adds up the tallies of every batch, from every worker (a Ray actor)."""
+def _identify(batch: pa.Table, example: str) -> str:
+    """Ray hands a worker no global row index: rows are numbered within their batch, so an example also
+    names the row by its file (the ``path`` column of ``read_*(include_paths=True)``) and its first scalar value."""
+    match = re.match(r"row (\d+)", example)
+    names = []
+    if match and int(match.group(1)) < batch.num_rows:
+        r = int(match.group(1))
+        scalars = [f.name for f in batch.schema if not pa.types.is_nested(f.type) and f.name != "path"]
+        for name in (["path"] if "path" in batch.column_names else []) + scalars[:1]:
+            value = batch.column(name)[r].as_py()
+            names.append(f"{name}={value!r}"[:120])
+    where = "; ".join(["row numbered within its Ray batch", *names])
+    return f"{example} ({where})"
 
-    def __init__(self) -> None:
-        self.tally = Tally()
 
-    def add(self, data: dict) -> None:
-        self.tally = self.tally + Tally.from_dict(data)
-
-    def total(self) -> dict:
-        return self.tally.to_dict()
+def _tallies_only(batch: pa.Table) -> pa.Table:
+    column = batch.column(TALLY_COLUMN)
+    return pa.table({TALLY_COLUMN: column}).filter(column.is_valid())
 
 
-def _write(labelled: Any, output: str) -> Any:
-    """Write Parquet to ``output``; a local folder is written under a temporary name and renamed at the end."""
+def _rows_only(batch: pa.Table) -> pa.Table:
+    column = batch.column(TALLY_COLUMN)
+    return batch.filter(column.is_null()).drop_columns([TALLY_COLUMN])
+
+
+def _write(rows: Any, output: str) -> Any:
+    """Write Parquet to ``output``; a local folder is written under a partial name and renamed at the end."""
+    from .outputs import partial_name, remove_quietly, remove_stale_partials
+
     ray = _ray()
     local = "://" not in output
-    if local and os.path.exists(output):
+    if not local:
+        rows.write_parquet(output)
+        return ray.data.read_parquet(output)
+    if os.path.exists(output):
         raise FileExistsError(f"{output} exists; lossmask.ray writes a new folder (remove it or choose another path)")
-    target = os.path.join(os.path.dirname(os.path.abspath(output)), f".{os.path.basename(output)}.partial") if local else output
-    labelled.write_parquet(target)
-    if local:
+    remove_stale_partials(output)
+    target = partial_name(output)
+    try:
+        rows.write_parquet(target)
+        os.makedirs(target, exist_ok=True)  # no row to write (all dropped, allowed): an empty folder
         os.replace(target, output)
-    return ray.data.read_parquet(output)
-
-
-def _remove(output: str) -> None:
-    import shutil
-
-    if "://" not in output and os.path.isdir(output):
-        shutil.rmtree(output)
+    except BaseException:
+        remove_quietly(target)
+        raise
+    return ray.data.read_parquet(output) if os.listdir(output) else ray.data.from_items([])

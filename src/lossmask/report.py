@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .markers import Markers
 from .outcomes import DROP_REASONS, OutcomeCounts
 
 INVALID = "invalid"
+CONTENT_DROPPED = "content_dropped"  # the template dropped or rewrote a message: never labelled
+SPECIAL_TOKENS = "special_tokens_in_content"  # dropped under special_tokens_in_content="drop"
+REJECTED_REASONS = (CONTENT_DROPPED, SPECIAL_TOKENS)
 MAX_EXAMPLES = 5  # invalid rows quoted in a report (the count is always exact)
 
 
@@ -39,6 +42,15 @@ class Tally:
     rows_out: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     dropped_example: tuple[list[int], list[int]] | None = None  # (token ids, labels) of one row that trains nothing
+    # rows rendered but not labelled, by reason (content_dropped, special_tokens_in_content), with examples
+    rejected: dict[str, int] = field(default_factory=lambda: {reason: 0 for reason in REJECTED_REASONS})
+    rejected_examples: list[str] = field(default_factory=list)
+    # rows whose message text held a special-token string (whatever special_tokens_in_content did)
+    special_rows: int = 0
+    special_example: str | None = None
+    tokens_dropped: int = 0  # tokens of the rows that train nothing
+    drop_causes: dict[str, int] = field(default_factory=dict)  # dropped rows by what they show (safety.CAUSES)
+    drop_examples: dict[str, tuple[int, list[int], list[int]]] = field(default_factory=dict)  # cause -> (row, ids, labels)
 
     def __add__(self, other: "Tally") -> "Tally":
         seconds = dict(self.seconds)
@@ -51,6 +63,14 @@ class Tally:
             rows_out=self.rows_out + other.rows_out,
             seconds=seconds,
             dropped_example=self.dropped_example or other.dropped_example,
+            rejected={k: self.rejected.get(k, 0) + other.rejected.get(k, 0) for k in self.rejected | other.rejected},
+            rejected_examples=(self.rejected_examples + other.rejected_examples)[:MAX_EXAMPLES],
+            special_rows=self.special_rows + other.special_rows,
+            special_example=self.special_example or other.special_example,
+            tokens_dropped=self.tokens_dropped + other.tokens_dropped,
+            drop_causes={c: self.drop_causes.get(c, 0) + other.drop_causes.get(c, 0)
+                         for c in self.drop_causes | other.drop_causes},
+            drop_examples={**other.drop_examples, **self.drop_examples},
         )
 
     def add_invalid(self, row: int, message: str) -> None:
@@ -58,12 +78,22 @@ class Tally:
         if len(self.invalid_examples) < MAX_EXAMPLES:
             self.invalid_examples.append(f"row {row}: {message}")
 
+    def add_rejected(self, row: int, reason: str, message: str) -> None:
+        """A row rendered but never labelled (``content_dropped``, ``special_tokens_in_content``)."""
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        if len(self.rejected_examples) < MAX_EXAMPLES:
+            self.rejected_examples.append(f"{reason}: row {row}: {message}")
+
+    def add_special(self, rows: int, example: str | None) -> None:
+        self.special_rows += rows
+        self.special_example = self.special_example or example
+
     def time(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
     @property
     def rows_in(self) -> int:
-        return self.counts.rows + self.invalid
+        return self.counts.rows + self.invalid + sum(self.rejected.values())
 
     def to_dict(self) -> dict:
         """A plain-data form, for sending across processes (Ray workers)."""
@@ -75,6 +105,13 @@ class Tally:
             "rows_out": self.rows_out,
             "seconds": dict(self.seconds),
             "dropped_example": self.dropped_example,
+            "rejected": dict(self.rejected),
+            "rejected_examples": list(self.rejected_examples),
+            "special_rows": self.special_rows,
+            "special_example": self.special_example,
+            "tokens_dropped": self.tokens_dropped,
+            "drop_causes": dict(self.drop_causes),
+            "drop_examples": {c: list(e) for c, e in self.drop_examples.items()},
         }
 
     @classmethod
@@ -86,6 +123,13 @@ class Tally:
             rows_out=data["rows_out"],
             seconds=dict(data["seconds"]),
             dropped_example=data.get("dropped_example"),
+            rejected=dict(data.get("rejected") or {reason: 0 for reason in REJECTED_REASONS}),
+            rejected_examples=list(data.get("rejected_examples") or []),
+            special_rows=int(data.get("special_rows") or 0),
+            special_example=data.get("special_example"),
+            tokens_dropped=data.get("tokens_dropped", 0),
+            drop_causes=dict(data.get("drop_causes", {})),
+            drop_examples={c: tuple(e) for c, e in data.get("drop_examples", {}).items()},
         )
 
 
@@ -106,6 +150,11 @@ class MaskReport:
     input: str | None = None
     output: str | None = None
     messages: tuple[str, ...] = ()
+    special_tokens_in_content: int = 0  # rows whose message text held a special-token string
+    special_tokens_example: str | None = None
+    dropped_examples: tuple[str, ...] = ()  # rows dropped before labelling (content_dropped, ...)
+    tokens_dropped: int = 0  # tokens of the removed rows (0 with keep_dropped): tokens_in - tokens_dropped were written
+    marker_texts: dict[str, list[str]] | None = None  # each marker pattern decoded, when a tokenizer was at hand
 
     @classmethod
     def build(
@@ -118,10 +167,13 @@ class MaskReport:
         input: str | None = None,
         output: str | None = None,
         messages: tuple[str, ...] | list[str] = (),
+        decode: Callable[[int], str] | None = None,
     ) -> "MaskReport":
         untrained = tally.counts.dropped
         dropped = {reason: 0 for reason in DROP_REASONS} if keep_dropped else dict(untrained)
         dropped[INVALID] = tally.invalid
+        for reason in REJECTED_REASONS:
+            dropped[reason] = tally.rejected.get(reason, 0)
         report = cls(
             rows_in=tally.rows_in,
             rows_out=tally.rows_out,
@@ -136,6 +188,11 @@ class MaskReport:
             input=input,
             output=output,
             messages=tuple(messages),
+            special_tokens_in_content=tally.special_rows,
+            special_tokens_example=tally.special_example,
+            dropped_examples=tuple(tally.rejected_examples),
+            tokens_dropped=0 if keep_dropped else tally.tokens_dropped,
+            marker_texts=None if markers is None or decode is None else marker_texts(markers.to_dict(), decode),
         )
         if report.rows_in != report.rows_out + report.rows_dropped:
             raise AssertionError(  # a bug in lossmask, never the user's data
@@ -161,13 +218,18 @@ class MaskReport:
             "kept_untrained": dict(self.kept_untrained),
             "tokens_in": self.tokens_in,
             "tokens_trained": self.tokens_trained,
+            "tokens_dropped": self.tokens_dropped,
             "markers": self.markers,
             "markers_source": self.markers_source,
+            "marker_texts": self.marker_texts,
             "invalid_examples": list(self.invalid_examples),
             "seconds": {stage: round(value, 6) for stage, value in self.seconds.items()},
             "input": self.input,
             "output": self.output,
             "messages": list(self.messages),
+            "special_tokens_in_content": self.special_tokens_in_content,
+            "special_tokens_example": self.special_tokens_example,
+            "dropped_examples": list(self.dropped_examples),
         }
 
     def to_json(self, path: str | os.PathLike | None = None, *, indent: int | None = 2) -> str:
@@ -178,9 +240,18 @@ class MaskReport:
                 fh.write(text + "\n")
         return text
 
-    def summary(self) -> str:
-        """A few lines for a terminal: rows, drops by reason, tokens, markers and their source."""
-        share = f" ({self.tokens_trained / self.tokens_in:.1%})" if self.tokens_in else ""
+    def drop_line(self) -> str:
+        """One line on the removed rows: how many, and why (rows are numbered from 0 in every message)."""
+        if not self.rows_dropped:
+            return f"dropped no row of {self.rows_in:,}"
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in self.dropped.items() if n)
+        share = f" ({self.rows_dropped / self.rows_in:.1%})" if self.rows_in else ""
+        return f"dropped {self.rows_dropped:,} of {self.rows_in:,} rows{share}: {reasons}"
+
+    def summary(self, decode: Callable[[int], str] | None = None) -> str:
+        """A few lines for a terminal: rows, drops by reason, tokens, markers and their source, time.
+
+        ``decode`` (token id -> text) shows the markers as text next to their ids."""
         lines = [
             f"rows in: {self.rows_in:,}   rows out: {self.rows_out:,}   dropped: {self.rows_dropped:,}"
             + (f" ({self.rows_dropped / self.rows_in:.1%})" if self.rows_in else ""),
@@ -192,21 +263,87 @@ class MaskReport:
         if kept:
             lines.append(f"  kept although nothing trains (keep_dropped): {kept}")
         for example in self.invalid_examples:
-            lines.append(f"  invalid {example}")
-        lines.append(f"tokens trained: {self.tokens_trained:,} of {self.tokens_in:,}{share}")
+            lines.append(f"  invalid {example} (rows counted from 0)")
+        for example in self.dropped_examples:
+            lines.append(f"  {example}")
+        if self.special_tokens_in_content:
+            lines.append(
+                f"special tokens in message text: {self.special_tokens_in_content:,} rows "
+                f"(e.g. {self.special_tokens_example}); see special_tokens_in_content"
+            )
+        tokens_out = self.tokens_in - self.tokens_dropped
+        share = f" ({self.tokens_trained / tokens_out:.1%})" if tokens_out else ""
+        line = f"tokens trained: {self.tokens_trained:,} of {tokens_out:,} in the rows written{share}"
+        if self.tokens_dropped:
+            line += f"; the dropped rows held {self.tokens_dropped:,} more"
+        lines.append(line)
         if self.markers is None and self.markers_source == "position":
             lines.append("markers: none needed, prompt tokens are masked by position")
+        elif self.markers is None:
+            lines.append(f"markers ({self.markers_source}): none, the full sequence trains")
         else:
-            lines.append(f"markers ({self.markers_source}): {_markers_text(self.markers)}")
-        total = self.seconds.get("total")
-        if total:
-            rate = f", {self.rows_in / total:,.0f} rows/s, {self.tokens_in / total:,.0f} tokens/s" if total > 0 else ""
-            lines.append(f"time: {total:.2f} s{rate}")
+            lines.append(f"markers ({self.markers_source}):")
+            texts = marker_texts(self.markers, decode) if decode is not None else self.marker_texts
+            lines.extend("  " + line for line in marker_lines(self.markers, texts))
+        lines.extend(self._time_lines())
         lines.extend(self.messages)
         return "\n".join(lines)
 
+    def _time_lines(self) -> list[str]:
+        total = self.seconds.get("total")
+        if not total:
+            return []
+        setup = self.seconds.get("setup", 0.0)
+        rows_time = max(total - setup, 1e-9)
+        line = (f"time: {total:.2f} s = set-up {setup:.2f} s (opening the input, loading the tokenizer, choosing and "
+                f"verifying the markers) + {rows_time:.2f} s for the rows ({self.rows_in / rows_time:,.0f} rows/s, "
+                f"{self.tokens_in / rows_time:,.0f} tokens/s")
+        engine = self.seconds.get("engine")
+        if engine and self.tokens_in >= 1_000_000:
+            line += f"; the labelling engine alone {self.tokens_in / engine / 1e6:,.0f} M tokens/s"
+        line += ")"
+        lines = [line]
+        if self.rows_in < 100_000:
+            lines.append("  (a small job: loading, marker detection and the first call of the compiled kernel dominate; "
+                         "the README's throughput figures are measured on a million rows)")
+        return lines
 
-def _markers_text(markers: dict[str, list[list[int]]] | None) -> str:
-    if markers is None:
-        return "none, the full sequence trains"
-    return "; ".join(f"{kind} {patterns}" for kind, patterns in markers.items() if patterns)
+
+def marker_texts(markers: dict[str, list[list[int]]], decode: Callable[[int], str]) -> dict[str, list[str]]:
+    """Each pattern of each kind as text (token by token through ``decode``)."""
+    return {kind: ["".join(decode(int(t)) for t in ids) for ids in patterns] for kind, patterns in markers.items()}
+
+
+def marker_lines(markers: dict[str, list[list[int]]], texts: dict[str, list[str]] | None = None) -> list[str]:
+    """One line per marker kind and distinct text, its ids beside it; patterns that differ from another
+    only by trailing whitespace (a header merged with the reply's leading whitespace) are counted
+    as its variants instead of listed."""
+    lines = []
+    width = max((len(kind) for kind, patterns in markers.items() if patterns), default=0)
+    for kind, patterns in markers.items():
+        if not patterns:
+            continue
+        for ids, text, variants in group_variants(patterns, (texts or {}).get(kind)):
+            shown = f"{text!r} = {ids}" if text is not None else f"{ids}"
+            more = f"  + {variants} whitespace variant{'s' * (variants != 1)}" if variants else ""
+            lines.append(f"{kind:<{width}}  {shown}{more}")
+    return lines
+
+
+def group_variants(patterns: list[list[int]], texts: list[str] | None = None):
+    """``(ids, text, n_variants)`` per group of patterns whose text is the same but for trailing whitespace
+    (without ``texts``: patterns sharing all but their last id); the shortest pattern speaks for its group."""
+    groups: dict = {}
+    for i, ids in enumerate(patterns):
+        text = texts[i] if texts is not None and i < len(texts) else None
+        if text is not None:
+            key = text.rstrip() if text.strip() else text
+        else:
+            key = tuple(ids[:-1]) if len(ids) > 1 else tuple(ids)
+        groups.setdefault(key, []).append((list(ids), text))
+    out = []
+    for members in groups.values():
+        members.sort(key=lambda m: (len(m[1]) if m[1] is not None else 0, len(m[0])))
+        ids, text = members[0]
+        out.append((ids, text, len(members) - 1))
+    return out

@@ -9,9 +9,18 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
+
 from .outcomes import Outcome, OutcomeCounts
 
 DEFAULT_MAX_DROP_FRACTION = 0.30
+
+# What the dropped rows themselves show, in the order they are checked (one cause per row).
+NO_ASSISTANT_TURN = "no_assistant_turn"  # the chat has no assistant message: nothing could train
+CUT_BY_TRUNCATION = "cut_by_truncation"  # the row reaches the maximum length: truncation cut its assistant turns
+MARKERS_MATCH_NOTHING = "markers_match_nothing"  # no response marker, though the row is whole (and has assistant turns when known)
+HEADER_ONLY = "header_only"  # a response marker with nothing after it, in a row that was not cut
+NO_TOKENS = "no_tokens"  # empty or null input_ids
 
 
 class TooManyDroppedRows(ValueError):
@@ -42,15 +51,68 @@ def likely_cause(counts: OutcomeCounts) -> str:
     return "no rows were dropped"
 
 
+def classify_drops(
+    outcomes: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    has_assistant: np.ndarray | None = None,
+    max_length: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The cause of each dropped row, from what the row shows (vectorised; rows that train get no cause).
+
+    Returns ``(dropped_index, cause_codes)``: the indexes of the dropped rows and, for each, an index
+    into ``CAUSES``. ``has_assistant`` (per row, when the rows were chats) tells rows with no assistant
+    message; ``max_length`` (when a truncation length applied) tells rows cut by it.
+    """
+    dropped = np.flatnonzero(outcomes != Outcome.TRAINED)
+    out = outcomes[dropped]
+    cause = np.where(out == Outcome.NO_RESPONSE, CAUSES.index(MARKERS_MATCH_NOTHING),
+                     np.where(out == Outcome.EMPTY_RESPONSE, CAUSES.index(HEADER_ONLY), CAUSES.index(NO_TOKENS)))
+    if max_length:
+        cut = (lengths[dropped] >= max_length) & (out != Outcome.EMPTY)
+        cause = np.where(cut, CAUSES.index(CUT_BY_TRUNCATION), cause)
+    if has_assistant is not None:
+        cause = np.where(~has_assistant[dropped] & (out != Outcome.EMPTY), CAUSES.index(NO_ASSISTANT_TURN), cause)
+    return dropped, cause
+
+
+CAUSES = (NO_ASSISTANT_TURN, CUT_BY_TRUNCATION, MARKERS_MATCH_NOTHING, HEADER_ONLY, NO_TOKENS)
+
+
+def _cause_sentence(cause: str, n: int, total: int, truncation: str | None) -> str:
+    share = f"{n} of {total} dropped rows"
+    if cause == NO_ASSISTANT_TURN:
+        return (f"{share} have no assistant message at all: there is nothing to train in them. "
+                "Check the role names (lossmask trains the 'assistant' role) or filter those rows out")
+    if cause == CUT_BY_TRUNCATION:
+        limit = truncation or "the maximum length"
+        return (f"{share} reach {limit}: truncation cut their assistant turns (or the assistant header itself). "
+                "Raise that length, or filter out rows whose prompt alone fills it")
+    if cause == MARKERS_MATCH_NOTHING:
+        return (f"{share} are whole and contain no response marker: the markers match nothing in them. "
+                "They were probably derived from another tokenizer or chat template, or tokenised out of context; "
+                "derive them from the tokenizer that tokenised the data (lossmask.resolve_markers / `lossmask detect`)")
+    if cause == HEADER_ONLY:
+        return (f"{share} have a response marker with nothing trainable after it, though they were not cut "
+                "(empty assistant messages, or a template that writes no stop token)")
+    return f"{share} have no tokens at all (empty or null input_ids): check the tokenisation step"
+
+
 def check_drop_fraction(
     counts: OutcomeCounts,
     *,
     max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
     example: str | None = None,
+    causes: dict[str, int] | None = None,
+    examples: dict[str, str] | None = None,
+    truncation: str | None = None,
 ) -> None:
     """Raise ``TooManyDroppedRows`` when more than ``max_drop_fraction`` of the rows train nothing.
 
-    ``example``: one dropped row, rendered for a person (see ``format_row``), shown in the error.
+    ``causes`` (from ``classify_drops``, added up): dropped rows per cause, each named in the message
+    with its example row from ``examples`` (rendered for a person, see ``format_row``); ``truncation``
+    names the length that cut rows (e.g. ``"max_length=40 (SFTConfig.max_length)"``). Without
+    ``causes`` the message guesses from the engine's reasons and shows ``example``.
     """
     if not 0.0 <= max_drop_fraction <= 1.0:
         raise ValueError(f"max_drop_fraction={max_drop_fraction!r} must be a fraction in [0, 1] (e.g. 0.30)")
@@ -60,10 +122,19 @@ def check_drop_fraction(
     breakdown = ", ".join(f"{reason}: {n}" for reason, n in counts.dropped.items() if n)
     message = (
         f"{counts.rows_dropped} of {counts.rows} rows ({fraction:.1%}) would train no token "
-        f"(allowed: {max_drop_fraction:.0%}; {breakdown}). Likely cause: {likely_cause(counts)}."
+        f"(allowed: {max_drop_fraction:.0%}; {breakdown})."
     )
-    if example:
-        message += f"\nExample dropped row (trained tokens in [brackets]):\n  {example}"
+    found = {cause: n for cause, n in (causes or {}).items() if n}
+    if found:
+        message += " What the dropped rows show:"
+        for cause, n in sorted(found.items(), key=lambda item: -item[1]):
+            message += f"\n- {_cause_sentence(cause, n, counts.rows_dropped, truncation)}."
+            if examples and examples.get(cause):
+                message += f"\n  Example, {examples[cause]}"
+    else:
+        message += f" Likely cause: {likely_cause(counts)}."
+        if example:
+            message += f"\nExample dropped row (trained tokens in [brackets]):\n  {example}"
     message += "\nTo go on anyway, raise max_drop_fraction (--max-drop-fraction 1.0 keeps going whatever drops)."
     raise TooManyDroppedRows(message, counts)
 

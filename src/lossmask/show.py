@@ -95,8 +95,11 @@ def _render_sample(ct: Any) -> tuple[str, tuple[str, ...]]:
     without_tools = [m for m in messages if m["role"] != "tool" and not m.get("tool_calls")]
     merged = _merge_assistant_runs(without_tools)
     without_system = [m for m in merged if m["role"] != "system"]
+    as_strings = [_arguments_as_json(m) for m in messages]
     attempts = [
         (messages, tools, ()),
+        (as_strings, tools, ("the template takes tool-call arguments only as JSON strings (DeepSeek-V3); the sample "
+                             "passes them so",)),
         (merged, None, ("the template does not render tool calls, so the sample's tool turns are left out",)),
         (without_system, None, ("the template accepts neither tools nor a system message; both are left out of the sample",)),
     ]
@@ -112,6 +115,19 @@ def _render_sample(ct: Any) -> tuple[str, tuple[str, ...]]:
             continue  # the template silently drops tool calls: show the chat without them
         return text, notes
     raise ChatTemplateError(f"the chat template of {ct.name!r} renders none of the sample conversations: {errors[-1]}")
+
+
+def _arguments_as_json(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The message with its tool-call arguments serialised to JSON strings."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = dict(call["function"])
+        if not isinstance(function.get("arguments"), str):
+            function["arguments"] = json.dumps(function.get("arguments", {}), ensure_ascii=False)
+        calls.append({**call, "function": function})
+    return {**message, "tool_calls": calls}
 
 
 def _merge_assistant_runs(messages: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -356,9 +372,14 @@ def run_show(tokenizer: Any, conversation_path: str | os.PathLike | None = None,
 
 def detect_report(tokenizer: Any, *, model_name: str | None = None) -> dict[str, Any]:
     """What ``lossmask detect --json`` prints: markers (ids and text), source, reason, messages, verification."""
-    from .tokenizer import load_tokenizer
+    from .tokenizer import ChatTemplateError, load_tokenizer
 
-    ct = load_tokenizer(tokenizer)
+    try:
+        ct = load_tokenizer(tokenizer)
+    except ChatTemplateError:  # a base model's tokenizer: the policy says what it does without a template
+        r = _resolve_quietly(tokenizer, model_name)
+        return {"tokenizer": str(tokenizer), "source": r.source, "template": r.template, "reason": r.reason,
+                "messages": list(r.messages), "markers": None, "decoded": {}, "verification": None}
     r = _resolve_quietly(ct, model_name)
     report = r.report
     verification = None
@@ -373,6 +394,7 @@ def detect_report(tokenizer: Any, *, model_name: str | None = None) -> dict[str,
                 {"name": c.name, "tokens": c.tokens, "missing": len(c.missing), "extra": len(c.extra), "error": c.error}
                 for c in report.conversations
             ],
+            "kinds": [{"kind": k, "status": st, "detail": d} for k, st, d in getattr(report, "kinds", ())],
         }
     return {
         "tokenizer": ct.name,
@@ -399,12 +421,22 @@ def run_detect(tokenizer: Any, *, model_name: str | None = None, as_json: bool =
     if info["markers"] is None:
         print("markers: none: the full sequence trains", file=out)
     else:
-        print("markers:", file=out)
-        for kind in KINDS:
-            for ids, text in zip(info["markers"][kind], info["decoded"].get(kind, [])):
-                print(f"  {kind:<11} {text!r:<40} {ids}", file=out)
+        from .report import marker_lines
+
+        print("markers (text = ids; whitespace variants are the header merged with the reply's leading whitespace):",
+              file=out)
+        markers = {kind: info["markers"][kind] for kind in KINDS if info["markers"].get(kind)}
+        for line in marker_lines(markers, info["decoded"]):
+            print(f"  {line}", file=out)
+    summary = info["verification"]["summary"] if info["verification"] is not None else None
     for message in info["messages"]:
         print(message, file=out)
+    if summary is not None and not any(summary in message for message in info["messages"]):
+        print(f"verification: {summary}", file=out)
     if info["verification"] is not None:
-        print(f"verification: {info['verification']['summary']}", file=out)
+        kinds = info["verification"]["kinds"]
+        if kinds:
+            print("conversation kinds:", file=out)
+        for k in kinds:
+            print(f"  {k['kind']:<15} {k['status']}" + (f": {k['detail']}" if k["detail"] else ""), file=out)
     return 0 if verified else 1

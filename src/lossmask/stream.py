@@ -1,15 +1,14 @@
 """``mask_files``: files in, one Parquet file out, batch by batch, with memory bounded by the batch size.
 
 Input: a Parquet file, a folder or glob of Parquet files, Arrow IPC (``.arrow`` / ``.feather`` /
-``.ipc``), or JSON Lines (``.jsonl`` / ``.json``), read with ``pyarrow.dataset`` one batch at a time.
-Output: Parquet written as the batches are labelled, to a hidden temporary name beside the target,
-renamed onto it only when the whole job (safety net included) succeeded; a failed job leaves no file
-that looks complete.
+``.ipc``), or JSON Lines (``.jsonl`` / ``.json``), read one batch at a time (``files.py``).
+Output: Parquet written as the batches are labelled, to a hidden partial name beside the target,
+renamed onto it (with the report) only when the whole job (safety net included) succeeded; a failed
+job leaves no file that looks complete (``outputs.py``).
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 import time
@@ -17,17 +16,13 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
+from .files import FORMATS, InputFiles, open_inputs  # noqa: F401  (FORMATS: for callers of stream)
 from .markers import Markers
 from .report import MaskReport, Tally
 from .masking import input_kind, mask_batch, output_schema
 from .options import MaskOptions
+from .outputs import OutputError, as_output_error, check_output, commit, partial_name, remove_quietly, remove_stale_partials
 from .safety import TooManyDroppedRows, check_drop_fraction
-
-FORMATS = {
-    ".parquet": "parquet", ".pq": "parquet",
-    ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc",
-    ".jsonl": "json", ".json": "json", ".ndjson": "json",
-}
 
 
 def mask_files(
@@ -60,14 +55,32 @@ def mask_files(
     stderr is a terminal). ``report``: a path to write the JSON report to. Returns the ``MaskReport``;
     raises ``TooManyDroppedRows`` (and writes nothing) when more than ``options.max_drop_fraction`` of the rows
     would train nothing.
+
+    ``messages`` and ``prompt``/``completion`` rows are rendered here, so message text stays data: a
+    special-token string in it is text by default (``special_tokens_in_content``), no marker matches
+    inside it, and a row whose message the template dropped is counted as ``content_dropped``.
+    Pre-tokenised ``input_ids`` cannot be fixed that way: a marker's text inside a message acts as
+    the marker there.
+    Every output location is checked before any row is read (``output`` may not be an input, a folder, or
+    in a missing or unwritable folder); the data and the report are committed together or not at all,
+    and a failed job leaves neither (``OutputError`` names the path and the cause of an OS error).
+    With a tokenizer, token ids it does not have are refused, naming the file, row and position.
     """
     options = MaskOptions.resolve(options, **option_fields)
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"num_proc={num_proc!r} must be a positive number of processes")
     started = time.perf_counter()
-    dataset, source = open_dataset(input, input_format=input_format)
-    kind = input_kind(dataset.schema, options, source=source)
-    tokenizer = load_chat_tokenizer(tokenizer, chat_template=chat_template) if tokenizer is not None else None
+    output = os.fspath(output)
+    report = None if report is None else os.fspath(report)
+    dataset = open_inputs(input, input_format=input_format, exclude=(output, report))
+    source = dataset.source
+    check_output(output, inputs=dataset.paths)
+    if report is not None:
+        check_output(report, what="report", inputs=dataset.paths)
+        if os.path.realpath(report) == os.path.realpath(output):
+            raise ValueError(f"report {report} is the output {output}; write the report to another path")
+    kind = job_input_kind(dataset, options)
+    tokenizer, bare = _job_tokenizer(tokenizer, chat_template, kind, source), tokenizer
     if tokenizer is not None and kind != "input_ids":
         tokenizer.begin_job()  # the fast tokeniser loads on a thread while markers are resolved
     if kind == "prompt_completion" and is_text_pairs(dataset.schema, options):
@@ -76,13 +89,17 @@ def mask_files(
         resolved, markers_source, messages = None, "position", (POSITION_NOTE,)
     else:
         resolved, markers_source, messages = resolve_job_markers(
-            markers, tokenizer=tokenizer, model_name=model_name, strict=strict
+            markers, tokenizer=tokenizer if tokenizer is not None or markers is not None else bare,
+            model_name=model_name, strict=strict,
         )
     schema = output_schema(dataset.schema, options, kind)
-    output = os.fspath(output)
+    messages = (*messages, *dataset.skipped, *remove_stale_partials(output),
+                *(remove_stale_partials(report) if report is not None else ()))
     tally = Tally()
-    temporary = _temporary_name(output)
-    total_rows = _count_rows(dataset)
+    tally.time("setup", time.perf_counter() - started)  # open, load the tokenizer, choose and verify the markers
+    temporary = partial_name(output)
+    report_partial = partial_name(report) if report is not None else None
+    total_rows = dataset.count_rows()
     show = _progress_bar(progress, total=total_rows)
     renders = kind == "messages" or (kind == "prompt_completion" and markers_source != "position")
     workers, batch_size = plan_workers(num_proc, total_rows, options.batch_size, renders=renders)
@@ -96,27 +113,73 @@ def mask_files(
                                   write_statistics=other_columns or False)
         with _BackgroundWriter(writer, schema, row_group_size, tally) as background:
             for batch, first_row, encoded in _encoded_batches(dataset, batch_size, source, tally, kind, options,
-                                                             tokenizer, workers):
-                out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
-                                 first_row=first_row, source=source, encoded=encoded)
+                                                             tokenizer, workers, resolved):
+                seen = len(tally.invalid_examples)
+                try:
+                    out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
+                                     first_row=first_row, source=source, encoded=encoded)
+                except (ValueError, TypeError) as exc:
+                    raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
+                tally.invalid_examples[seen:] = [dataset.name_rows(e, count=1) for e in tally.invalid_examples[seen:]]
                 background.put(out)
                 show(batch.num_rows, tally)
         show(None, tally)
         _check_drops(tally, tokenizer, options)
         tally.seconds["total"] = time.perf_counter() - started
-        os.replace(temporary, output)
-    except BaseException:
+        result = MaskReport.build(
+            tally, markers=resolved, markers_source=markers_source, keep_dropped=options.keep_dropped,
+            input=source, output=output, messages=messages,
+            decode=(lambda t: tokenizer.decode([t])) if tokenizer is not None else None,
+        )
+        if report_partial is not None:
+            result.to_json(report_partial)
+        commit([(temporary, output)] + ([(report_partial, report)] if report is not None else []))
+    except BaseException as exc:
         show(None, tally)
-        if os.path.exists(temporary):
-            os.remove(temporary)
+        remove_quietly(temporary)
+        remove_quietly(report_partial)
+        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
+            raise _os_error(exc, output, report, report_partial) from None
         raise
-    result = MaskReport.build(
-        tally, markers=resolved, markers_source=markers_source, keep_dropped=options.keep_dropped,
-        input=source, output=output, messages=messages,
-    )
-    if report is not None:
-        result.to_json(report)
     return result
+
+
+def job_input_kind(dataset: InputFiles, options: MaskOptions) -> str:
+    """The input shape of every file of a job, which must be the same: never decided from the first file alone."""
+    kinds = [input_kind(schema, options, source=path) for path, schema in zip(dataset.paths, dataset.file_schemas)]
+    for path, kind in zip(dataset.paths[1:], kinds[1:]):
+        if kind != kinds[0]:
+            raise ValueError(
+                f"{path} holds {KIND_NAMES[kind]} but {dataset.paths[0]} holds {KIND_NAMES[kinds[0]]}; the files of "
+                "one job must hold the same input shape: mask them separately"
+            )
+    return input_kind(dataset.schema, options, source=dataset.source)
+
+
+KIND_NAMES = {"input_ids": "token ids (input_ids)", "messages": "chat messages",
+              "prompt_completion": "prompt/completion pairs"}
+
+
+def _with_message(exc: BaseException, message: str) -> BaseException:
+    if str(exc) == message:
+        return exc
+    try:
+        return type(exc)(message)
+    except TypeError:  # an exception class with other arguments: keep it as it is
+        return exc
+
+
+def _os_error(exc: OSError, output: str, report: str | None, report_partial: str | None) -> OSError:
+    """An OS error of a job as one line naming the path: the output, the report, or the file that was read."""
+    filename = getattr(exc, "filename", None)
+    if filename and report is not None and os.fspath(filename) == report_partial:
+        return as_output_error(exc, report)
+    if filename and not os.path.basename(os.fspath(filename)).endswith(".partial"):
+        cause = exc.strerror or str(exc).splitlines()[0]
+        error = OSError(f"{filename}: {cause}")
+        error.errno = exc.errno
+        return error
+    return as_output_error(exc, output)
 
 
 class _BackgroundWriter:
@@ -232,7 +295,7 @@ def _compact(batch: pa.RecordBatch) -> pa.Buffer:
     return sink.getvalue()
 
 
-def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc):
+def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc, markers="unknown"):
     """``(batch, first_row, encoded)`` in input order; with ``num_proc`` > 1 the batches are rendered by ``num_proc - 1``
     worker processes and this one, up to ``2 * num_proc`` batches ahead, and tokenised here (``encoded`` is None
     otherwise)."""
@@ -264,7 +327,7 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
             started = time.perf_counter()
             rendered = future.result() if hasattr(future, "result") else future
             tally.time("encode_wait", time.perf_counter() - started)
-            return batch, first, tokenize_rendered(tokenizer, rendered, options)
+            return batch, first, tokenize_rendered(tokenizer, rendered, options, markers=markers)
 
         for index, batch in enumerate(batches):
             if index % num_proc == workers:  # this process's share
@@ -279,88 +342,9 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
             yield finish()
 
 
-def open_dataset(input: Any, *, input_format: str | None = None):
-    """A ``pyarrow.dataset.Dataset`` over a file, folder, glob or list of files, and a name for errors."""
-    import pyarrow.dataset as ds
-
-    if isinstance(input, (list, tuple)):
-        paths = [os.fspath(p) for p in input]
-        source = f"{len(paths)} files" if len(paths) != 1 else paths[0]
-    else:
-        source = os.fspath(input)
-        if any(ch in source for ch in "*?["):
-            paths = sorted(glob.glob(source, recursive=True))
-            if not paths:
-                raise FileNotFoundError(f"{source}: the pattern matches no file")
-        elif os.path.isdir(source):
-            paths = sorted(
-                os.path.join(root, name) for root, _, names in os.walk(source) for name in names
-                if not name.startswith((".", "_"))
-            )
-            if not paths:
-                raise FileNotFoundError(f"{source}: the folder holds no data file")
-        elif os.path.exists(source):
-            paths = [source]
-        else:
-            raise FileNotFoundError(f"{source}: no such file or folder")
-    for path in paths:
-        if os.path.isfile(path) and os.path.getsize(path) == 0:
-            raise ValueError(f"{path}: the file is empty (0 bytes); remove it or regenerate it")
-    fmt = input_format or _format_of(paths, source)
-    if fmt not in ("parquet", "ipc", "json"):
-        raise ValueError(f"input_format={fmt!r} is not supported; pass 'parquet', 'ipc' (Arrow/Feather) or 'json' (JSON Lines)")
-    try:
-        name = fmt
-        if fmt == "parquet":
-            # pre_buffer caches the ranges it has read until the file is closed: memory would grow with the file
-            fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
-        dataset = ds.dataset(paths, format=fmt)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise ValueError(f"{source}: cannot be read as {name} ({exc}); is the file complete? "
-                         "(a truncated Parquet file has no footer)") from None
-    return dataset, source
-
-
-def _format_of(paths: list[str], source: str) -> str:
-    kinds = {FORMATS.get(os.path.splitext(p)[1].lower()) for p in paths}
-    if None in kinds or len(kinds) != 1:
-        suffixes = sorted({os.path.splitext(p)[1] or "(none)" for p in paths})
-        raise ValueError(
-            f"{source}: cannot tell the format from the file suffixes {suffixes}; name the files .parquet, .arrow or "
-            ".jsonl, or pass input_format= (--input-format parquet|ipc|json)"
-        )
-    return kinds.pop()
-
-
-def _batches(dataset, batch_size: int, source: str):
+def _batches(dataset: InputFiles, batch_size: int, source: str):
     """Batches of at most ``batch_size`` rows, reading ahead little so that memory stays bounded."""
-    scanner = dataset.scanner(batch_size=batch_size, batch_readahead=1, fragment_readahead=1, use_threads=True)
-    iterator = iter(scanner.to_batches())
-    while True:
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            return
-        except (pa.ArrowInvalid, OSError) as exc:
-            hint = "the file may be truncated or corrupt"
-            if "JSON" in str(exc) or "json" in str(exc):
-                hint = ("JSON Lines rows must share one shape: the column types are inferred from the first rows, "
-                        "so a key or type that appears only later fails; convert to Parquet with an explicit schema")
-            raise ValueError(f"{source}: reading failed ({exc}); {hint}") from None
-        if batch.num_rows:
-            yield batch
-
-
-def _count_rows(dataset) -> int | None:
-    """Rows in the input when it is cheap to know (Parquet metadata); None otherwise."""
-    import pyarrow.dataset as ds
-
-    if isinstance(dataset.format, ds.ParquetFileFormat):
-        try:
-            return dataset.count_rows()
-        except (pa.ArrowInvalid, OSError):
-            return None
-    return None
+    return dataset.batches(batch_size)
 
 
 POSITION_NOTE = "prompt/completion text: the completion tokens and EOS train, the prompt tokens do not (by position)"
@@ -404,6 +388,24 @@ def _resolve_cached(tokenizer: Any, resolve, **arguments: Any):
     from .marker_cache import resolve_cached
 
     return resolve_cached(tokenizer, resolve, **arguments)
+
+
+def _job_tokenizer(tokenizer: Any, chat_template: Any, kind: str, source: str):
+    """The job's tokenizer adapter; None for pre-tokenised rows when the tokenizer has no chat template (a base
+    model: the policy then decides, and says so). Chat rows need a template: the error names --chat-template."""
+    if tokenizer is None:
+        return None
+    from .tokenizer import ChatTemplateError
+
+    try:
+        return load_chat_tokenizer(tokenizer, chat_template=chat_template)
+    except ChatTemplateError as exc:
+        if kind == "input_ids":
+            return None
+        raise ChatTemplateError(
+            f"{exc}. {source}: {kind} rows are rendered with a chat template: pass the one you train with "
+            "(--chat-template FILE.jinja, or chat_template= in Python)"
+        ) from None
 
 
 def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | None = None):
@@ -454,34 +456,37 @@ def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, inpu
     return "\n".join(lines)
 
 
-def _check_drops(tally: Tally, tokenizer: Any, options: MaskOptions) -> None:
-    """The safety net: the engine's outcomes first (its message names the cause), then rows rejected as invalid."""
+def _check_drops(tally: Tally, tokenizer: Any, options: MaskOptions, *, truncation: str | None = None) -> None:
+    """The safety net: the engine's outcomes first (its message names the cause the dropped rows show,
+    with an example row each), then rows rejected as invalid. ``truncation`` names the length that cut
+    the rows when it was not lossmask's own ``max_length`` (e.g. ``"max_length=40 (SFTConfig.max_length)"``)."""
+    from .safety import format_row
+
+    decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
     example = None
     if tally.dropped_example is not None:
-        from .safety import format_row
-
         ids, labels = tally.dropped_example
-        decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
         example = format_row(ids, labels, decode, ignore_index=options.ignore_index)
+    examples = {cause: f"row {row} (0-based; trained tokens in [brackets]):\n    "
+                       + format_row(ids, labels, decode, ignore_index=options.ignore_index, max_tokens=40)
+                for cause, (row, ids, labels) in tally.drop_examples.items()}
+    if truncation is None and options.max_length:
+        truncation = f"max_length={options.max_length} (--max-length / MaskOptions.max_length)"
     max_drop_fraction = options.max_drop_fraction
-    check_drop_fraction(tally.counts, max_drop_fraction=max_drop_fraction, example=example)
+    check_drop_fraction(tally.counts, max_drop_fraction=max_drop_fraction, example=example,
+                        causes=tally.drop_causes, examples=examples, truncation=truncation)
     rows_in = tally.rows_in
-    untrained = tally.invalid + tally.counts.rows_dropped
+    rejected = tally.invalid + sum(tally.rejected.values())
+    untrained = rejected + tally.counts.rows_dropped
     if rows_in and untrained / rows_in > max_drop_fraction:
-        examples = "\n  ".join(tally.invalid_examples)
+        examples = "\n  ".join(tally.invalid_examples + tally.rejected_examples)
+        reasons = ", ".join(f"{reason} {n}" for reason, n in {"invalid": tally.invalid, **tally.rejected}.items() if n)
         raise TooManyDroppedRows(
             f"{untrained} of {rows_in} rows ({untrained / rows_in:.1%}) would train no token (allowed: "
-            f"{max_drop_fraction:.0%}), {tally.invalid} of them rejected before labelling (invalid), e.g.:\n  {examples}\n"
-            "Fix those rows (roles the chat template accepts, non-empty messages), or raise max_drop_fraction.",
+            f"{max_drop_fraction:.0%}), {rejected} of them rejected before labelling ({reasons}), e.g.:\n  {examples}\n"
+            "Fix those rows (roles the chat template accepts and renders, non-empty messages), or raise max_drop_fraction.",
             tally.counts,
         )
-
-
-def _temporary_name(output: str) -> str:
-    folder, name = os.path.split(os.path.abspath(output))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"{output}: the folder {folder} does not exist")
-    return os.path.join(folder, f".{name}.{os.getpid()}.partial")
 
 
 def _progress_bar(progress: bool | None, *, total: int | None) -> Callable[[int | None, Tally], None]:
@@ -503,7 +508,7 @@ def _progress_bar(progress: bool | None, *, total: int | None) -> Callable[[int 
             bar.close()
             return
         elapsed = max(time.perf_counter() - started, 1e-9)
-        dropped = tally.invalid + tally.counts.rows_dropped
+        dropped = tally.invalid + sum(tally.rejected.values()) + tally.counts.rows_dropped
         bar.set_postfix_str(f"{tally.counts.tokens / elapsed:,.0f} tok/s, dropped {dropped:,}", refresh=False)
         bar.update(rows)
 

@@ -37,11 +37,17 @@ class EncodedChats:
     """Token ids of many conversations, and the rows the template rejected.
 
     ``input_ids`` is a ``LargeList<int32>`` array with one row per conversation; a rejected row is
-    null there and listed in ``errors`` as ``(row, message)``.
+    null there and listed in ``errors`` as ``(row, message)``. A row where the template dropped or
+    rewrote a message (``content_dropped``), or dropped under ``special_tokens_in_content="drop"``, is
+    null too and listed in ``dropped`` as ``(row, reason, message)``. Pass ``in_content`` to
+    ``label_batch(data_mask=...)`` so that message text cannot act as a marker.
     """
 
     input_ids: pa.LargeListArray
     errors: tuple[tuple[int, str], ...]
+    in_content: np.ndarray | None = None  # bool per token (rows back to back): inside message text
+    dropped: tuple[tuple[int, str, str], ...] = ()  # (row, reason, message): rendered, never to be labelled
+    special_rows: int = 0  # rows whose message text held a special-token string
 
     @property
     def ok(self) -> np.ndarray:
@@ -254,6 +260,31 @@ class ChatTokenizer:
         """Token ids of many rendered texts in one batch call: a ``LargeList<int32>`` array."""
         return self.encode_flat(texts).to_arrow(max_length=max_length)
 
+    def encode_texts_with_offsets(self, texts: Sequence[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Token ids and ``(n, 2)`` character offsets of many rendered texts, in one batch call.
+
+        The one call the messages path tokenises through (``rendered.encode_rendered``): a faster exact
+        tokeniser can take its place here.
+        """
+        encodings = self.tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        ids = [np.array(e.ids, dtype=np.int64) for e in encodings]
+        offsets = [np.array(e.offsets, dtype=np.int64).reshape(-1, 2) for e in encodings]
+        return ids, offsets
+
+    @cached_property
+    def content_tokens(self):
+        """Which special-token strings in message text are text and which stay tokens (``specials.ContentTokens``)."""
+        from .specials import ContentTokens
+
+        return ContentTokens.of(self)
+
+    @cached_property
+    def text_encoder(self):
+        """Encodes rows with message text's special-token strings as text (``specials.TextEncoder``)."""
+        from .specials import TextEncoder
+
+        return TextEncoder(self, self.content_tokens)
+
     def encode_chats(
         self,
         conversations: Sequence[Messages | Mapping[str, Any]],
@@ -261,6 +292,7 @@ class ChatTokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = False,
         max_length: int | None = None,
+        special_tokens_in_content: str = "text",
     ) -> EncodedChats:
         """Render and tokenise many conversations: one batch tokenisation, per-row template errors.
 
@@ -268,10 +300,15 @@ class ChatTokenizer:
         ``"tools"`` (per-row tools override ``tools=``). A conversation the template rejects becomes
         a null row and an entry in ``errors``; the batch goes on. ``max_length`` keeps the first
         ``max_length`` tokens of each row (right truncation, as TRL does).
+        ``special_tokens_in_content``: what special-token strings in message text become (``"text"``,
+        the default: ordinary text; ``"keep"``: control tokens; ``"drop"``: the row; ``"error"``: raise).
         """
+        from .rendered import encode_rendered
+
         if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
             raise ValueError(f"max_length={max_length!r} must be a positive integer or None")
         texts: list[str] = []
+        chats: list[Any] = []
         rendered_rows: list[int] = []
         errors: list[tuple[int, str]] = []
         for row, conversation in enumerate(conversations):
@@ -286,16 +323,21 @@ class ChatTokenizer:
             except ChatTemplateError as exc:
                 errors.append((row, f"row {row}: {exc}"))
                 continue
+            chats.append(list(messages))
             rendered_rows.append(row)
-        encoded = self.encode_texts(texts, max_length=max_length)
         n = len(rendered_rows) + len(errors)
-        if not errors:
-            return EncodedChats(encoded, ())
-        # scatter the rendered rows back among the rejected ones (nulls)
+        rendered = encode_rendered(self, texts, chats, special_tokens_in_content=special_tokens_in_content,
+                                   max_length=max_length, row_numbers=rendered_rows)
+        encoded = rendered.input_ids
+        kept_rows = np.asarray(rendered_rows, dtype=np.int64)[rendered.keep]
+        if kept_rows.size == n:
+            return EncodedChats(encoded, (), rendered.in_content, (), rendered.special_rows)
+        # scatter the kept rows back among the rejected and dropped ones (nulls)
         take = np.full(n, -1, dtype=np.int64)
-        take[np.asarray(rendered_rows, dtype=np.int64)] = np.arange(len(rendered_rows))
+        take[kept_rows] = np.arange(kept_rows.size)
         indices = pa.array(take, mask=take < 0)
-        return EncodedChats(encoded.take(indices), tuple(errors))
+        return EncodedChats(encoded.take(indices), tuple(errors), rendered.in_content, tuple(rendered.dropped),
+                            rendered.special_rows)
 
 
 def _normalise_templates(template: Any) -> str | dict[str, str] | None:

@@ -1,0 +1,250 @@
+"""Aho-Corasick automata over token classes: what the numba engine runs instead of pattern loops.
+
+The engine must find every occurrence of every pattern (overlapping ones included) in one forward
+scan, at a cost per token that does not grow with the number of patterns. An Aho-Corasick automaton
+does that: one table lookup per token gives the next state, and the state says which patterns end at
+that token.
+
+**Token classes.** A vocabulary has 10^5 ids, of which a marker set uses a few dozen. Every id that
+occurs in no pattern is class 0, so the transition table has one column per *used* id plus one.
+Classes are numbered so that those that leave the start state (the first token of some pattern) come
+last: ``cls < n_quiet`` means "from the start state this token goes back to it and completes no
+pattern", which is the test the engine's tight loop makes on every token, as cheap as the old flag
+test. Ids under ``DENSE_IDS`` are looked up in a dense table sized by the largest of them; larger ids
+(legal, if unusual) go to a short sorted list, so a marker id of 2^40 costs a binary search on the
+rare token beyond the table, never a 2^40-entry table.
+
+**Events.** A match of pattern ``P`` (length ``L``) that ends at token ``e`` fires, per SPEC.md:
+response: open at ``e+1`` and close at ``e+1-L``; instruction: close at ``e+1-L``; end: close at
+``e+1``; mask_out: covers ``[e+1-L, e]``. Per state, all matches that end there are summarised: the
+``OPEN_NEXT`` / ``CLOSE_NEXT`` bits, the lengths ``L`` of the closes at a start (``close_lengths``),
+and the longest mask_out match (``mask_length``: the covers all end at ``e``, so the longest holds
+the others). ``pending[state]`` is the length of the longest suffix of the text read so far that a
+pattern may still grow from (a proper prefix of some pattern): no match can still start at or before
+``e - pending``, so the labels up to there are final; where it is 0 the scan restarts from the start
+state (no suffix matters any more: its transitions are the start state's).
+
+**Backwards.** ``last_turn_only`` needs ``max(OPEN)`` before the forward scan; a second automaton
+over the reversed response patterns finds it scanning back from the row's end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+# Ids below this are classified by a dense table (at most 2 MiB of uint8, 4 MiB of uint16); ids at or
+# above it by a binary search in a sorted list.
+DENSE_IDS = 1 << 21
+# Transition tables above this many entries are refused (only marker sets of thousands of distinct
+# tokens reach it; real templates use a few dozen).
+MAX_TABLE_ENTRIES = 1 << 25
+
+# Bits of Automaton.outputs: what a state fires for the token that reached it.
+OPEN_NEXT = 1  # a response pattern ends here: open at the next position
+CLOSE_NEXT = 2  # an end pattern ends here: close at the next position
+CLOSE_AT_START = 4  # a response or instruction pattern ends here: close at its start
+MASK = 8  # a mask_out pattern ends here: positions [e+1-mask_length, e] are masked
+
+
+@dataclass(frozen=True, eq=False)
+class Automaton:
+    """The forward and backward automata of one marker set, as flat arrays (see the module doc)."""
+
+    classes: np.ndarray  # uint8 or uint16, class of id v for v < len(classes)
+    big_ids: np.ndarray  # uint64, sorted: pattern ids >= DENSE_IDS
+    big_classes: np.ndarray  # same dtype as classes, their classes
+    n_quiet: int  # classes below this leave the start state unchanged and fire nothing
+    n_classes: int
+    goto: np.ndarray  # int32 [n_states * n_classes]: next state = goto[state * n_classes + cls]
+    pending: np.ndarray  # int32 [n_states]: longest suffix of the state that a pattern may still extend
+    outputs: np.ndarray  # uint8 [n_states]: OPEN_NEXT | CLOSE_NEXT | CLOSE_AT_START | MASK
+    close_offsets: np.ndarray  # int32 [n_states + 1]: close_lengths[close_offsets[s]:close_offsets[s+1]]
+    close_lengths: np.ndarray  # int32
+    mask_length: np.ndarray  # int32 [n_states]
+    pair: np.ndarray  # uint8 [(n_classes + 1) ** 2]: may a match start at a token of class a followed by b?
+    back_goto: np.ndarray  # int32 [n_back_states * n_classes], reversed response patterns
+    back_quiet: np.ndarray  # uint8 [n_classes]: 1 where the backward start state stays put
+    back_open_length: np.ndarray  # int32 [n_back_states]: longest response pattern starting here, or 0
+    max_length: int  # longest pattern
+    max_response_length: int
+
+    def kernel_args(self) -> tuple:
+        """The arrays in the order ``kernels/numba_kernel.py`` unpacks them."""
+        return (
+            self.classes, self.big_ids, self.big_classes, self.goto, self.pending, self.outputs,
+            self.close_offsets, self.close_lengths, self.mask_length, self.pair,
+            self.back_goto, self.back_quiet, self.back_open_length,
+        )
+
+    def class_of(self, ids: np.ndarray) -> np.ndarray:
+        """Classes of an array of ids (vectorised; the kernels do the same per token)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        last = self.classes.shape[0] - 1
+        out = self.classes[np.where(ids < 0, last, np.minimum(ids, last))].astype(np.int64)
+        out[out == self.n_classes] = 0
+        big = ids >= DENSE_IDS
+        if big.any() and self.big_ids.size:
+            at = np.searchsorted(self.big_ids, ids[big].astype(np.uint64))
+            at = np.minimum(at, self.big_ids.size - 1)
+            found = self.big_ids[at] == ids[big].astype(np.uint64)
+            out[np.flatnonzero(big)[found]] = self.big_classes[at[found]]
+        return out
+
+    @classmethod
+    def build(cls, patterns: Sequence[tuple[int, Sequence[int]]], *, response: int, instruction: int,
+              end: int, mask_out: int) -> "Automaton":
+        """``patterns``: (kind code, token ids) pairs; the four kind codes name which is which."""
+        ids = np.unique(np.fromiter((t for _, p in patterns for t in p), dtype=np.int64))
+        first = np.unique(np.fromiter((p[0] for _, p in patterns), dtype=np.int64, count=len(patterns)))
+        # Quiet ids (in patterns, never first) take classes 1..; first tokens come last.
+        quiet_ids = np.setdiff1d(ids, first, assume_unique=True)
+        ordered = np.concatenate([quiet_ids, first])
+        n_classes = 1 + ordered.size
+        n_quiet = 1 + quiet_ids.size
+        # One spare class value: BIG marks "look in big_ids" in the table's last slot.
+        class_dtype = np.uint8 if n_classes < 1 << 8 else np.uint16 if n_classes < 1 << 16 else np.uint32
+        small = ordered < DENSE_IDS
+        # The table ends one past the largest small pattern id: kernels clamp every id to that last slot
+        # (branch-free), which holds 0, or the BIG class when some pattern id is beyond the table.
+        table = np.zeros(int(ordered[small].max()) + 2 if small.any() else 1, dtype=class_dtype)
+        table[ordered[small]] = np.arange(1, n_classes, dtype=np.int64)[small]
+        big_order = np.argsort(ordered[~small])
+        big_ids = ordered[~small][big_order].astype(np.uint64)
+        big_classes = np.arange(1, n_classes, dtype=np.int64)[~small][big_order].astype(class_dtype)
+        if big_ids.size:
+            table[-1] = n_classes  # the BIG class: not a column of goto; kernels resolve it first
+
+        class_index = {int(t): k + 1 for k, t in enumerate(ordered)}
+        coded = [(kind, [class_index[int(t)] for t in p]) for kind, p in patterns]
+        goto, depth, order, fail, terminal = _trie_automaton([p for _, p in coded], n_classes)
+        n_states = depth.shape[0]
+        # pending: the depth of the longest suffix state (itself included) that is a proper prefix of some
+        # pattern, i.e. that a match may still grow from; 0 where none (the scan may restart from the root).
+        inner = np.zeros(n_states, dtype=bool)
+        inner[_parents(goto, depth, n_classes)] = True
+        pending = np.where(inner, depth, 0).astype(np.int32)
+        for state in order[1:]:
+            if not inner[state]:
+                pending[state] = pending[fail[state]]
+        outputs = np.zeros(n_states, dtype=np.uint8)
+        mask_length = np.zeros(n_states, dtype=np.int32)
+        closes: list[set[int]] = [set() for _ in range(n_states)]
+        for (kind, p), state in zip(coded, terminal):
+            if kind == response:
+                outputs[state] |= OPEN_NEXT | CLOSE_AT_START
+                closes[state].add(len(p))
+            elif kind == instruction:
+                outputs[state] |= CLOSE_AT_START
+                closes[state].add(len(p))
+            elif kind == end:
+                outputs[state] |= CLOSE_NEXT
+            elif kind == mask_out:
+                outputs[state] |= MASK
+                mask_length[state] = max(mask_length[state], len(p))
+        for state in order[1:]:  # breadth first: a state's suffix (fail) state is already complete
+            f = fail[state]
+            outputs[state] |= outputs[f]
+            mask_length[state] = max(mask_length[state], mask_length[f])
+            closes[state] |= closes[f]
+        close_offsets = np.zeros(n_states + 1, dtype=np.int32)
+        np.cumsum([len(c) for c in closes], out=close_offsets[1:])
+        close_lengths = np.array([length for c in closes for length in sorted(c)], dtype=np.int32)
+
+        pair = _pair_table(goto, depth, outputs, n_classes, n_quiet)
+
+        responses = [p[::-1] for kind, p in coded if kind == response]
+        back_goto, _, back_order, back_fail, back_terminal = _trie_automaton(responses, n_classes)
+        back_open_length = np.zeros(back_goto.shape[0] // n_classes, dtype=np.int32)
+        for p, state in zip(responses, back_terminal):
+            back_open_length[state] = max(back_open_length[state], len(p))
+        for state in back_order[1:]:
+            back_open_length[state] = max(back_open_length[state], back_open_length[back_fail[state]])
+        back_quiet = (back_goto[:n_classes] == 0).astype(np.uint8)
+
+        return cls(
+            classes=table, big_ids=big_ids, big_classes=big_classes, n_quiet=n_quiet, n_classes=n_classes,
+            goto=goto, pending=pending, outputs=outputs, close_offsets=close_offsets, close_lengths=close_lengths,
+            mask_length=mask_length, pair=pair, back_goto=back_goto, back_quiet=back_quiet,
+            back_open_length=back_open_length,
+            max_length=max(len(p) for _, p in coded),
+            max_response_length=max(len(p) for p in responses),
+        )
+
+
+def _pair_table(goto, depth, outputs, n_classes: int, n_quiet: int) -> np.ndarray:
+    """``pair[a * (n_classes + 1) + b]``: from the start state, can the tokens ``a b`` be where a match starts?
+
+    True when ``a`` alone completes a pattern, or ``a b`` begins one (a depth-2 state); b = 0 (any id in
+    no pattern, or no next token) is true only in the first case. The extra class ``n_classes`` (an id
+    beyond the dense table, resolved later) is true both ways. Rows of quiet classes are never read.
+    So the engine's tight loop steps over a token that begins patterns but not here (``<|im_start|>``
+    before ``user``, ``\n`` before a word), and the automaton sees it only when it matters.
+    """
+    width = n_classes + 1
+    table = goto.reshape(-1, n_classes)
+    pair = np.zeros((width, width), dtype=np.uint8)
+    for a in range(n_quiet, n_classes):
+        state = table[0, a]
+        if outputs[state]:
+            pair[a] = 1
+        else:
+            pair[a, :n_classes] = depth[table[state]] == 2
+            pair[a, n_classes] = 1
+    pair[n_classes] = 1
+    return pair.reshape(-1)
+
+
+def _parents(goto: np.ndarray, depth: np.ndarray, n_classes: int) -> np.ndarray:
+    """States that have a child in the trie: the targets one deeper than their source."""
+    n_states = depth.shape[0]
+    table = goto.reshape(n_states, n_classes)
+    source, _ = np.nonzero(depth[table] == depth[:, None] + 1)
+    return np.unique(source)
+
+
+def _trie_automaton(patterns: list[list[int]], n_classes: int):
+    """The Aho-Corasick automaton of class sequences, with a complete transition table.
+
+    Returns ``(goto, depth, order, fail, terminal)``: ``goto`` flat int32 [n_states * n_classes],
+    ``depth`` int32 [n_states], ``order`` the states breadth first (root 0 first), ``fail`` each
+    state's longest proper suffix state, ``terminal[k]`` the state where pattern ``k`` ends.
+    """
+    children: list[dict[int, int]] = [{}]
+    depth = [0]
+    terminal = []
+    for p in patterns:
+        state = 0
+        for c in p:
+            nxt = children[state].get(c)
+            if nxt is None:
+                nxt = len(children)
+                children[state][c] = nxt
+                children.append({})
+                depth.append(depth[state] + 1)
+            state = nxt
+        terminal.append(state)
+    n_states = len(children)
+    if n_states * n_classes > MAX_TABLE_ENTRIES:
+        raise ValueError(
+            f"these markers ({len(patterns)} patterns over {n_classes - 1} distinct token ids) make an automaton of "
+            f"{n_states} x {n_classes} transitions, above the engine's limit of {MAX_TABLE_ENTRIES}; "
+            "real chat templates need a few dozen patterns: pass only the variants the data holds"
+        )
+    goto = np.zeros((n_states, n_classes), dtype=np.int32)
+    fail = np.zeros(n_states, dtype=np.int32)
+    for c, child in children[0].items():
+        goto[0, c] = child  # root's children keep fail 0
+    queue = list(children[0].values())
+    head = 0
+    while head < len(queue):  # breadth first: a state's fail state is always complete before it
+        state = queue[head]
+        head += 1
+        goto[state] = goto[fail[state]]  # what the longest suffix would do, for every class ...
+        for c, child in children[state].items():  # ... except where the trie goes on
+            fail[child] = goto[fail[state], c]
+            goto[state, c] = child
+            queue.append(child)
+    return goto.reshape(-1), np.array(depth, dtype=np.int32), [0] + queue, fail, terminal

@@ -1,0 +1,254 @@
+"""Rendered chat rows to token ids, with message text kept as data: the step every messages path shares.
+
+``encode_rendered`` takes rows that the chat template has rendered, with their messages, and:
+
+1. locates every message's text in its rendering (``locate.py``); a row where the template dropped
+   or rewrote a message is dropped as ``content_dropped``, never labelled;
+2. finds special-token strings in message text (``specials.py``) and applies
+   ``special_tokens_in_content``: ``"text"`` (default: encoded as ordinary text), ``"keep"`` (as the
+   tokenizer splits them: control tokens), ``"drop"`` (the row, as ``special_tokens_in_content``) or
+   ``"error"`` (raise, naming the row, message, role and token);
+3. tokenises the rows in one batch call with offsets (only rows whose text holds a special-token
+   string take the row-by-row text path);
+4. marks, per token, whether it lies wholly inside message text (``in_content``). Labelling treats
+   those tokens as inert: no marker can match them (``labels.label_batch(data_mask=...)``), so
+   nothing a message says can open, close or extend a trained span. A token that straddles the
+   edge between template and text stays active, so header variants that merge with a content's
+   leading whitespace still match.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from .locate import locate_messages
+from .report import CONTENT_DROPPED, SPECIAL_TOKENS
+from .specials import SPECIAL_TOKENS_IN_CONTENT
+
+
+@dataclass
+class EncodedRows:
+    """Token ids of the rows kept (``keep`` marks them among the input rows) and what happened to the rest.
+
+    ``in_content``: a bool per token of ``input_ids`` (its values back to back), True where the token
+    lies wholly inside message text. ``dropped``: ``(row, reason, message)``. ``special_rows``: rows
+    whose message text held a special-token string (whatever the policy), with one example.
+    """
+
+    input_ids: pa.LargeListArray
+    in_content: np.ndarray | None
+    keep: np.ndarray
+    dropped: list[tuple[int, str, str]] = field(default_factory=list)
+    special_rows: int = 0
+    special_example: str | None = None
+
+
+def check_policy(special_tokens_in_content: str) -> str:
+    if special_tokens_in_content not in SPECIAL_TOKENS_IN_CONTENT:
+        raise ValueError(
+            f"special_tokens_in_content={special_tokens_in_content!r}; pass one of {SPECIAL_TOKENS_IN_CONTENT} "
+            "('text' encodes special-token strings in message text as ordinary text)"
+        )
+    return special_tokens_in_content
+
+
+def encode_rendered(
+    ct: Any,
+    texts: Sequence[str],
+    conversations: Sequence[Sequence[Any]],
+    *,
+    special_tokens_in_content: str = "text",
+    max_length: int | None = None,
+    row_numbers: Sequence[int] | None = None,
+    positions: "bool | re.Pattern" = True,
+) -> EncodedRows:
+    """Locate, check and tokenise rendered rows; ``row_numbers`` name the rows in messages (default: 0, 1, ...).
+
+    ``positions``: which rows need ``in_content`` (and so offsets): True (all), False (none:
+    ``in_content`` is None) or a regular expression that finds, in message text, the words of a
+    marker it could match (``text_can_match``); the other rows' tokens are never inside a match.
+    """
+    check_policy(special_tokens_in_content)
+    tokens = ct.content_tokens
+    n = len(texts)
+    names = list(range(n)) if row_numbers is None else list(row_numbers)
+    keep = np.ones(n, dtype=bool)
+    dropped: list[tuple[int, str, str]] = []
+    spans: list[tuple[tuple[int, int], ...]] = []
+    as_text: list[int] = []  # kept rows (local index among kept) to encode on the text path
+    special_rows, special_example = 0, None
+    for r, (text, messages) in enumerate(zip(texts, conversations)):
+        located = locate_messages(text, messages, system_optional=tokens.drops_system)
+        if located.missing is not None:
+            index, role, what = located.missing
+            keep[r] = False
+            dropped.append((names[r], CONTENT_DROPPED,
+                            f"message {index} ({role}): its {what} is not in the rendered row (the chat template "
+                            "dropped or rewrote it)"))
+            continue
+        hit = _first_special(tokens, text, located)
+        if hit is not None:
+            index, role, token = _owner(messages, located, text, hit)
+            where = f"row {names[r]}, message {index} ({role}) holds the special-token string {token!r}"
+            if special_tokens_in_content == "error":
+                raise ValueError(
+                    f"{where}; pass special_tokens_in_content='text' to encode it as ordinary text (the default), "
+                    "'keep' to keep it a control token, or 'drop' to drop such rows"
+                )
+            special_rows += 1
+            special_example = special_example or where
+            if special_tokens_in_content == "drop":
+                keep[r] = False
+                dropped.append((names[r], SPECIAL_TOKENS, f"message {index} ({role}) holds {token!r}"))
+                continue
+            if special_tokens_in_content == "text":
+                as_text.append(len(spans))
+        spans.append(located.spans)
+    kept_texts = [t for t, k in zip(texts, keep) if k]
+    if positions is True:
+        need = list(range(len(kept_texts)))
+    elif not positions:
+        need = []
+    else:  # only rows whose text holds a word of a plain-text marker
+        need = [r for r, row_spans in enumerate(spans)
+                if any(positions.search(kept_texts[r], s, e) for s, e in row_spans)]
+    if len(need) == len(kept_texts):
+        ids, offsets = ct.encode_texts_with_offsets(kept_texts)
+        _as_text(ct, kept_texts, ids, offsets, spans, as_text)
+        if max_length is not None:
+            ids = [row[:max_length] for row in ids]
+            offsets = [row[:max_length] for row in offsets]
+        in_content = content_mask(ids, offsets, [len(t) for t in kept_texts], spans)
+        return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example)
+    # the batch call without offsets; the rows that need them are encoded again, in one more call
+    batch = ct.encode_texts(kept_texts, max_length=max_length)
+    in_content = None
+    if not need and not as_text:
+        return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example)
+    rows = np.split(batch.values.to_numpy(), batch.offsets.to_numpy()[1:-1]) if kept_texts else []
+    again = sorted(set(need) | set(as_text))
+    sub_ids, sub_offsets = ct.encode_texts_with_offsets([kept_texts[r] for r in again])
+    local = {r: k for k, r in enumerate(again)}
+    _as_text(ct, [kept_texts[r] for r in again], sub_ids, sub_offsets, [spans[r] for r in again],
+             [local[r] for r in as_text])
+    for k, r in enumerate(again):
+        rows[r] = sub_ids[k][:max_length]
+        sub_offsets[k] = sub_offsets[k][:max_length]
+    if need:
+        lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        mask = content_mask([sub_ids[local[r]][:max_length] for r in need], [sub_offsets[local[r]] for r in need],
+                            [len(kept_texts[r]) for r in need], [spans[r] for r in need])
+        in_content = np.zeros(int(lengths.sum()), dtype=bool)
+        position = np.concatenate([np.arange(starts[r], starts[r] + lengths[r]) for r in need])
+        in_content[position] = mask
+    return EncodedRows(_large_list(rows), in_content, keep, dropped, special_rows, special_example)
+
+
+def _as_text(ct, texts, ids, offsets, spans, rows) -> None:
+    """Encode ``rows`` (indices into the lists) again with message text's special-token strings as text."""
+    if not rows:
+        return
+    encoder = ct.text_encoder
+    for r in rows:
+        ids[r], offsets[r] = encoder.encode(texts[r], ids[r], offsets[r], spans[r])
+
+
+def text_can_match(ct: Any, markers: Any, special_tokens_in_content: str) -> bool | re.Pattern:
+    """Can message text make a marker match, so that labelling must know where it lies?
+
+    Markers hold template tokens only (a header ends where training starts; stop tokens follow the
+    text). With special-token strings encoded as text, message text cannot produce a structural
+    token, so a pattern holding one cannot match there; only patterns made of other tokens
+    (plain-text markers such as ``[/INST]`` on Llama-2 or ``### Response:``) can, and only in a row
+    whose text holds the pattern's words. Returns False (no row), True (every row) or a regular
+    expression of those words (the rows whose message text it finds).
+    """
+    if markers is None:
+        return False
+    if special_tokens_in_content != "text":
+        return True
+    structural = ct.content_tokens.structural
+    plain = [p for patterns in markers.to_dict().values() for p in patterns if not any(int(t) in structural for t in p)]
+    if not plain:
+        return False
+    words = set()
+    for pattern in plain:
+        pieces = [ct.decode([t]) for t in pattern]
+        if any("\ufffd" in piece for piece in pieces):
+            return True
+        found = [w for piece in pieces for w in re.findall(r"[^\W_]{2,}", piece)]
+        if not found:
+            return True  # a pattern of punctuation and spaces: every row
+        words.update(found)
+    return re.compile("|".join(sorted(map(re.escape, words), key=len, reverse=True)))
+
+
+def _first_special(tokens, text: str, located) -> tuple[int, int, str] | None:
+    for start, end in located.spans:
+        match = tokens.find(text, start, end)
+        if match is not None:
+            return match.start(), match.end(), match.group(0)
+    return None
+
+
+def _owner(messages, located, text, hit) -> tuple[int, str, str]:
+    """Which message holds the special-token string found at ``hit`` (the first whose text holds it)."""
+    start, _, token = hit
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        for key in ("content", "reasoning_content", "reasoning", "thinking"):
+            value = message.get(key)
+            if isinstance(value, str) and token in value:
+                return index, str(message.get("role")), token
+        if token in repr(message.get("tool_calls", "")) or token in repr(message.get("content", "")):
+            return index, str(message.get("role")), token
+    return -1, "?", token
+
+
+def content_mask(ids: Sequence[np.ndarray], offsets: Sequence[np.ndarray], lengths: Sequence[int],
+                 spans: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
+    """A bool per token (rows back to back): does the token lie wholly inside one of its row's ``spans``?
+
+    A token covers the characters from the end of the previous token (byte-level offsets may leave a
+    merged leading space out) to its own end; zero-width tokens (a normaliser's prefix) are never inside.
+    """
+    counts = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=bool)
+    off = np.concatenate([np.asarray(o, dtype=np.int64).reshape(-1, 2) for o in offsets])
+    base = np.zeros(len(ids), dtype=np.int64)
+    np.cumsum(np.asarray(lengths[:-1], dtype=np.int64), out=base[1:]) if len(ids) > 1 else None
+    row_of = np.repeat(np.arange(len(ids)), counts)
+    first = np.zeros(total, dtype=bool)
+    starts_at = np.cumsum(counts) - counts
+    first[starts_at[counts > 0]] = True
+    prev_end = np.empty(total, dtype=np.int64)
+    prev_end[0] = 0
+    prev_end[1:] = off[:-1, 1]
+    prev_end[first] = 0
+    start = np.minimum(off[:, 0], np.maximum(prev_end, 0)) + base[row_of]
+    end = off[:, 1] + base[row_of]
+    flat = [(s + base[r], e + base[r]) for r, row_spans in enumerate(spans) for s, e in row_spans]
+    if not flat:
+        return np.zeros(total, dtype=bool)
+    span_arr = np.asarray(flat, dtype=np.int64)
+    k = np.searchsorted(span_arr[:, 0], start, side="right") - 1
+    valid = k >= 0
+    kk = np.maximum(k, 0)
+    return valid & (start >= span_arr[kk, 0]) & (end <= span_arr[kk, 1]) & (off[:, 1] > off[:, 0])
+
+
+def _large_list(rows: Sequence[np.ndarray]) -> pa.LargeListArray:
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate([np.asarray(r, dtype=np.int32) for r in rows]) if rows else np.zeros(0, np.int32)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values.astype(np.int32, copy=False)))

@@ -1,0 +1,149 @@
+"""The automaton engine against the reference, on the marker sets that stress it.
+
+``test_properties.py`` draws small random marker sets; here the sets look like what
+``detect_markers`` returns and like what breaks a lagged scan: many patterns sharing a prefix and
+differing in the last token (whitespace variants), patterns that are prefixes, suffixes and
+sub-strings of each other, mask_out patterns overlapping opens and closes, ids beyond the dense
+class table. Both drivers (serial and parallel) are called directly on the same flat buffers.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lossmask import Markers
+from lossmask.automaton import DENSE_IDS
+from lossmask.kernels import numba_kernel, reference
+
+DRIVERS = {"serial": numba_kernel._label_rows_serial, "parallel": numba_kernel._label_rows_parallel}
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def rows_from(draw, markers: Markers, alphabet: st.SearchStrategy, *, max_rows: int = 12) -> list[list[int]]:
+    """Rows of random tokens and whole or cut copies of the markers' own patterns, back to back."""
+    patterns = [list(p) for kind in ("response", "instruction", "end", "mask_out") for p in getattr(markers, kind)]
+    piece = st.one_of(
+        st.lists(alphabet, max_size=6),
+        st.sampled_from(patterns),
+        st.sampled_from(patterns).flatmap(lambda p: st.integers(1, len(p)).map(lambda k: p[:k])),
+        st.sampled_from(patterns).flatmap(lambda p: st.integers(0, len(p) - 1).map(lambda k: p[k:])),
+    )
+    return draw(st.lists(st.lists(piece, max_size=10).map(lambda ps: [t for p in ps for t in p]), max_size=max_rows))
+
+
+@st.composite
+def shared_prefix_cases(draw):
+    """Patterns over a tiny vocabulary that share prefixes and suffixes and overlap every way."""
+    token = st.integers(0, 5)
+    prefix = draw(st.lists(token, max_size=3))
+    variants = draw(st.lists(token, min_size=1, max_size=6, unique=True))
+    response = [prefix + [v] for v in variants] + draw(st.lists(st.lists(token, min_size=1, max_size=4), max_size=2))
+    pool = response + draw(st.lists(st.lists(token, min_size=1, max_size=4), max_size=3))
+    cut = st.sampled_from(pool).flatmap(  # a piece of another pattern: prefix, suffix or middle
+        lambda p: st.integers(0, len(p) - 1).flatmap(lambda a: st.integers(a + 1, len(p)).map(lambda b: p[a:b]))
+    )
+    markers = Markers(
+        response=response,
+        instruction=draw(st.lists(st.one_of(cut, st.lists(token, min_size=1, max_size=4)), max_size=3)),
+        end=draw(st.lists(st.one_of(cut, st.lists(token, min_size=1, max_size=3)), max_size=3)),
+        mask_out=draw(st.lists(st.one_of(cut, st.lists(token, min_size=1, max_size=3)), max_size=3)),
+    )
+    return markers, rows_from(draw, markers, token)
+
+
+@st.composite
+def whitespace_variant_cases(draw):
+    """A two-token header followed by one of dozens of 'whitespace' tokens that fill the content too."""
+    header = [100, 101]
+    variants = draw(st.lists(st.integers(0, 59), min_size=10, max_size=40, unique=True))
+    markers = Markers(
+        response=[header + [v] for v in variants],
+        instruction=draw(st.sampled_from([[], [[100]], [[100, 102]]])),
+        end=draw(st.sampled_from([[[103]], [[103], [103, variants[0]]], [[variants[0], 103]]])),
+        mask_out=draw(st.sampled_from([[], [[104, 105]], [[101, variants[-1]]], [[variants[-1]]]])),
+    )
+    return markers, rows_from(draw, markers, st.one_of(st.integers(0, 59), st.sampled_from([100, 101, 103, 104, 105])))
+
+
+def flat(rows: list[list[int]], dtype=np.int64):
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    ends = np.cumsum(lengths)
+    values = np.array([t for r in rows for t in r], dtype=dtype)
+    return values, ends - lengths, ends
+
+
+def assert_drivers_equal_reference(rows, markers, last_turn_only, dtype=np.int64):
+    values, starts, ends = flat(rows, dtype)
+    expected = np.full(values.shape, 12345, dtype=np.int64)
+    ref = reference.label_rows(values, starts, ends, markers, last_turn_only=last_turn_only, ignore_index=-100,
+                               out=expected, write_mask=False)
+    auto, ring_size = numba_kernel.automaton_args(markers)
+    for name, driver in DRIVERS.items():
+        for write_mask in (False, True):
+            out = np.full(values.shape, 99, dtype=np.int8 if write_mask else np.int64)
+            got = driver(values, starts, ends, auto, ring_size, last_turn_only, out.dtype.type(0 if write_mask else -100),
+                         out, write_mask)
+            want = (expected != -100).astype(np.int8) if write_mask else expected
+            np.testing.assert_array_equal(out, want, err_msg=f"{name} driver, write_mask={write_mask}")
+            for a, b in zip(got, ref):
+                np.testing.assert_array_equal(a, b, err_msg=f"{name} driver, write_mask={write_mask}")
+
+
+@SETTINGS
+@given(case=shared_prefix_cases(), last_turn_only=st.booleans())
+def test_overlapping_patterns_sharing_prefixes_and_suffixes(case, last_turn_only):
+    markers, rows = case
+    assert_drivers_equal_reference(rows, markers, last_turn_only)
+
+
+@SETTINGS
+@given(case=whitespace_variant_cases(), last_turn_only=st.booleans())
+def test_dozens_of_variants_differing_in_the_last_token(case, last_turn_only):
+    markers, rows = case
+    assert_drivers_equal_reference(rows, markers, last_turn_only)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=shared_prefix_cases(), last_turn_only=st.booleans(), data=st.data())
+def test_ids_beyond_the_dense_table(case, last_turn_only, data):
+    """The same case with its ids moved far apart (some past DENSE_IDS, up to 2**62): same labels."""
+    markers, rows = case
+    places = data.draw(st.permutations([3, 2**20, DENSE_IDS, DENSE_IDS + 1, 2**40, 2**62, 17, 0]))
+    move = dict(enumerate(places))
+
+    def moved(patterns):
+        return [[move[t] for t in p] for p in patterns]
+
+    big = Markers(**{kind: moved(getattr(markers, kind)) for kind in ("response", "instruction", "end", "mask_out")})
+    assert_drivers_equal_reference(moved(rows), big, last_turn_only)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int64])
+def test_a_marker_id_of_2_to_the_40_neither_overflows_nor_allocates(dtype):
+    big = 2**40
+    markers = Markers(response=[[7, big]], end=[[8]])
+    assert markers.compiled().automaton.classes.nbytes < 64
+    rows = [[1, 7, 2, 3, 8, 9], [7, 8, 2**31 - 1, 8]]
+    assert_drivers_equal_reference(rows, markers, False, dtype)
+    if dtype is np.int64:
+        assert_drivers_equal_reference([[1, 7, big, 3, 8, 7, big]], markers, True, dtype)
+
+
+def test_hundreds_of_distinct_marker_tokens_use_a_wider_class_table():
+    rng = np.random.default_rng(3)
+    response = [[1000, int(v)] for v in rng.choice(np.arange(2000, 2600), 300, replace=False)]
+    markers = Markers(response=response, end=[[5]])
+    assert markers.compiled().automaton.classes.dtype == np.uint16
+    tokens = np.concatenate([[1000], rng.choice(np.arange(1990, 2610), 30), [5]])
+    rows = [rng.choice(tokens, 200).tolist() for _ in range(20)]
+    for last_turn_only in (False, True):
+        assert_drivers_equal_reference(rows, markers, last_turn_only)
+
+
+def test_a_row_that_ends_inside_a_pending_match_and_rows_after_it():
+    """The event ring is left clean between rows: a row that ends mid-pattern does not leak into the next."""
+    markers = Markers(response=[[1, 2, 3, 4]], instruction=[[1, 2]], end=[[5]], mask_out=[[2, 3, 4, 9]])
+    rows = [[1, 2, 3], [4, 6, 5], [1, 2, 3, 4], [6, 6, 5, 1], [2, 3, 4, 9, 6], [1, 2, 3, 4, 9, 6, 5]] * 30
+    for last_turn_only in (False, True):
+        assert_drivers_equal_reference(rows, markers, last_turn_only)
