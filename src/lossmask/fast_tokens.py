@@ -72,7 +72,9 @@ class FastTokens:
             if not enabled():  # not installed, or switched off: silently tokenizers
                 self.off = True
                 return
-            self._thread = threading.Thread(target=self._load, name="lossmask-fastokens-load", daemon=True)
+            # not a daemon: the interpreter waits for the load at exit (a daemon thread killed inside the Rust
+            # loader aborts the process: "FATAL: exception not rethrown", seen after a small job)
+            self._thread = threading.Thread(target=self._load, name="lossmask-fastokens-load", daemon=False)
             self._thread.start()
 
     def _load(self) -> None:
