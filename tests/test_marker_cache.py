@@ -91,3 +91,20 @@ def test_plan_workers_from_the_work_size():
     assert plan_workers(2, 20_000, 16_384, renders=True) == (2, 2_500)  # four batches per worker
     assert plan_workers(8, 5_000, 16_384, renders=True) == (2, 625)
     assert plan_workers(2, None, 16, renders=True) == (2, 16)
+
+
+def test_a_hit_names_the_folder_of_the_current_job(cache, tmp_path):
+    import shutil
+
+    from conftest import tokenizer_path
+    from lossmask import load_tokenizer
+
+    for copy in ("a", "b"):
+        shutil.copytree(tokenizer_path("qwen2.5"), tmp_path / copy)
+    first, second = (load_tokenizer(str(tmp_path / copy)) for copy in ("a", "b"))
+    resolve_cached(first, _counting(first)[0], model_name=None, strict=False)
+    resolve, calls = _counting(second)
+    hit = resolve_cached(second, resolve, model_name=None, strict=False)
+    assert not calls, "the same tokenizer files in another folder share the cached resolution"
+    text = "\n".join(hit.messages)
+    assert str(tmp_path / "b") in text and str(tmp_path / "a") not in text

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from .markers import Markers
 
 CODE_FILES = ("detect.py", "verify.py", "policy.py", "templates.py", "markers.py", "tokenizer.py", "data/templates.json")
-FORMAT = 1
+FORMAT = 2  # 2: the tokenizer's name stored as a placeholder
 
 
 def cache_dir() -> Path | None:
@@ -53,12 +53,22 @@ def resolve_cached(ct: Any, resolve: Callable[[], Any], **arguments: Any):
         path = folder / f"{cache_key(ct, arguments)}.json"
     except Exception:  # noqa: BLE001 - a tokenizer that cannot be serialised: no cache
         return resolve()
+    # the same tokenizer may sit in another folder: its name in the messages is the current job's
+    name = str(getattr(ct, "name", "") or "")
+
+    def own(text):
+        return text.replace(_NAME, name) if name and text else text
+
+    def general(text):
+        return text.replace(name, _NAME) if name and text else text
+
     stored = _read(path)
     if stored is not None:
         for category, message in stored["warnings"]:
-            warnings.warn(message, _category(category), stacklevel=3)
+            warnings.warn(own(message), _category(category), stacklevel=3)
         markers = Markers.from_dict(stored["markers"]) if stored["markers"] is not None else None
-        return Resolution(markers, stored["source"], tuple(stored["messages"]), stored["reason"], stored["template"])
+        messages = tuple(own(m) for m in stored["messages"])
+        return Resolution(markers, stored["source"], messages, own(stored["reason"]), stored["template"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resolution = resolve()
@@ -67,11 +77,15 @@ def resolve_cached(ct: Any, resolve: Callable[[], Any], **arguments: Any):
     _write(path, {
         "format": FORMAT,
         "markers": resolution.markers.to_dict() if resolution.markers is not None else None,
-        "source": resolution.source, "messages": list(resolution.messages), "reason": resolution.reason,
+        "source": resolution.source, "messages": [general(m) for m in resolution.messages],
+        "reason": general(resolution.reason),
         "template": resolution.template,
-        "warnings": [[f"{w.category.__module__}.{w.category.__qualname__}", str(w.message)] for w in caught],
+        "warnings": [[f"{w.category.__module__}.{w.category.__qualname__}", general(str(w.message))] for w in caught],
     })
     return resolution
+
+
+_NAME = "\u0000tokenizer\u0000"  # stands for the tokenizer's name (its folder) in stored messages
 
 
 def cache_key(ct: Any, arguments: dict) -> str:
