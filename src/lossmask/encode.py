@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .render import plain_arrow_type
 from .rendered import SPECIAL_TOKENS, encode_rendered, text_can_match
 
 
@@ -89,6 +90,7 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     if kind == "messages":
         conversations = messages_from_arrow(table.column(options.messages_column))
         where = options.messages_column
+        read = [options.messages_column]
     else:
         prompts = table.column(options.prompt_column)
         completions = table.column(options.completion_column)
@@ -97,6 +99,9 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
             for p, c in zip(messages_from_arrow(prompts), messages_from_arrow(completions))
         ]
         where = f"{options.prompt_column}+{options.completion_column}"
+        read = [options.prompt_column, options.completion_column]
+    # rows of plain JSON values render through the compiled template directly (render.py)
+    plain = all(plain_arrow_type(table.schema.field(name).type) for name in read)
     tools = json_values(table.column("tools")) if "tools" in table.column_names else None
     errors: list[tuple[int, str]] = []
     chats, rows = [], []
@@ -107,7 +112,7 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         chats.append(messages if tools is None or not tools[r] else {"messages": messages, "tools": tools[r]})
         rows.append(r)
     convert = time.perf_counter()
-    texts, failures = render_chats(tok, chats)
+    texts, failures = tok.direct_render.render(chats) if plain else render_chats(tok, chats)
     rendered = time.perf_counter()
     ok = np.array([text is not None for text in texts], dtype=bool)
     rows = np.asarray(rows, dtype=np.int64)
@@ -164,6 +169,7 @@ def render_chats(tok, chats: list) -> tuple[list[str | None], list[tuple[int, st
         try:
             batch = tok.tokenizer.apply_chat_template(
                 [chats[i] for i in plain], chat_template=tok.template_for(), tokenize=False, add_generation_prompt=False,
+                **tok.template_kwargs,
             )
         except Exception:  # some row is rejected: find which, row by row below
             batch = None
@@ -324,8 +330,11 @@ def _struct_messages(column: pa.Array) -> list[list[dict] | None]:
     structs = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     offsets = (offsets - offsets[0]).tolist()
     names = [structs.type.field(i).name for i in range(structs.type.num_fields)]
-    fields = [field.to_pylist() for field in structs.flatten()]
-    if names:
+    flat = structs.flatten()
+    fields = [field.to_pylist() for field in flat]
+    if names and not any(field.null_count for field in flat):  # no null key to leave out
+        messages = [dict(zip(names, values)) for values in zip(*fields)]
+    elif names:
         messages = [{name: value for name, value in zip(names, values) if value is not None} for values in zip(*fields)]
     else:
         messages = [{} for _ in range(len(structs))]

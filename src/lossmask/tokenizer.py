@@ -122,7 +122,7 @@ class ChatTokenizer:
 
     def __getstate__(self) -> dict:
         """What a worker process gets: no serialised copy of the vocabulary, no fast tokeniser (it loads its own)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("tokenizer_json", "fast_tokens")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("tokenizer_json", "fast_tokens", "direct_render")}
 
     # -- facts about the vocabulary --------------------------------------------------------
 
@@ -251,10 +251,18 @@ class ChatTokenizer:
 
         return FastTokens(self, self.name)
 
+    @cached_property
+    def direct_render(self):
+        """This tokenizer's ``render.DirectRenderer``: the compiled template, for rows read from Arrow."""
+        from .render import DirectRenderer
+
+        return DirectRenderer(self)
+
     def begin_job(self) -> None:
-        """A job starts: begin loading the fast tokeniser now, and prove it again on the job's first texts."""
+        """A job starts: begin loading the fast tokeniser now; prove it and the direct renderer again on its first rows."""
         self.fast_tokens.begin_job()
         self.fast_tokens.start()
+        self.direct_render.begin_job()
 
     def encode_texts(self, texts: Sequence[str], *, max_length: int | None = None) -> pa.LargeListArray:
         """Token ids of many rendered texts in one batch call: a ``LargeList<int32>`` array."""
