@@ -6,8 +6,9 @@ in this process with the tokenizer already loaded (as a training script has it):
 
 - ``lossmask mask_files``: messages Parquet -> labelled Parquet, one process, and with ``num_proc=2``;
 - ``lossmask hf.mask_dataset``: a ``Dataset.from_parquet`` of the messages (memory-mapped) -> labels;
-- ``render + tokenise``: the limit: ``render_chats`` and ``ChatTokenizer.encode_flat`` on the chats
-  already in Python lists, nothing else;
+- ``render + tokenise``: the limit: transformers' ``apply_chat_template`` (one batch call) and the fast
+  tokeniser (``ChatTokenizer.encode_flat``) on the chats already in Python lists, nothing else; and the
+  same with lossmask's direct render (``render.py``) in place of ``apply_chat_template``;
 - ``TRL assistant_only_loss``: ``SFTTrainer``'s dataset preparation (``_prepare_dataset``, the
   ``datasets.map`` calls it runs in its constructor) with ``assistant_only_loss=True``, on a trainer
   built around a tiny random model; "refused" where TRL has no training template for the family;
@@ -104,7 +105,6 @@ class Data:
 def measure_family(family: str, data: Data, *, repeat: int = 2) -> dict:
     import lossmask
     import lossmask.hf
-    from lossmask.encode import render_chats
 
     folder = TOKENIZERS / family
     ct = lossmask.load_tokenizer(folder)
@@ -124,11 +124,16 @@ def measure_family(family: str, data: Data, *, repeat: int = 2) -> dict:
     ds = data.dataset(data.messages)
     out["mask_dataset_s"], _ = best(lambda: lossmask.hf.mask_dataset(ds, ct), repeat)
 
-    def limit():
-        texts, _ = render_chats(ct, data.chats)
+    def limit():  # what any pipeline must do: transformers renders the template, the fast tokeniser encodes
+        texts = ct.tokenizer.apply_chat_template(data.chats, chat_template=ct.template_for(), tokenize=False)
+        return ct.encode_flat(texts)
+
+    def floor():  # the same with lossmask's direct render of rows read from Arrow (render.py), nothing else
+        texts, _ = ct.direct_render.render(data.chats)
         return ct.encode_flat([t for t in texts if t is not None])
 
     out["render_tokenise_s"], flat = best(limit, repeat)
+    out["direct_render_tokenise_s"], _ = best(floor, repeat)
     out["tokens"] = int(flat.offsets[-1])
     pairs = data.dataset(data.pairs)
     out["mask_dataset_prompt_completion_s"], _ = best(lambda: lossmask.hf.mask_dataset(pairs, ct), repeat)
@@ -231,7 +236,8 @@ def table(results: list[dict], mm: dict | None, load: str) -> str:
     paths = [("lossmask mask_files (first call: fast tokeniser load, markers)", "first_call_s"),
              ("lossmask mask_files", "mask_files_s"), ("lossmask mask_files num_proc=2", "mask_files_num_proc_2_s"),
              ("lossmask hf.mask_dataset (messages)", "mask_dataset_s"),
-             ("render + tokenise alone (the limit)", "render_tokenise_s"),
+             ("render (apply_chat_template) + fast tokenise alone: the limit", "render_tokenise_s"),
+             ("render (lossmask direct) + fast tokenise alone", "direct_render_tokenise_s"),
              ("lossmask hf.mask_dataset (prompt/completion)", "mask_dataset_prompt_completion_s"),
              ("TRL SFTTrainer prep, assistant_only_loss", "trl_assistant_only_s"),
              ("TRL SFTTrainer prep, completion_only_loss (prompt/completion)", "trl_completion_only_s"),
@@ -246,7 +252,8 @@ def table(results: list[dict], mm: dict | None, load: str) -> str:
             else:
                 lines.append(f"| {r['family']} | {name} | {v} | | | |")
         lines.append(f"| {r['family']} | (tokeniser) | {r['fast_tokeniser']} | | | "
-                     f"limit / mask_files = {r['render_tokenise_s'] / ours:.2f}; num_proc=2 speed-up "
+                     f"limit / mask_files = {r['render_tokenise_s'] / ours:.2f} (direct render: "
+                     f"{r['direct_render_tokenise_s'] / ours:.2f}); num_proc=2 speed-up "
                      f"{ours / r['mask_files_num_proc_2_s']:.2f}x |")
     if mm:
         lines += ["", f"memory-mapped Parquet, {mm['rows']:,} rows, {mm['tokens'] / 1e6:.1f} M tokens (qwen2.5, detected markers): "

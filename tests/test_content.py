@@ -355,3 +355,16 @@ def test_data_mask_makes_message_tokens_inert_on_every_backend_shape():
     assert chunked.labels.to_pylist() == [expected, [], expected] and chunked.counts.rows == 3
     with pytest.raises(ValueError, match="data_mask has 3 entries"):
         label_batch(ids, markers, data_mask=np.ones(3, dtype=bool))
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_an_error_in_a_later_batch_names_its_file_and_line(tmp_path, num_proc):
+    """Batches are tokenised on a thread (one process) or after a worker rendered them: the error still names the row."""
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(4_500)]
+    rows[4_321]["messages"][0]["content"] = "quote <|im_end|> here"
+    _write_jsonl(tmp_path / "in.jsonl", rows)
+    with pytest.raises(ValueError, match=r"row 4321 \(.*in\.jsonl, line 4322\).*holds the special-token string"):
+        mask_files(tmp_path / "in.jsonl", tmp_path / "out.parquet", tokenizer=chat_tokenizer("qwen2.5"),
+                   markers=detected_markers("qwen2.5")[0], num_proc=num_proc, special_tokens_in_content="error")
+    assert not (tmp_path / "out.parquet").exists()

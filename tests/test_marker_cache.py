@@ -85,9 +85,10 @@ def test_switched_off_and_corrupt_entries(cache, monkeypatch):
 
 
 def test_plan_workers_from_the_work_size():
-    assert plan_workers(1, 20_000, 16_384, renders=True) == (1, 16_384)
+    assert plan_workers(1, 20_000, 16_384, renders=True) == (1, 2_500)  # eight batches: render and tokenise overlap
+    assert plan_workers(1, 1_000_000, 16_384, renders=True) == (1, 16_384)
     assert plan_workers(2, 20_000, 16_384, renders=False) == (1, 16_384)  # token ids: nothing to render
-    assert plan_workers(2, 1_000, 16_384, renders=True) == (1, 16_384)  # too small to pay for a process
+    assert plan_workers(2, 1_000, 16_384, renders=True) == (1, 512)  # too small to pay for a process
     assert plan_workers(2, 20_000, 16_384, renders=True) == (2, 2_500)  # four batches per worker
     assert plan_workers(8, 5_000, 16_384, renders=True) == (2, 625)
     assert plan_workers(2, None, 16, renders=True) == (2, 16)

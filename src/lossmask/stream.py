@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import pyarrow as pa
 
+from .kernels import one_thread
 from .files import FORMATS, InputFiles, open_inputs  # noqa: F401  (FORMATS: for callers of stream)
 from .markers import Markers
 from .report import MaskReport, Tally
@@ -111,11 +114,15 @@ def mask_files(
         # Token columns are high-cardinality lists: dictionary encoding and statistics only cost time there.
         writer = pq.ParquetWriter(temporary, schema, compression=compression, use_dictionary=other_columns or False,
                                   write_statistics=other_columns or False)
-        with _BackgroundWriter(writer, schema, row_group_size, tally) as background:
+        # rendering jobs keep both cores busy with Python and the tokeniser: label on this thread alone
+        with _BackgroundWriter(writer, schema, row_group_size, tally) as background, \
+                (one_thread() if renders and (options.backend or "numba") == "numba" else nullcontext()):
             for batch, first_row, encoded in _encoded_batches(dataset, batch_size, source, tally, kind, options,
-                                                             tokenizer, workers, resolved):
+                                                             tokenizer, workers, resolved, renders=renders):
                 seen = len(tally.invalid_examples)
                 try:
+                    if isinstance(encoded, Future):  # tokenised on a thread or after a worker rendered it
+                        encoded = encoded.result()
                     out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
                                      first_row=first_row, source=source, encoded=encoded)
                 except (ValueError, TypeError) as exc:
@@ -253,15 +260,17 @@ def plan_workers(num_proc: int, rows: int | None, batch_size: int, *, renders: b
     every core on its own), labels and writes. A job of ``rows`` rows uses at most ``rows // MIN_ROWS_PER_WORKER``
     workers (one process when fewer than 2), with batches of ``rows / (4 * workers)`` rows (at least
     ``MIN_WORKER_BATCH``, at most ``batch_size``), so the last batch does not leave one worker running alone.
+    One process renders a batch while a thread tokenises the one before: batches of ``rows / 8`` (same bounds)
+    give that overlap something to work on.
     """
-    if num_proc <= 1 or not renders:
+    if not renders:
         return 1, batch_size
-    if rows is not None:
-        num_proc = min(num_proc, rows // MIN_ROWS_PER_WORKER)
-        if num_proc <= 1:
-            return 1, batch_size
-        return num_proc, min(batch_size, max(MIN_WORKER_BATCH, -(-rows // (4 * num_proc))))
-    return num_proc, min(batch_size, 4 * MIN_WORKER_BATCH)
+    if rows is None:
+        return (1, batch_size) if num_proc <= 1 else (num_proc, min(batch_size, 4 * MIN_WORKER_BATCH))
+    num_proc = min(num_proc, rows // MIN_ROWS_PER_WORKER)
+    if num_proc <= 1:
+        return 1, min(batch_size, max(MIN_WORKER_BATCH, -(-rows // 8)))
+    return num_proc, min(batch_size, max(MIN_WORKER_BATCH, -(-rows // (4 * num_proc))))
 
 
 def worker_start_method() -> str:
@@ -295,13 +304,16 @@ def _compact(batch: pa.RecordBatch) -> pa.Buffer:
     return sink.getvalue()
 
 
-def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc, markers="unknown"):
-    """``(batch, first_row, encoded)`` in input order; with ``num_proc`` > 1 the batches are rendered by ``num_proc - 1``
-    worker processes and this one, up to ``2 * num_proc`` batches ahead, and tokenised here (``encoded`` is None
-    otherwise)."""
+def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc, markers="unknown", *,
+                     renders=False):
+    """``(batch, first_row, encoded)`` in input order. ``encoded`` is None when the batch is encoded by ``mask_batch``
+    (token ids, plain-text prompt/completion), else a ``Future`` of its ``EncodedBatch``: rendered here and tokenised
+    on a thread while the next batch renders (one process), or rendered by one of ``num_proc - 1`` worker processes
+    or here, up to ``2 * num_proc`` batches ahead, and tokenised here. The caller takes ``.result()``, where an
+    error about a row is named by its file and line."""
     batches = _batches(dataset, batch_size, source)
     first_row = 0
-    if num_proc == 1:
+    if num_proc == 1 and (not renders or tokenizer is None):
         read_started = time.perf_counter()
         for batch in batches:
             tally.time("read", time.perf_counter() - read_started)
@@ -310,10 +322,36 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
             read_started = time.perf_counter()
         return
     import collections
+
+    from .encode import render_table, tokenize_rendered
+
+    if num_proc == 1:
+        # Rendering is Python under the GIL; tokenising (Rust) and labelling (numba) release it. So batch k is
+        # tokenised on a thread while batch k + 1 renders here, and labelled and written after.
+        with ThreadPoolExecutor(1, thread_name_prefix="lossmask-tokenise") as threads:
+            ahead: collections.deque = collections.deque()
+            read_started = time.perf_counter()
+            for batch in batches:
+                tally.time("read", time.perf_counter() - read_started)
+                try:
+                    rendered = render_table(tokenizer, pa.Table.from_batches([batch]), kind, options,
+                                            first_row=first_row)
+                except Exception as exc:  # raised where the caller names the row
+                    ahead.append((batch, first_row, _failed(exc)))
+                else:
+                    ahead.append((batch, first_row, threads.submit(tokenize_rendered, tokenizer, rendered, options,
+                                                                   markers=markers)))
+                first_row += batch.num_rows
+                if len(ahead) >= 2:
+                    yield ahead.popleft()
+                read_started = time.perf_counter()
+            while ahead:
+                yield ahead.popleft()
+        return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from .encode import render_in_worker, render_table, start_worker, tokenize_rendered
+    from .encode import render_in_worker, start_worker
 
     # num_proc processes in all: num_proc - 1 workers, and this process, which renders one batch in num_proc
     # itself and tokenises, labels and writes them all
@@ -325,13 +363,22 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
         def finish():
             batch, first, future = pending.popleft()
             started = time.perf_counter()
-            rendered = future.result() if hasattr(future, "result") else future
-            tally.time("encode_wait", time.perf_counter() - started)
-            return batch, first, tokenize_rendered(tokenizer, rendered, options, markers=markers)
+            try:
+                rendered = future.result() if isinstance(future, Future) else future
+                tally.time("encode_wait", time.perf_counter() - started)
+                tokenised = tokenize_rendered(tokenizer, rendered, options, markers=markers)
+            except Exception as exc:  # raised where the caller names the row
+                return batch, first, _failed(exc)
+            done: Future = Future()
+            done.set_result(tokenised)
+            return batch, first, done
 
         for index, batch in enumerate(batches):
             if index % num_proc == workers:  # this process's share
-                work = render_table(tokenizer, pa.Table.from_batches([batch]), kind, options, first_row=first_row)
+                try:
+                    work = render_table(tokenizer, pa.Table.from_batches([batch]), kind, options, first_row=first_row)
+                except Exception as exc:
+                    work = _failed(exc)
             else:
                 work = pool.submit(render_in_worker, _compact(batch), kind, first_row)
             pending.append((batch, first_row, work))
@@ -340,6 +387,12 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
                 yield finish()
         while pending:
             yield finish()
+
+
+def _failed(exc: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(exc)
+    return future
 
 
 def _batches(dataset: InputFiles, batch_size: int, source: str):
