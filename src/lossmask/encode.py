@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from .render import plain_arrow_type
-from .rendered import SPECIAL_TOKENS, encode_rendered, text_can_match
+from .rendered import SPECIAL_TOKENS, LocatedRows, encode_located, encode_rendered, locate_rendered, text_can_match
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class RenderedBatch:
     """The texts the template wrote for the rows of a batch (``valid`` marks them), before tokenisation.
 
     ``chats``: the messages of each text (their text is located in it when tokenising: message text is
-    data); ``rows``: each text's row in the whole input."""
+    data), or ``located`` instead; ``rows``: each text's row in the whole input."""
 
     texts: list[str]
     chats: list[Any]
@@ -62,6 +62,7 @@ class RenderedBatch:
     valid: np.ndarray
     errors: list[tuple[int, str]]
     seconds: dict[str, float] = field(default_factory=dict)
+    located: LocatedRows | None = None  # message text already located (a worker's batch: no chats to send back)
 
 
 def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0,
@@ -83,8 +84,10 @@ def is_text_pairs(table: pa.Table, options: Any) -> bool:
     return pa.types.is_string(prompts) or pa.types.is_large_string(prompts)
 
 
-def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0) -> RenderedBatch:
-    """Render the chat (``kind="messages"``) or conversational prompt/completion rows of ``table``."""
+def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0,
+                 locate: bool = False) -> RenderedBatch:
+    """Render the chat (``kind="messages"``) or conversational prompt/completion rows of ``table``; with ``locate``,
+    also locate their message text (``rendered.locate_rendered``) and keep that instead of the messages."""
     tok = chat_tokenizer(tokenizer)
     started = time.perf_counter()
     if kind == "messages":
@@ -121,9 +124,16 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     valid[ok_rows] = True
     errors += [(first_row + int(rows[local]), message) for local, message in failures]
     errors.sort()
-    return RenderedBatch([text for text in texts if text is not None],
-                         [_messages_of(chat) for chat, good in zip(chats, ok) if good], (first_row + ok_rows).tolist(),
-                         valid, errors, seconds={"read_messages": convert - started, "render": rendered - convert})
+    texts = [text for text in texts if text is not None]
+    chats = [_messages_of(chat) for chat, good in zip(chats, ok) if good]
+    row_numbers = (first_row + ok_rows).tolist()
+    seconds = {"read_messages": convert - started, "render": rendered - convert}
+    if not locate:
+        return RenderedBatch(texts, chats, row_numbers, valid, errors, seconds=seconds)
+    located = locate_rendered(tok, texts, chats, special_tokens_in_content=options.special_tokens_in_content,
+                              row_numbers=row_numbers)
+    seconds["locate"] = time.perf_counter() - rendered
+    return RenderedBatch(texts, [], row_numbers, valid, errors, seconds=seconds, located=located)
 
 
 def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, markers: Any = "unknown") -> EncodedBatch:
@@ -131,12 +141,15 @@ def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, 
     kept as data (``rendered.encode_rendered``): rows whose message the template dropped are taken out here."""
     started = time.perf_counter()
     tok = chat_tokenizer(tokenizer)
-    encoded = encode_rendered(
-        tok, rendered.texts, rendered.chats,
-        special_tokens_in_content=options.special_tokens_in_content, max_length=options.max_length,
-        row_numbers=rendered.rows,
-        positions=markers == "unknown" or text_can_match(tok, markers, options.special_tokens_in_content),
-    )
+    positions = markers == "unknown" or text_can_match(tok, markers, options.special_tokens_in_content)
+    if rendered.located is not None:
+        encoded = encode_located(tok, rendered.located, max_length=options.max_length, positions=positions)
+    else:
+        encoded = encode_rendered(
+            tok, rendered.texts, rendered.chats,
+            special_tokens_in_content=options.special_tokens_in_content, max_length=options.max_length,
+            row_numbers=rendered.rows, positions=positions,
+        )
     valid = rendered.valid
     if not encoded.keep.all():
         valid = valid.copy()
@@ -304,9 +317,10 @@ def start_worker(threads: int, tokenizer: Any, options: Any) -> None:
 
 
 def render_in_worker(batch: pa.Buffer, kind: str, first_row: int) -> RenderedBatch:
-    """Render one batch (an Arrow IPC stream) in a worker; the parent tokenises it (one fast tokeniser, all cores)."""
+    """Render one batch (an Arrow IPC stream) in a worker and locate its message text; the parent tokenises it (one
+    fast tokeniser, all cores). Spans go back, not the messages: pickling them cost more than locating them."""
     table = pa.ipc.open_stream(batch).read_all()
-    return render_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row)
+    return render_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row, locate=True)
 
 
 def messages_from_arrow(column: pa.Array | pa.ChunkedArray) -> list[list[dict] | None]:

@@ -57,6 +57,22 @@ def check_policy(special_tokens_in_content: str) -> str:
     return special_tokens_in_content
 
 
+@dataclass
+class LocatedRows:
+    """Steps 1 and 2 of ``encode_rendered``, done: what a worker process sends back instead of the messages.
+
+    ``texts``: the rows kept; ``spans``: each kept row's message-text character ranges; ``as_text``: kept
+    rows (indices into ``texts``) whose message text holds special-token strings to encode as text."""
+
+    texts: list[str]
+    spans: list[tuple[tuple[int, int], ...]]
+    as_text: list[int]
+    keep: np.ndarray
+    dropped: list[tuple[int, str, str]] = field(default_factory=list)
+    special_rows: int = 0
+    special_example: str | None = None
+
+
 def encode_rendered(
     ct: Any,
     texts: Sequence[str],
@@ -73,6 +89,20 @@ def encode_rendered(
     ``in_content`` is None) or a regular expression that finds, in message text, the words of a
     marker it could match (``text_can_match``); the other rows' tokens are never inside a match.
     """
+    located = locate_rendered(ct, texts, conversations, special_tokens_in_content=special_tokens_in_content,
+                              row_numbers=row_numbers)
+    return encode_located(ct, located, max_length=max_length, positions=positions)
+
+
+def locate_rendered(
+    ct: Any,
+    texts: Sequence[str],
+    conversations: Sequence[Sequence[Any]],
+    *,
+    special_tokens_in_content: str = "text",
+    row_numbers: Sequence[int] | None = None,
+) -> LocatedRows:
+    """Steps 1 and 2: where each row's message text lies, rows dropped, the special-token policy applied."""
     check_policy(special_tokens_in_content)
     tokens = ct.content_tokens
     n = len(texts)
@@ -109,7 +139,15 @@ def encode_rendered(
             if special_tokens_in_content == "text":
                 as_text.append(len(spans))
         spans.append(located.spans)
-    kept_texts = [t for t, k in zip(texts, keep) if k]
+    return LocatedRows([t for t, k in zip(texts, keep) if k], spans, as_text, keep, dropped, special_rows,
+                       special_example)
+
+
+def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = None,
+                   positions: "bool | re.Pattern" = True) -> EncodedRows:
+    """Steps 3 and 4: one batch call into the tokeniser, and ``in_content`` where ``positions`` asks for it."""
+    kept_texts, spans, as_text, keep = located.texts, located.spans, located.as_text, located.keep
+    dropped, special_rows, special_example = located.dropped, located.special_rows, located.special_example
     if positions is True:
         need = list(range(len(kept_texts)))
     elif not positions:

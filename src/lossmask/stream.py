@@ -106,6 +106,11 @@ def mask_files(
     show = _progress_bar(progress, total=total_rows)
     renders = kind == "messages" or (kind == "prompt_completion" and markers_source != "position")
     workers, batch_size = plan_workers(num_proc, total_rows, options.batch_size, renders=renders)
+    if renders and workers < num_proc:
+        messages = (*messages, f"num_proc={num_proc}: {workers} process{'es' * (workers > 1)} on {_cores()} cores for "
+                               f"{total_rows:,} rows (one process already renders, tokenises and writes on two cores "
+                               "at once; workers pay beside it on more cores and from "
+                               f"{2 * MIN_ROWS_PER_WORKER:,} rows)")
     try:
         import pyarrow.parquet as pq
 
@@ -251,26 +256,37 @@ MIN_ROWS_PER_WORKER = 2_000  # below this, starting a process (imports, tokenize
 MIN_WORKER_BATCH = 512
 
 
-def plan_workers(num_proc: int, rows: int | None, batch_size: int, *, renders: bool) -> tuple[int, int]:
-    """``(processes, batch size)`` for a job: as many render processes as the work pays for, batches small enough
-    that each gets several, and the job itself in one process when rendering is not what it does.
+def plan_workers(num_proc: int, rows: int | None, batch_size: int, *, renders: bool,
+                 cores: int | None = None) -> tuple[int, int]:
+    """``(processes, batch size)`` for a job: as many render processes as the work and the cores pay for, batches
+    small enough that each gets several, and the job itself in one process when rendering is not what it does.
 
-    ``num_proc`` counts every process: ``num_proc - 1`` workers and the parent. Only rendering (per-row Jinja,
-    under the GIL) runs in workers; the parent renders its share too, and tokenises (the Rust tokeniser uses
-    every core on its own), labels and writes. A job of ``rows`` rows uses at most ``rows // MIN_ROWS_PER_WORKER``
-    workers (one process when fewer than 2), with batches of ``rows / (4 * workers)`` rows (at least
-    ``MIN_WORKER_BATCH``, at most ``batch_size``), so the last batch does not leave one worker running alone.
-    One process renders a batch while a thread tokenises the one before: batches of ``rows / 8`` (same bounds)
-    give that overlap something to work on.
+    ``num_proc`` counts every process: ``num_proc - 1`` workers, which render and locate message text (per-row
+    Python, under the GIL), and the parent, which tokenises (the Rust tokeniser uses every core on its own),
+    labels and writes. One process already keeps two cores busy (it renders a batch while a thread tokenises
+    the one before, and another writes), so workers are only started beside it where there are more cores:
+    at most ``cores - 1`` processes, and one on two cores, where a worker measured 0.8x one process. A job of
+    ``rows`` rows uses at most ``rows // MIN_ROWS_PER_WORKER`` workers, with batches of ``rows / (4 * workers)``
+    rows (at least ``MIN_WORKER_BATCH``, at most ``batch_size``), so the last batch does not leave one worker
+    running alone; one process takes batches of ``rows / 8``, so that rendering and tokenising overlap.
     """
     if not renders:
         return 1, batch_size
+    cores = _cores() if cores is None else cores
+    num_proc = min(num_proc, max(1, cores - 1)) if cores > 2 else 1
     if rows is None:
         return (1, batch_size) if num_proc <= 1 else (num_proc, min(batch_size, 4 * MIN_WORKER_BATCH))
     num_proc = min(num_proc, rows // MIN_ROWS_PER_WORKER)
     if num_proc <= 1:
         return 1, min(batch_size, max(MIN_WORKER_BATCH, -(-rows // 8)))
     return num_proc, min(batch_size, max(MIN_WORKER_BATCH, -(-rows // (4 * num_proc))))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
 
 
 def worker_start_method() -> str:
@@ -288,11 +304,7 @@ def worker_start_method() -> str:
 
 
 def _worker_threads(workers: int) -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS, Windows
-        cores = os.cpu_count() or 1
-    return max(1, cores // workers)
+    return max(1, _cores() // workers)
 
 
 def _compact(batch: pa.RecordBatch) -> pa.Buffer:
@@ -307,13 +319,12 @@ def _compact(batch: pa.RecordBatch) -> pa.Buffer:
 def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc, markers="unknown", *,
                      renders=False):
     """``(batch, first_row, encoded)`` in input order. ``encoded`` is None when the batch is encoded by ``mask_batch``
-    (token ids, plain-text prompt/completion), else a ``Future`` of its ``EncodedBatch``: rendered here and tokenised
-    on a thread while the next batch renders (one process), or rendered by one of ``num_proc - 1`` worker processes
-    or here, up to ``2 * num_proc`` batches ahead, and tokenised here. The caller takes ``.result()``, where an
-    error about a row is named by its file and line."""
+    (token ids, plain-text prompt/completion), else a ``Future`` of its ``EncodedBatch``, tokenised on a thread while
+    the next batches render: here (one process), or in ``num_proc - 1`` worker processes and here. The caller takes
+    ``.result()``, where an error about a row is named by its file and line."""
     batches = _batches(dataset, batch_size, source)
-    first_row = 0
     if num_proc == 1 and (not renders or tokenizer is None):
+        first_row = 0
         read_started = time.perf_counter()
         for batch in batches:
             tally.time("read", time.perf_counter() - read_started)
@@ -323,70 +334,66 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
         return
     import collections
 
-    from .encode import render_table, tokenize_rendered
+    from .encode import tokenize_rendered
 
-    if num_proc == 1:
-        # Rendering is Python under the GIL; tokenising (Rust) and labelling (numba) release it. So batch k is
-        # tokenised on a thread while batch k + 1 renders here, and labelled and written after.
-        with ThreadPoolExecutor(1, thread_name_prefix="lossmask-tokenise") as threads:
-            ahead: collections.deque = collections.deque()
-            read_started = time.perf_counter()
-            for batch in batches:
-                tally.time("read", time.perf_counter() - read_started)
-                try:
-                    rendered = render_table(tokenizer, pa.Table.from_batches([batch]), kind, options,
-                                            first_row=first_row)
-                except Exception as exc:  # raised where the caller names the row
-                    ahead.append((batch, first_row, _failed(exc)))
-                else:
-                    ahead.append((batch, first_row, threads.submit(tokenize_rendered, tokenizer, rendered, options,
-                                                                   markers=markers)))
-                first_row += batch.num_rows
-                if len(ahead) >= 2:
-                    yield ahead.popleft()
-                read_started = time.perf_counter()
-            while ahead:
+    def tokenise(rendered):  # on the thread: a worker's batch is waited for there, not here
+        if isinstance(rendered, Future):
+            started = time.perf_counter()
+            rendered = rendered.result()
+            tally.time("encode_wait", time.perf_counter() - started)
+        return tokenize_rendered(tokenizer, rendered, options, markers=markers)
+
+    # Rendering is Python under the GIL; tokenising (Rust) and labelling (numba) release it. So batch k is
+    # tokenised on a thread while the next batches render, and labelled and written after.
+    with ThreadPoolExecutor(1, thread_name_prefix="lossmask-tokenise") as threads:
+        ahead: collections.deque = collections.deque()
+        for batch, first_row, rendered in _rendered_batches(batches, tally, kind, options, tokenizer, num_proc):
+            ahead.append((batch, first_row, threads.submit(tokenise, rendered)))
+            if len(ahead) >= 2:
                 yield ahead.popleft()
+        while ahead:
+            yield ahead.popleft()
+
+
+def _rendered_batches(batches, tally, kind, options, tokenizer, num_proc):
+    """``(batch, first_row, rendered)``: a ``RenderedBatch`` rendered here, or a ``Future`` of one (a worker's, or a
+    failure). With workers (``num_proc - 1``), they render every batch, up to ``2 * num_proc`` ahead, and locate
+    its message text; this process tokenises, labels and writes, which on two cores is a worker's share of work."""
+    import collections
+
+    from .encode import render_table
+
+    def here(batch, first_row):
+        try:
+            return render_table(tokenizer, pa.Table.from_batches([batch]), kind, options, first_row=first_row)
+        except Exception as exc:  # raised where the caller names the row
+            return _failed(exc)
+
+    first_row = 0
+    if num_proc == 1:
+        read_started = time.perf_counter()
+        for batch in batches:
+            tally.time("read", time.perf_counter() - read_started)
+            yield batch, first_row, here(batch, first_row)
+            first_row += batch.num_rows
+            read_started = time.perf_counter()
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     from .encode import render_in_worker, start_worker
 
-    # num_proc processes in all: num_proc - 1 workers, and this process, which renders one batch in num_proc
-    # itself and tokenises, labels and writes them all
     workers = num_proc - 1
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(worker_start_method()), initializer=start_worker,
                              initargs=(_worker_threads(workers), tokenizer, options)) as pool:
         pending: collections.deque = collections.deque()
-
-        def finish():
-            batch, first, future = pending.popleft()
-            started = time.perf_counter()
-            try:
-                rendered = future.result() if isinstance(future, Future) else future
-                tally.time("encode_wait", time.perf_counter() - started)
-                tokenised = tokenize_rendered(tokenizer, rendered, options, markers=markers)
-            except Exception as exc:  # raised where the caller names the row
-                return batch, first, _failed(exc)
-            done: Future = Future()
-            done.set_result(tokenised)
-            return batch, first, done
-
-        for index, batch in enumerate(batches):
-            if index % num_proc == workers:  # this process's share
-                try:
-                    work = render_table(tokenizer, pa.Table.from_batches([batch]), kind, options, first_row=first_row)
-                except Exception as exc:
-                    work = _failed(exc)
-            else:
-                work = pool.submit(render_in_worker, _compact(batch), kind, first_row)
-            pending.append((batch, first_row, work))
+        for batch in batches:
+            pending.append((batch, first_row, pool.submit(render_in_worker, _compact(batch), kind, first_row)))
             first_row += batch.num_rows
             if len(pending) >= 2 * num_proc:
-                yield finish()
+                yield pending.popleft()
         while pending:
-            yield finish()
+            yield pending.popleft()
 
 
 def _failed(exc: BaseException) -> Future:
