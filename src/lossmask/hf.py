@@ -143,7 +143,7 @@ class _Job:
         from .stream import _check_drops
 
         _check_drops(tally, self.tokenizer, self.options, truncation=self.truncation)
-        table = pa.concat_tables([p.cast(out_schema) for p in parts]) if parts else out_schema.empty_table()
+        table = pa.concat_tables([p if p.schema == out_schema else p.cast(out_schema) for p in parts]) if parts else out_schema.empty_table()
         features = datasets.Features({**dataset.features, **_new_features(out_schema, schema)})
         info = dataset.info.copy()
         info.features = features
