@@ -107,7 +107,8 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--compression", default="snappy", metavar="CODEC",
                       help="Parquet compression of OUTPUT: snappy (default), zstd, lz4, gzip or none")
     mask.add_argument("--num-proc", type=int, default=1, metavar="N",
-                      help="render and tokenise messages / prompt+completion rows in N processes")
+                      help="render messages / prompt+completion rows in up to N-1 worker processes beside this one, "
+                           "where cores and rows pay for them (one process on 2 cores)")
     mask.add_argument("--report", metavar="FILE.json", help="write the report as JSON")
     mask.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
     mask.add_argument("--show", type=int, default=0, metavar="N", help="print the first N output rows, trained tokens marked")

@@ -53,8 +53,9 @@ def mask_files(
     read, labelled and kept is ``options`` (a ``MaskOptions``) or its fields as keywords
     (``max_length=2048, keep_dropped=True, completion_mask=True, batch_size=...``). A tokenizer
     is also needed for ``messages`` and ``prompt``/``completion`` input; ``chat_template`` (a Jinja
-    file or string) replaces its template, for tokenizers that ship none. ``num_proc`` > 1 renders and tokenises chat
-    and prompt/completion rows in that many processes (the rendering is per-row Python: the slow part). ``progress`` shows a bar (default: when
+    file or string) replaces its template, for tokenizers that ship none. ``num_proc`` > 1 renders chat and
+    prompt/completion rows in up to ``num_proc - 1`` worker processes (the rendering is per-row Python: the slow
+    part) where the cores and rows pay for them (``plan_workers``; one process on two cores, which it keeps busy). ``progress`` shows a bar (default: when
     stderr is a terminal). ``report``: a path to write the JSON report to. Returns the ``MaskReport``;
     raises ``TooManyDroppedRows`` (and writes nothing) when more than ``options.max_drop_fraction`` of the rows
     would train nothing.
