@@ -45,7 +45,7 @@ TOKENIZERS_DIR = Path(os.environ.get("LOSSMASK_TOKENIZERS", REPO.parent / "share
 CACHE_DIR = REPO / ".benchmarks" / "engine-rows"
 TARGET_TOKENS = 20_000_000
 N_CHATS = 300
-REPEAT = 7
+REPEAT = 15
 IDEALISED = "chatml (idealised: 3 patterns, synthetic rows)"
 
 

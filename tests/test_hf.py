@@ -45,6 +45,29 @@ def test_dataset_labels_equal_the_engine(tmp_path):
     assert list(out["labels"]) == expected_labels([rows[i] for i in range(699, -1, -3)])[0]
 
 
+def test_memory_mapped_row_groups_are_labelled_in_place(tmp_path):
+    """A Parquet dataset's row groups are chunks: a batch spans several, labelled chunk by chunk, not copied together."""
+    import pyarrow.parquet as pq
+
+    rows = random_rows(700, seed=3)
+    pq.write_table(pa.table({"id": list(range(700)), "input_ids": pa.array(rows, type=pa.list_(pa.int32()))}),
+                   tmp_path / "ids.parquet", row_group_size=37)
+    ds = datasets.Dataset.from_parquet(str(tmp_path / "ids.parquet"), cache_dir=str(tmp_path / "cache"))
+    assert ds.data.table.column("input_ids").num_chunks > 10
+    expected, result = expected_labels(rows)
+    for keep_dropped in (False, True):
+        out, report = mask_dataset(ds, markers=MARKERS, batch_size=128, max_drop_fraction=1.0, keep_dropped=keep_dropped,
+                                   completion_mask=True, return_report=True)
+        kept = np.flatnonzero(result.keep) if not keep_dropped else np.arange(700)
+        assert list(out["id"]) == kept.tolist()
+        want = expected if not keep_dropped else result.labels.to_pylist()
+        assert list(out["labels"]) == want
+        assert list(out["completion_mask"]) == [[int(x != -100) for x in row] for row in want]
+        assert report.rows_in == 700
+        if not keep_dropped:
+            assert report.dropped == {**report.dropped, **result.counts.dropped}
+
+
 def test_dataset_dict_and_iterable(tmp_path):
     ds, rows = tokenised(400, seed=5)
     dd = datasets.DatasetDict({"train": ds.select(range(300)), "test": ds.select(range(300, 400))})

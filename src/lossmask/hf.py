@@ -132,8 +132,9 @@ class _Job:
         kind = input_kind(schema, self.options, source=name)
         out_schema = output_schema(schema, self.options, kind)
         tally, parts, first_row = Tally(), [], 0
-        if getattr(dataset, "_indices", None) is None:  # no select/shuffle mapping: the table's own batches, zero-copy
-            batches = dataset.data.table.to_batches(max_chunksize=self.options.batch_size)
+        if getattr(dataset, "_indices", None) is None:  # no select/shuffle mapping: slices of the table, zero-copy
+            whole = dataset.data.table  # (a slice keeps the row groups it spans as chunks: one call for many of them)
+            batches = (whole.slice(start, self.options.batch_size) for start in range(0, whole.num_rows, self.options.batch_size))
         else:
             batches = dataset.with_format("arrow").iter(batch_size=self.options.batch_size)
         for table in batches:

@@ -175,8 +175,10 @@ def mask_batch(
         data_mask = encoded.in_content
 
     started = time.perf_counter()
-    if isinstance(input_ids, pa.ChunkedArray):
+    if isinstance(input_ids, pa.ChunkedArray) and (
+            input_ids.num_chunks == 1 or prompt_lengths is not None or markers is None or data_mask is not None):
         input_ids = input_ids.combine_chunks() if input_ids.num_chunks != 1 else input_ids.chunk(0)
+    # (else the chunks are labelled one by one, in place: a Dataset's row groups are not copied together)
     if prompt_lengths is not None:
         labels, trained, outcomes, counts = _label_by_position(input_ids, prompt_lengths, options)
     elif markers is None:
