@@ -190,7 +190,7 @@ def unsloth_path(family: str, tokenizer, dataset) -> float | str:
     return time.perf_counter() - started
 
 
-def measure_memory_mapped(rows: int, folder: Path, *, repeat: int = 3) -> dict:
+def measure_memory_mapped(rows: int, folder: Path, *, repeat: int = 9) -> dict:
     """Item 5: ``hf.mask_dataset`` on a memory-mapped Parquet dataset of token ids vs ``make_labels`` and Unsloth."""
     import pyarrow as pa
     import pyarrow.parquet as pq
