@@ -338,11 +338,15 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
     from .encode import tokenize_rendered
 
     def tokenise(rendered):  # on the thread: a worker's batch is waited for there, not here
+        waited = 0.0
         if isinstance(rendered, Future):
             started = time.perf_counter()
             rendered = rendered.result()
-            tally.time("encode_wait", time.perf_counter() - started)
-        return tokenize_rendered(tokenizer, rendered, options, markers=markers)
+            waited = time.perf_counter() - started
+        encoded = tokenize_rendered(tokenizer, rendered, options, markers=markers)
+        if waited:  # added to the tally with the batch's other stages, on the caller's thread
+            encoded.seconds["encode_wait"] = waited
+        return encoded
 
     # Rendering is Python under the GIL; tokenising (Rust) and labelling (numba) release it. So batch k is
     # tokenised on a thread while the next batches render, and labelled and written after.
