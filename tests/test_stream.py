@@ -269,14 +269,21 @@ def test_num_proc_gives_the_same_output(deepseek, tmp_path, monkeypatch):
 
 
 def test_num_proc_keeps_to_one_process_on_two_cores(deepseek, tmp_path, monkeypatch):
+    import json
+
     import lossmask.stream
 
     monkeypatch.setattr(lossmask.stream, "_cores", lambda: 2)
     rows = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(4_500)]
     pq.write_table(pa.table({"messages": rows}), tmp_path / "chats.parquet")
     report = mask_files(tmp_path / "chats.parquet", tmp_path / "out.parquet", tokenizer=deepseek, num_proc=2)
-    assert any(m.startswith("num_proc=2: 1 process on 2 cores") for m in report.messages)
+    assert any(m.startswith("num_proc=2: 1 process on 2 cores for 4,500 rows") for m in report.messages)
     assert "encode_wait" not in report.seconds
+    # JSON Lines: the row count is not known before reading
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows[:50]))
+    report = mask_files(tmp_path / "chats.jsonl", tmp_path / "out2.parquet", tokenizer=deepseek, num_proc=2)
+    assert any(m.startswith("num_proc=2: 1 process on 2 cores (") for m in report.messages)
+    assert report.rows_out == 50
 
 
 def test_chat_template_option_replaces_the_tokenizers_template(tmp_path):

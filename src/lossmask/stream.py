@@ -108,10 +108,10 @@ def mask_files(
     renders = kind == "messages" or (kind == "prompt_completion" and markers_source != "position")
     workers, batch_size = plan_workers(num_proc, total_rows, options.batch_size, renders=renders)
     if renders and workers < num_proc:
-        messages = (*messages, f"num_proc={num_proc}: {workers} process{'es' * (workers > 1)} on {_cores()} cores for "
-                               f"{total_rows:,} rows (one process already renders, tokenises and writes on two cores "
-                               "at once; workers pay beside it on more cores and from "
-                               f"{2 * MIN_ROWS_PER_WORKER:,} rows)")
+        rows = "" if total_rows is None else f" for {total_rows:,} rows"
+        messages = (*messages, f"num_proc={num_proc}: {workers} process{'es' * (workers > 1)} on {_cores()} cores{rows} "
+                               "(one process already renders, tokenises and writes on two cores at once; workers pay "
+                               f"beside it on more cores and from {2 * MIN_ROWS_PER_WORKER:,} rows)")
     try:
         import pyarrow.parquet as pq
 
