@@ -249,7 +249,6 @@ def test_num_proc_gives_the_same_output(deepseek, tmp_path, monkeypatch):
     """Worker processes render and locate, this one tokenises: the same file and report as one process.
 
     ``_cores`` says 8: on two cores a job keeps to one process (its threads already use both)."""
-    import json
     from pathlib import Path
 
     import lossmask.stream
@@ -265,7 +264,6 @@ def test_num_proc_gives_the_same_output(deepseek, tmp_path, monkeypatch):
     assert one.dropped == two.dropped and one.invalid_examples == two.invalid_examples
     assert (one.rows_in, one.rows_out, one.tokens_trained) == (two.rows_in, two.rows_out, two.tokens_trained)
     assert two.seconds["locate"] > 0  # located in the workers
-    assert json.loads(lines[0])  # the example is JSON Lines
 
 
 def test_num_proc_keeps_to_one_process_on_two_cores(deepseek, tmp_path, monkeypatch):

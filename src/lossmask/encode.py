@@ -93,7 +93,7 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     if kind == "messages":
         conversations = messages_from_arrow(table.column(options.messages_column))
         where = options.messages_column
-        read = [options.messages_column]
+        columns = [options.messages_column]
     else:
         prompts = table.column(options.prompt_column)
         completions = table.column(options.completion_column)
@@ -102,9 +102,9 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
             for p, c in zip(messages_from_arrow(prompts), messages_from_arrow(completions))
         ]
         where = f"{options.prompt_column}+{options.completion_column}"
-        read = [options.prompt_column, options.completion_column]
+        columns = [options.prompt_column, options.completion_column]
     # rows of plain JSON values render through the compiled template directly (render.py)
-    plain = all(plain_arrow_type(table.schema.field(name).type) for name in read)
+    plain = all(plain_arrow_type(table.schema.field(name).type) for name in columns)
     tools = json_values(table.column("tools")) if "tools" in table.column_names else None
     errors: list[tuple[int, str]] = []
     chats, rows = [], []
@@ -344,11 +344,8 @@ def _struct_messages(column: pa.Array) -> list[list[dict] | None]:
     structs = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     offsets = (offsets - offsets[0]).tolist()
     names = [structs.type.field(i).name for i in range(structs.type.num_fields)]
-    flat = structs.flatten()
-    fields = [field.to_pylist() for field in flat]
-    if names and not any(field.null_count for field in flat):  # no null key to leave out
-        messages = [dict(zip(names, values)) for values in zip(*fields)]
-    elif names:
+    fields = [field.to_pylist() for field in structs.flatten()]
+    if names:
         messages = [{name: value for name, value in zip(names, values) if value is not None} for values in zip(*fields)]
     else:
         messages = [{} for _ in range(len(structs))]

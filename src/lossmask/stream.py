@@ -274,7 +274,7 @@ def plan_workers(num_proc: int, rows: int | None, batch_size: int, *, renders: b
     if not renders:
         return 1, batch_size
     cores = _cores() if cores is None else cores
-    num_proc = min(num_proc, max(1, cores - 1)) if cores > 2 else 1
+    num_proc = min(num_proc, cores - 1) if cores > 2 else 1
     if rows is None:
         return (1, batch_size) if num_proc <= 1 else (num_proc, min(batch_size, 4 * MIN_WORKER_BATCH))
     num_proc = min(num_proc, rows // MIN_ROWS_PER_WORKER)
@@ -323,15 +323,12 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
     (token ids, plain-text prompt/completion), else a ``Future`` of its ``EncodedBatch``, tokenised on a thread while
     the next batches render: here (one process), or in ``num_proc - 1`` worker processes and here. The caller takes
     ``.result()``, where an error about a row is named by its file and line."""
-    batches = _batches(dataset, batch_size, source)
+    batches = _timed_reads(_batches(dataset, batch_size, source), tally)
     if num_proc == 1 and (not renders or tokenizer is None):
         first_row = 0
-        read_started = time.perf_counter()
         for batch in batches:
-            tally.time("read", time.perf_counter() - read_started)
             yield batch, first_row, None
             first_row += batch.num_rows
-            read_started = time.perf_counter()
         return
     import collections
 
@@ -352,7 +349,7 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
     # tokenised on a thread while the next batches render, and labelled and written after.
     with ThreadPoolExecutor(1, thread_name_prefix="lossmask-tokenise") as threads:
         ahead: collections.deque = collections.deque()
-        for batch, first_row, rendered in _rendered_batches(batches, tally, kind, options, tokenizer, num_proc):
+        for batch, first_row, rendered in _rendered_batches(batches, kind, options, tokenizer, num_proc):
             ahead.append((batch, first_row, threads.submit(tokenise, rendered)))
             if len(ahead) >= 2:
                 yield ahead.popleft()
@@ -360,7 +357,7 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
             yield ahead.popleft()
 
 
-def _rendered_batches(batches, tally, kind, options, tokenizer, num_proc):
+def _rendered_batches(batches, kind, options, tokenizer, num_proc):
     """``(batch, first_row, rendered)``: a ``RenderedBatch`` rendered here, or a ``Future`` of one (a worker's, or a
     failure). With workers (``num_proc - 1``), they render every batch, up to ``2 * num_proc`` ahead, and locate
     its message text; this process tokenises, labels and writes, which on two cores is a worker's share of work."""
@@ -376,12 +373,9 @@ def _rendered_batches(batches, tally, kind, options, tokenizer, num_proc):
 
     first_row = 0
     if num_proc == 1:
-        read_started = time.perf_counter()
         for batch in batches:
-            tally.time("read", time.perf_counter() - read_started)
             yield batch, first_row, here(batch, first_row)
             first_row += batch.num_rows
-            read_started = time.perf_counter()
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -405,6 +399,15 @@ def _failed(exc: BaseException) -> Future:
     future: Future = Future()
     future.set_exception(exc)
     return future
+
+
+def _timed_reads(batches, tally):
+    """The batches, with the time spent waiting for each added to the tally as ``read``."""
+    read_started = time.perf_counter()
+    for batch in batches:
+        tally.time("read", time.perf_counter() - read_started)
+        yield batch
+        read_started = time.perf_counter()
 
 
 def _batches(dataset: InputFiles, batch_size: int, source: str):
