@@ -11,12 +11,13 @@ after token ``i`` has moved the automaton to a state whose ``pending`` is ``d`` 
 the row so far that a match may still grow from), no match can still start at or before ``i - d``,
 so those positions are final and are written, in order, keeping SPEC.md's "latest open / latest
 close at or before ``i``" as two integers. At ``d == 0`` nothing is pending and the automaton is back
-in its start state, where a token whose class is *quiet* (it starts no pattern) leaves it: the
-common case. A token that does begin some pattern but not with the token after it (``<|im_start|>``
-before ``user``, or ``\n`` before a word; ``Automaton.pair``) is stepped over too: from the start
-state the automaton would be back there one token later, having fired nothing. From such a place,
-the labels up to the next token that may begin a match are all one decision, written by a tight loop
-that only classifies tokens.
+in its start state: the common case, where a tight loop takes over. It stops only at a token that
+may be some match's *anchor* (one token per pattern, chosen where the data makes the fewest stops:
+``Automaton``, ``CompiledMarkers.automaton_for``), and not even there when the token after it does
+not go on with any pattern anchored on it (``<|im_start|>`` before ``system``; ``Automaton.pair``).
+Up to a stop, the labels are all one decision, written by a loop that only classifies tokens; at a
+stop the automaton takes over again, in the state it would be in, found by stepping it over at most
+``max_anchor`` tokens.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
     negative-index wrap-around, which doubled the instructions of the tight loop and pushed its scalars
     out of registers (one thread on llama-3, ``bench_engine.py``: 0.40x the copy before, 0.56x after).
     """
-    (n_quiet, n_classes, max_response_length, classes, big_ids, big_classes, goto, pending, outputs,
+    (n_quiet, n_classes, max_response_length, max_anchor, classes, big_ids, big_classes, goto, pending, outputs,
      close_offsets, close_lengths, mask_length, pair, back_goto, back_quiet, back_open_length) = auto
     last = np.uint64(classes.shape[0] - 1)  # unsigned: a negative id compares as huge and reads the last slot
     width = n_classes + 1
@@ -127,8 +128,8 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
             if c == n_classes:
                 c = _big_class(v, big_ids, big_classes)
             if state == 0 and c < n_quiet:
-                # Nothing pending (p == i), and nothing starts here: one decision up to the next token
-                # that may begin a match. Only a match that ended at i-1 can put events on i.
+                # Nothing pending (p == i), and no match has its anchor here: one decision up to the next
+                # token that may be a match's anchor. Only a match that ended at i-1 can put events on i.
                 slot = np.uint64(i) & ring_mask
                 event = ring[slot]
                 if event != 0:
@@ -148,7 +149,7 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                     while u < u_hi:
                         w = values[u]
                         a = np.int64(classes[min(np.uint64(w), last)])
-                        if a >= n_quiet:  # begins some pattern: does it begin one here? (Automaton.pair)
+                        if a >= n_quiet:  # some pattern's anchor: is it one here? (Automaton.pair)
                             b = np.int64(classes[min(np.uint64(values[u + one]), last)]) if u + one < u_hi else np.int64(0)
                             if pair[np.uint64(a * width + b)] != 0:
                                 break
@@ -161,7 +162,7 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                     while u < u_hi:
                         w = values[u]
                         a = np.int64(classes[min(np.uint64(w), last)])
-                        if a >= n_quiet:  # begins some pattern: does it begin one here? (Automaton.pair)
+                        if a >= n_quiet:  # some pattern's anchor: is it one here? (Automaton.pair)
                             b = np.int64(classes[min(np.uint64(values[u + one]), last)]) if u + one < u_hi else np.int64(0)
                             if pair[np.uint64(a * width + b)] != 0:
                                 break
@@ -169,9 +170,27 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                         sign |= w
                         u += one
                 j = np.int64(u)
+                if j < hi:
+                    # Stopped at u, which may be a match's anchor: every match not found yet starts at or
+                    # after u - max_anchor (and after i, where nothing was pending), and none ends before
+                    # u, so stepping the automaton over those tokens fires nothing. It gives the state at
+                    # u - 1, whose pending tokens are labelled again by the automaton from u on.
+                    q = max(i, j - max_anchor)
+                    state = 0
+                    while q < j:
+                        c = np.int64(classes[min(np.uint64(values[np.uint64(q)]), last)])
+                        if c == n_classes:
+                            c = _big_class(values[np.uint64(q)], big_ids, big_classes)
+                        state = goto[np.uint64(state * n_classes + c)]
+                        q += 1
+                    i = j
+                    j -= pending[np.uint64(state)]
+                    if j == i:
+                        state = 0
+                else:
+                    i = j
                 if trained:
-                    n_trained += j - i
-                i = j
+                    n_trained += j - p
                 p = j
                 continue
             # One automaton step; record the events of every match that ends at i.
@@ -266,16 +285,24 @@ def _label_rows_serial(values, starts, ends, auto, ring_size, last_turn_only, ig
 PARALLEL_MIN_TOKENS = 1 << 18
 
 
-def automaton_args(markers: Markers) -> tuple[tuple, int]:
-    """``(auto, ring_size)``: the automaton as the drivers take it, and the size of the event ring."""
-    a = markers.compiled().automaton
-    auto = (a.n_quiet, a.n_classes, a.max_response_length) + a.kernel_args()
+def automaton_args(markers: Markers, values: np.ndarray | None = None) -> tuple[tuple, int]:
+    """``(auto, ring_size)``: the automaton as the drivers take it, and the size of the event ring.
+
+    Anchored where ``values`` make the engine stop least (``CompiledMarkers.automaton_for``); on each
+    pattern's first token without them."""
+    compiled = markers.compiled()
+    return drivers_args(compiled.automaton if values is None else compiled.automaton_for(values))
+
+
+def drivers_args(a) -> tuple[tuple, int]:
+    """``automaton_args`` for one ``Automaton``."""
+    auto = (a.n_quiet, a.n_classes, a.max_response_length, a.max_anchor) + a.kernel_args()
     return auto, 1 << (a.max_length + 1).bit_length()  # a power of two >= max_length + 2
 
 
 def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
     """Backend entry point (see ``lossmask.kernels``)."""
-    auto, ring_size = automaton_args(markers)
+    auto, ring_size = automaton_args(markers, values)
     parallel = values.shape[0] >= PARALLEL_MIN_TOKENS and numba.get_num_threads() > 1
     kernel = _label_rows_parallel if parallel else _label_rows_serial
     return kernel(

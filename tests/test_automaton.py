@@ -4,7 +4,9 @@
 ``detect_markers`` returns and like what breaks a lagged scan: many patterns sharing a prefix and
 differing in the last token (whitespace variants), patterns that are prefixes, suffixes and
 sub-strings of each other, mask_out patterns overlapping opens and closes, ids beyond the dense
-class table. Both drivers (serial and parallel) are called directly on the same flat buffers.
+class table; each with its patterns anchored on their first tokens or at offsets drawn at random (the
+anchors change where the engine stops, never the labels). Both drivers (serial and parallel) are called
+directly on the same flat buffers.
 """
 
 import numpy as np
@@ -13,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lossmask import Markers
-from lossmask.automaton import DENSE_IDS
+from lossmask.automaton import DENSE_IDS, choose_anchors
 from lossmask.kernels import numba_kernel, reference
 
 DRIVERS = {"serial": numba_kernel._label_rows_serial, "parallel": numba_kernel._label_rows_parallel}
@@ -73,12 +75,19 @@ def flat(rows: list[list[int]], dtype=np.int64):
     return values, ends - lengths, ends
 
 
-def assert_drivers_equal_reference(rows, markers, last_turn_only, dtype=np.int64):
+def anchors_for(data, markers: Markers):
+    """Anchor offsets for the markers' patterns: their first tokens (None) or one drawn per pattern."""
+    lengths = [len(p) for kind in ("response", "instruction", "end", "mask_out") for p in getattr(markers, kind)]
+    drawn = st.tuples(*(st.integers(0, n - 1) for n in lengths))
+    return data.draw(st.one_of(st.none(), drawn), label="anchors")
+
+
+def assert_drivers_equal_reference(rows, markers, last_turn_only, dtype=np.int64, anchors=None):
     values, starts, ends = flat(rows, dtype)
     expected = np.full(values.shape, 12345, dtype=np.int64)
     ref = reference.label_rows(values, starts, ends, markers, last_turn_only=last_turn_only, ignore_index=-100,
                                out=expected, write_mask=False)
-    auto, ring_size = numba_kernel.automaton_args(markers)
+    auto, ring_size = numba_kernel.drivers_args(markers.compiled().anchored(anchors))
     for name, driver in DRIVERS.items():
         for write_mask in (False, True):
             out = np.full(values.shape, 99, dtype=np.int8 if write_mask else np.int64)
@@ -91,17 +100,17 @@ def assert_drivers_equal_reference(rows, markers, last_turn_only, dtype=np.int64
 
 
 @SETTINGS
-@given(case=shared_prefix_cases(), last_turn_only=st.booleans())
-def test_overlapping_patterns_sharing_prefixes_and_suffixes(case, last_turn_only):
+@given(case=shared_prefix_cases(), last_turn_only=st.booleans(), data=st.data())
+def test_overlapping_patterns_sharing_prefixes_and_suffixes(case, last_turn_only, data):
     markers, rows = case
-    assert_drivers_equal_reference(rows, markers, last_turn_only)
+    assert_drivers_equal_reference(rows, markers, last_turn_only, anchors=anchors_for(data, markers))
 
 
 @SETTINGS
-@given(case=whitespace_variant_cases(), last_turn_only=st.booleans())
-def test_dozens_of_variants_differing_in_the_last_token(case, last_turn_only):
+@given(case=whitespace_variant_cases(), last_turn_only=st.booleans(), data=st.data())
+def test_dozens_of_variants_differing_in_the_last_token(case, last_turn_only, data):
     markers, rows = case
-    assert_drivers_equal_reference(rows, markers, last_turn_only)
+    assert_drivers_equal_reference(rows, markers, last_turn_only, anchors=anchors_for(data, markers))
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -116,7 +125,7 @@ def test_ids_beyond_the_dense_table(case, last_turn_only, data):
         return [[move[t] for t in p] for p in patterns]
 
     big = Markers(**{kind: moved(getattr(markers, kind)) for kind in ("response", "instruction", "end", "mask_out")})
-    assert_drivers_equal_reference(moved(rows), big, last_turn_only)
+    assert_drivers_equal_reference(moved(rows), big, last_turn_only, anchors=anchors_for(data, big))
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int64])
@@ -147,3 +156,49 @@ def test_a_row_that_ends_inside_a_pending_match_and_rows_after_it():
     rows = [[1, 2, 3], [4, 6, 5], [1, 2, 3, 4], [6, 6, 5, 1], [2, 3, 4, 9, 6], [1, 2, 3, 4, 9, 6, 5]] * 30
     for last_turn_only in (False, True):
         assert_drivers_equal_reference(rows, markers, last_turn_only)
+
+
+def test_anchors_are_the_tokens_the_data_holds_least():
+    """Falcon's shape: headers open with the newlines that fill content, so they are anchored on the
+    role words; a larger sample chooses again; the labels are the reference's whatever the anchors."""
+    nl, assistant, user, colon = 193, 44295, 7932, 37
+    markers = Markers(response=[[nl, nl, assistant, colon], [nl, assistant, colon], [assistant, colon]],
+                      instruction=[[nl, nl, user, colon]])
+    content = [5, nl, nl, 6, colon, nl, 7, nl, nl, colon]
+    row = [nl, nl, user, colon] + content + [nl, nl, assistant, colon] + content * 3 + [nl, assistant, colon, 8]
+    compiled = markers.compiled()
+    assert compiled.automaton_for(np.array(row * 3)) is compiled.anchored((2, 1, 0, 2))
+    assert compiled.automaton_for(np.array(row[:4])) is compiled.anchored((2, 1, 0, 2))  # a smaller sample keeps it
+    # Where the role word is common, the colon every pattern ends with stops least.
+    assert compiled.automaton_for(np.array([assistant] * 200 + row)) is compiled.anchored((3, 2, 1, 3))
+    for anchors in (None, (2, 1, 0, 2), (3, 2, 1, 3)):
+        assert_drivers_equal_reference([row, row[3:], row[::-1], row * 2], markers, False, anchors=anchors)
+        assert_drivers_equal_reference([row, row[5:]], markers, True, anchors=anchors)
+
+
+def test_anchors_outside_a_pattern_are_refused():
+    with pytest.raises(ValueError, match="one offset inside each of the 2 patterns"):
+        Markers(response=[[1, 2]], end=[[3]]).compiled().anchored((1, 1))
+
+
+def test_a_stop_inside_a_match_anchored_further_on():
+    """The scan stops at 2 (the anchor of [2, 1]) inside a match of [1, 2, 1, 3] anchored on its 3: the
+    automaton must take over from where that match starts, not from the stop."""
+    markers = Markers(response=[[1, 2, 1, 3]], instruction=[[2, 1]], end=[[4]])
+    rows = [[5, 1, 2, 1, 3, 6, 4, 7], [1, 2, 1, 3, 6, 2, 1, 6, 1, 2, 1, 3, 4], [9, 9, 1, 2, 1, 2, 1, 3, 8, 4]]
+    for anchors in [(3, 0, 0), (0, 0, 0), (2, 1, 0), (1, 0, 0)]:
+        for last_turn_only in (False, True):
+            assert_drivers_equal_reference(rows, markers, last_turn_only, anchors=anchors)
+
+
+def test_anchor_choice_shares_one_token_between_variants():
+    """Qwen's shape: 35 variants differing in a whitespace token, some never seen in the sample; one
+    ``assistant`` anchors them all (each unseen whitespace alone would look free, and the seen ones
+    would cost more than the token they share)."""
+    start, assistant, user = 151644, 77091, 872
+    spaces = list(range(198, 233))
+    patterns = [[start, assistant, w] for w in spaces] + [[start, user, 198]]
+    counts = {start: 862, assistant: 385, user: 477, 198: 2121, 199: 58, 200: 26}
+    assert choose_anchors(patterns, counts) == (1,) * 35 + (1,)
+    assert choose_anchors([[1, 2, 3], [4, 3]], {1: 9, 2: 9, 3: 5, 4: 1}) == (2, 1)  # 3 anchors both
+    assert choose_anchors([[1, 2], [3]], {}) == (0, 0)  # nothing seen: the first tokens

@@ -7,10 +7,18 @@ that token.
 
 **Token classes.** A vocabulary has 10^5 ids, of which a marker set uses a few dozen. Every id that
 occurs in no pattern is class 0, so the transition table has one column per *used* id plus one.
-Classes are numbered so that those that leave the start state (the first token of some pattern) come
-last: ``cls < n_quiet`` means "from the start state this token goes back to it and completes no
-pattern", which is the test the engine's tight loop makes on every token, as cheap as the old flag
-test. Ids under ``DENSE_IDS`` are looked up in a dense table sized by the largest of them; larger ids
+
+**Anchors.** Each pattern has one *anchor*: the token at some offset ``k`` of it (its first by default).
+Classes are numbered so that anchor classes come last: ``cls < n_quiet`` means "no match can have its
+anchor here", the one test the engine's tight loop makes on every token. The loop stops only at
+anchors. When it stops at ``u``, every match not yet found has its anchor at ``u`` or later, so it
+starts at or after ``u - max_anchor`` (the largest anchor offset): the engine steps the automaton over
+those few tokens from the start state, and goes on from ``u`` as usual. The anchors change only speed,
+never labels: each pattern's rarest token in the data makes the fewest stops (Falcon's ``\n\nUser:``
+anchored on ``User``, not on the ``\n`` that fills content), and ``CompiledMarkers.automaton_for``
+picks them from a sample of the tokens.
+
+Ids under ``DENSE_IDS`` are looked up in a dense table sized by the largest of them; larger ids
 (legal, if unusual) go to a short sorted list, so a marker id of 2^40 costs a binary search on the
 rare token beyond the table, never a 2^40-entry table.
 
@@ -56,7 +64,7 @@ class Automaton:
     classes: np.ndarray  # uint8 or uint16, class of id v for v < len(classes)
     big_ids: np.ndarray  # uint64, sorted: pattern ids >= DENSE_IDS
     big_classes: np.ndarray  # same dtype as classes, their classes
-    n_quiet: int  # classes below this leave the start state unchanged and fire nothing
+    n_quiet: int  # classes below this are no pattern's anchor (the tight loop never stops there)
     n_classes: int
     goto: np.ndarray  # int32 [n_states * n_classes]: next state = goto[state * n_classes + cls]
     pending: np.ndarray  # int32 [n_states]: longest suffix of the state that a pattern may still extend
@@ -64,11 +72,12 @@ class Automaton:
     close_offsets: np.ndarray  # int32 [n_states + 1]: close_lengths[close_offsets[s]:close_offsets[s+1]]
     close_lengths: np.ndarray  # int32
     mask_length: np.ndarray  # int32 [n_states]
-    pair: np.ndarray  # uint8 [(n_classes + 1) ** 2]: may a match start at a token of class a followed by b?
+    pair: np.ndarray  # uint8 [(n_classes + 1) ** 2]: may a match have its anchor at class a followed by b?
     back_goto: np.ndarray  # int32 [n_back_states * n_classes], reversed response patterns
     back_quiet: np.ndarray  # uint8 [n_classes]: 1 where the backward start state stays put
     back_open_length: np.ndarray  # int32 [n_back_states]: longest response pattern starting here, or 0
     max_length: int  # longest pattern
+    max_anchor: int  # largest anchor offset: a match starts at most this many tokens before its anchor
     max_response_length: int
 
     def kernel_args(self) -> tuple:
@@ -95,13 +104,21 @@ class Automaton:
 
     @classmethod
     def build(cls, patterns: Sequence[tuple[int, Sequence[int]]], *, response: int, instruction: int,
-              end: int, mask_out: int) -> "Automaton":
-        """``patterns``: (kind code, token ids) pairs; the four kind codes name which is which."""
+              end: int, mask_out: int, anchors: Sequence[int] | None = None) -> "Automaton":
+        """``patterns``: (kind code, token ids) pairs; the four kind codes name which is which.
+
+        ``anchors``: the offset of each pattern's anchor (see the module doc); by default each
+        pattern's first token.
+        """
+        anchors = [0] * len(patterns) if anchors is None else [int(k) for k in anchors]
+        if len(anchors) != len(patterns) or any(not 0 <= k < len(p) for k, (_, p) in zip(anchors, patterns)):
+            raise ValueError(f"anchors {anchors} must give one offset inside each of the {len(patterns)} patterns")
         ids = np.unique(np.fromiter((t for _, p in patterns for t in p), dtype=np.int64))
-        first = np.unique(np.fromiter((p[0] for _, p in patterns), dtype=np.int64, count=len(patterns)))
-        # Quiet ids (in patterns, never first) take classes 1..; first tokens come last.
-        quiet_ids = np.setdiff1d(ids, first, assume_unique=True)
-        ordered = np.concatenate([quiet_ids, first])
+        anchor_ids = np.unique(np.fromiter((p[k] for k, (_, p) in zip(anchors, patterns)), dtype=np.int64,
+                                           count=len(patterns)))
+        # Quiet ids (in patterns, no pattern's anchor) take classes 1..; anchors come last.
+        quiet_ids = np.setdiff1d(ids, anchor_ids, assume_unique=True)
+        ordered = np.concatenate([quiet_ids, anchor_ids])
         n_classes = 1 + ordered.size
         n_quiet = 1 + quiet_ids.size
         # One spare class value: BIG marks "look in big_ids" in the table's last slot.
@@ -153,7 +170,7 @@ class Automaton:
         np.cumsum([len(c) for c in closes], out=close_offsets[1:])
         close_lengths = np.array([length for c in closes for length in sorted(c)], dtype=np.int32)
 
-        pair = _pair_table(goto, depth, outputs, n_classes, n_quiet)
+        pair = _pair_table([p for _, p in coded], anchors, n_classes)
 
         responses = [p[::-1] for kind, p in coded if kind == response]
         back_goto, _, back_order, back_fail, back_terminal = _trie_automaton(responses, n_classes)
@@ -170,29 +187,62 @@ class Automaton:
             mask_length=mask_length, pair=pair, back_goto=back_goto, back_quiet=back_quiet,
             back_open_length=back_open_length,
             max_length=max(len(p) for _, p in coded),
+            max_anchor=max(anchors),
             max_response_length=max(len(p) for p in responses),
         )
 
 
-def _pair_table(goto, depth, outputs, n_classes: int, n_quiet: int) -> np.ndarray:
-    """``pair[a * (n_classes + 1) + b]``: from the start state, can the tokens ``a b`` be where a match starts?
+def choose_anchors(patterns: Sequence[Sequence[int]], counts: dict[int, int]) -> tuple[int, ...]:
+    """The anchor offset of each pattern that makes the engine stop least often.
 
-    True when ``a`` alone completes a pattern, or ``a b`` begins one (a depth-2 state); b = 0 (any id in
-    no pattern, or no next token) is true only in the first case. The extra class ``n_classes`` (an id
-    beyond the dense table, resolved later) is true both ways. Rows of quiet classes are never read.
-    So the engine's tight loop steps over a token that begins patterns but not here (``<|im_start|>``
-    before ``user``, ``\n`` before a word), and the automaton sees it only when it matters.
+    The stops are the occurrences of every token some pattern is anchored on, so the sum of ``counts``
+    (how often the data holds each token) over the chosen tokens is what to keep small: a weighted
+    hitting set. Chosen greedily (the token with the fewest occurrences per pattern it would anchor
+    first, the earliest in its patterns among equals), then pruned: a chosen token is dropped, the
+    dearest first, where each of its patterns holds another chosen token. So Qwen's 35 whitespace
+    variants all end up on the ``assistant`` they share, not each on its own rarely seen whitespace.
+    """
+    first: dict[int, dict[int, int]] = {}  # token -> {pattern: the token's first offset in it}
+    for i, p in enumerate(patterns):
+        for k, token in enumerate(p):
+            first.setdefault(int(token), {}).setdefault(i, k)
+    chosen: list[int] = []
+    open_ = set(range(len(patterns)))
+    while open_:
+        def score(token: int) -> tuple:
+            hits = [i for i in first[token] if i in open_]
+            if not hits:
+                return (float("inf"),)
+            return counts.get(token, 0) / len(hits), max(first[token][i] for i in hits), token
+        token = min(first, key=score)
+        chosen.append(token)
+        open_.difference_update(first[token])
+    for token in sorted(chosen, key=lambda t: (-counts.get(t, 0), t)):
+        rest = [t for t in chosen if t != token]
+        if all(any(i in first[t] for t in rest) for i in first[token]):
+            chosen = rest
+    # Each pattern on the chosen token that comes first in it.
+    return tuple(min(first[t][i] for t in chosen if i in first[t]) for i in range(len(patterns)))
+
+
+def _pair_table(coded: list[list[int]], anchors: list[int], n_classes: int) -> np.ndarray:
+    """``pair[a * (n_classes + 1) + b]``: may a match have its anchor at a token of class ``a`` followed by ``b``?
+
+    True when some pattern has ``a`` at its anchor followed by ``b``, or ends at its anchor (then for
+    any ``b``); ``b = 0`` (an id in no pattern, or no next token) is true only in that last case. The
+    extra class ``n_classes`` (an id beyond the dense table, resolved later) is true both ways. Rows
+    of quiet classes are never read. So the engine's tight loop steps over an anchor that is no
+    match's anchor here (``<|im_start|>`` before ``system``, ``\n`` before a word), and the automaton
+    sees it only when it matters.
     """
     width = n_classes + 1
-    table = goto.reshape(-1, n_classes)
     pair = np.zeros((width, width), dtype=np.uint8)
-    for a in range(n_quiet, n_classes):
-        state = table[0, a]
-        if outputs[state]:
-            pair[a] = 1
+    for p, k in zip(coded, anchors):
+        if k == len(p) - 1:
+            pair[p[k]] = 1
         else:
-            pair[a, :n_classes] = depth[table[state]] == 2
-            pair[a, n_classes] = 1
+            pair[p[k], p[k + 1]] = 1
+            pair[p[k], n_classes] = 1
     pair[n_classes] = 1
     return pair.reshape(-1)
 

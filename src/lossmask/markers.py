@@ -10,7 +10,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .automaton import Automaton
+from .automaton import Automaton, choose_anchors
 
 KINDS = ("response", "instruction", "end", "mask_out")
 
@@ -18,6 +18,9 @@ KINDS = ("response", "instruction", "end", "mask_out")
 RESPONSE, INSTRUCTION, END, MASK_OUT = range(4)
 
 Pattern = tuple[int, ...]
+
+# Tokens of a batch counted to choose the automaton's anchors (``CompiledMarkers.automaton_for``).
+ANCHOR_SAMPLE = 1 << 16
 
 # The largest id a pattern may hold: kernels compare ids as int64.
 MAX_ID = (1 << 63) - 1
@@ -148,13 +151,41 @@ class CompiledMarkers:
     def max_length(self) -> int:
         return int(np.diff(self.offsets).max())
 
+    # The automata built, by their anchors; and [sample size, anchors] of the last choice on data.
+    _automata: dict = field(default_factory=dict, repr=False)
+    _chosen: list = field(default_factory=lambda: [0, None], repr=False)
+
     @cached_property
     def automaton(self) -> Automaton:
-        patterns = [
-            (int(self.kinds[k]), self.tokens[self.offsets[k] : self.offsets[k + 1]].tolist())
-            for k in range(self.kinds.shape[0])
-        ]
-        return Automaton.build(patterns, response=RESPONSE, instruction=INSTRUCTION, end=END, mask_out=MASK_OUT)
+        """The automaton anchored on each pattern's first token: the one used when no data is at hand."""
+        return self.anchored(None)
+
+    def anchored(self, anchors: tuple[int, ...] | None) -> Automaton:
+        """The automaton with these anchor offsets (one per pattern; see ``automaton.py``), built once."""
+        built = self._automata.get(anchors)
+        if built is None:
+            patterns = [
+                (int(self.kinds[k]), self.tokens[self.offsets[k] : self.offsets[k + 1]].tolist())
+                for k in range(self.kinds.shape[0])
+            ]
+            built = Automaton.build(patterns, response=RESPONSE, instruction=INSTRUCTION, end=END,
+                                    mask_out=MASK_OUT, anchors=anchors)
+            self._automata[anchors] = built
+        return built
+
+    def automaton_for(self, values: np.ndarray) -> Automaton:
+        """The automaton anchored where the first ``ANCHOR_SAMPLE`` tokens of ``values`` make the engine
+        stop least often (``automaton.choose_anchors``). Chosen once per marker set, and again only when
+        a later batch gives a larger sample: the labels never depend on it, only the engine's speed."""
+        size = min(int(values.shape[0]), ANCHOR_SAMPLE)
+        if size > self._chosen[0]:
+            a = self.automaton
+            by_class = np.bincount(a.class_of(values[:size]), minlength=a.n_classes)
+            counts = dict(zip(self.tokens.tolist(), by_class[a.class_of(self.tokens)].tolist()))
+            patterns = [self.tokens[self.offsets[k] : self.offsets[k + 1]].tolist() for k in range(self.kinds.shape[0])]
+            anchors = choose_anchors(patterns, counts)
+            self._chosen[:] = [size, anchors if any(anchors) else None]  # None: the first tokens, already built
+        return self.anchored(self._chosen[1])
 
     @classmethod
     def build(cls, markers: Markers) -> "CompiledMarkers":
