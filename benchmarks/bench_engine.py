@@ -175,37 +175,51 @@ def thread_counts() -> list[int]:
     return sorted({min(2, numba.config.NUMBA_NUM_THREADS), 1}, reverse=True)
 
 
-def measure(rows: pa.Array, markers: lossmask.Markers, *, threads: list[int], clock=time.perf_counter) -> dict:
-    """Mtok/s of make_labels per thread count (and last_turn_only at the first), with the copy's, same run.
-
-    The runs are interleaved (copy, each labelling, copy, ...) and the best of ``REPEAT`` kept for each,
-    so that a burst of load on this shared machine falls on all of them alike, not on one figure."""
-    import numba
-
-    n = len(rows.values)
+def timed_runs(rows: pa.Array, markers: lossmask.Markers, *, threads: list[int], copy_out: np.ndarray) -> dict:
+    """The runs to time for one case: the copy, ``make_labels`` per thread count, ``last_turn_only`` at the
+    first; each a ``(threads, function)`` pair (None: the copy, which numba does not run)."""
     lossmask.make_labels(rows.slice(0, 4), markers)  # compile or load the cache outside the timing
     values = rows.values.to_numpy()
-    copy_out = np.empty(values.shape, dtype=np.int64)
-    np.copyto(copy_out, values, casting="unsafe")  # touch the pages once before timing
-    runs = {"copy": lambda: np.copyto(copy_out, values, casting="unsafe")}
+    out = copy_out[: values.shape[0]]
+    np.copyto(out, values, casting="unsafe")  # touch the pages once before timing
+    runs = {"copy": (None, lambda: np.copyto(out, values, casting="unsafe"))}
     for t in threads:
         runs[f"labels_{t}"] = (t, lambda: lossmask.make_labels(rows, markers))
     runs["last_turn"] = (threads[0], lambda: lossmask.make_labels(rows, markers, last_turn_only=True))
-    best = dict.fromkeys(runs, float("inf"))
+    return runs
+
+
+def measure(cases: dict[str, tuple[pa.Array, lossmask.Markers]], *, threads: list[int],
+            clock=time.perf_counter) -> dict[str, dict]:
+    """Mtok/s of each case's runs (``timed_runs``), the copy's among them, in the same run.
+
+    ``REPEAT`` rounds; each round runs every case once, copy and labelling alternating, and the best
+    round of each run is kept. So a burst of load on this shared machine, which can last seconds,
+    falls on one round of many cases, not on every try of one case."""
+    import numba
+
+    size = max(len(rows.values) for rows, _ in cases.values())
+    copy_out = np.empty(size, dtype=np.int64)
+    runs = {name: timed_runs(rows, markers, threads=threads, copy_out=copy_out) for name, (rows, markers) in cases.items()}
+    best = {name: dict.fromkeys(case_runs, float("inf")) for name, case_runs in runs.items()}
     try:
         for _ in range(REPEAT):
-            for name, run in runs.items():
-                if isinstance(run, tuple):
-                    numba.set_num_threads(run[0])
-                    run = run[1]
-                start = clock()
-                run()
-                best[name] = min(best[name], clock() - start)
+            for name, case_runs in runs.items():
+                for run_name, (t, run) in case_runs.items():
+                    if t is not None:
+                        numba.set_num_threads(t)
+                    start = clock()
+                    run()
+                    best[name][run_name] = min(best[name][run_name], clock() - start)
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    result = {"tokens": n, "patterns": sum(len(getattr(markers, k)) for k in KINDS)}
-    result.update({name: n / seconds / 1e6 for name, seconds in best.items()})
-    return result
+    results = {}
+    for name, (rows, markers) in cases.items():
+        n = len(rows.values)
+        result = {"tokens": n, "patterns": sum(len(getattr(markers, k)) for k in KINDS)}
+        result.update({run_name: n / seconds / 1e6 for run_name, seconds in best[name].items()})
+        results[name] = result
+    return results
 
 
 def uptime() -> str:
@@ -223,20 +237,17 @@ def table(selected: list[str] | None = None, *, cpu_time: bool = False) -> str:
         head += [f"{t} thread{'s' * (t > 1)} Mtok/s", "ratio"]
     head += [f"last_turn_only ({threads[0]}) ratio"]
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
-    cases = [(f, None) for f in (selected or families())] + [(IDEALISED, "idealised")]
-    for name, kind in cases:
-        if kind == "idealised":
-            markers, rows = CHATML, chatml_rows(TARGET_TOKENS // 1000)
-        else:
-            markers, offsets, values = family_case(name)
-            rows = tiled(offsets, values)
-        r = measure(rows, markers, threads=threads, clock=clock)
+    cases = {}
+    for name in selected or families():
+        markers, offsets, values = family_case(name)
+        cases[name] = (tiled(offsets, values), markers)
+    cases[IDEALISED] = (chatml_rows(TARGET_TOKENS // 1000), CHATML)
+    for name, r in measure(cases, threads=threads, clock=clock).items():
         cells = [name, str(r["patterns"]), f"{r['tokens'] / 1e6:.1f}", f"{r['copy']:.0f}"]
         for t in threads:
             cells += [f"{r[f'labels_{t}']:.0f}", f"{r[f'labels_{t}'] / r['copy']:.2f}x"]
         cells.append(f"{r['last_turn'] / r['copy']:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
-        print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
@@ -256,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     text = table(args.families or None, cpu_time=args.cpu_time)
     clock = "thread CPU time" if args.cpu_time else "wall clock"
     print(f"\n{text}\n\nuptime before: {before}\nuptime after:  {uptime()}\n"
-          f"{time.perf_counter() - start:.0f} s; {clock}, best of {REPEAT}; np.copyto int32 -> int64 single-threaded")
+          f"{time.perf_counter() - start:.0f} s; {clock}, best of {REPEAT} rounds over all cases; np.copyto int32 -> int64 single-threaded")
 
 
 # -- pytest-benchmark ---------------------------------------------------------------------------
