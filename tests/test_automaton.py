@@ -171,6 +171,10 @@ def test_anchors_are_the_tokens_the_data_holds_least():
     assert compiled.automaton_for(np.array(row[:4])) is compiled.anchored((2, 1, 0, 2))  # a smaller sample keeps it
     # Where the role word is common, the colon every pattern ends with stops least.
     assert compiled.automaton_for(np.array([assistant] * 200 + row)) is compiled.anchored((3, 2, 1, 3))
+    # The sample is spread over the batch: 70,000 role words at its start do not decide alone.
+    fresh = Markers(response=markers.response, instruction=markers.instruction).compiled()
+    batch = np.array([assistant] * 70_000 + row * 10_000)
+    assert fresh.automaton_for(batch) is fresh.anchored((2, 1, 0, 2))
     for anchors in (None, (2, 1, 0, 2), (3, 2, 1, 3)):
         assert_drivers_equal_reference([row, row[3:], row[::-1], row * 2], markers, False, anchors=anchors)
         assert_drivers_equal_reference([row, row[5:]], markers, True, anchors=anchors)

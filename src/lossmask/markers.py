@@ -19,7 +19,7 @@ RESPONSE, INSTRUCTION, END, MASK_OUT = range(4)
 
 Pattern = tuple[int, ...]
 
-# Tokens of a batch counted to choose the automaton's anchors (``CompiledMarkers.automaton_for``).
+# Tokens of a batch counted, spread over it, to choose the automaton's anchors (``CompiledMarkers.automaton_for``).
 ANCHOR_SAMPLE = 1 << 16
 
 # The largest id a pattern may hold: kernels compare ids as int64.
@@ -174,13 +174,16 @@ class CompiledMarkers:
         return built
 
     def automaton_for(self, values: np.ndarray) -> Automaton:
-        """The automaton anchored where the first ``ANCHOR_SAMPLE`` tokens of ``values`` make the engine
-        stop least often (``automaton.choose_anchors``). Chosen once per marker set, and again only when
-        a later batch gives a larger sample: the labels never depend on it, only the engine's speed."""
+        """The automaton anchored where ``values`` make the engine stop least often
+        (``automaton.choose_anchors``), counted on ``ANCHOR_SAMPLE`` tokens spread evenly over them (a
+        batch may begin unlike the rest: with one long system prompt, say). Chosen once per marker set,
+        and again only when a later batch gives a larger sample: the labels never depend on it, only
+        the engine's speed."""
         size = min(int(values.shape[0]), ANCHOR_SAMPLE)
         if size > self._chosen[0]:
             a = self.automaton
-            by_class = np.bincount(a.class_of(values[:size]), minlength=a.n_classes)
+            sample = values[:: max(1, values.shape[0] // ANCHOR_SAMPLE)][:size]
+            by_class = np.bincount(a.class_of(sample), minlength=a.n_classes)
             counts = dict(zip(self.tokens.tolist(), by_class[a.class_of(self.tokens)].tolist()))
             patterns = [self.tokens[self.offsets[k] : self.offsets[k + 1]].tolist() for k in range(self.kinds.shape[0])]
             anchors = choose_anchors(patterns, counts)
