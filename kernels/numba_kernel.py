@@ -285,24 +285,16 @@ def _label_rows_serial(values, starts, ends, auto, ring_size, last_turn_only, ig
 PARALLEL_MIN_TOKENS = 1 << 18
 
 
-def automaton_args(markers: Markers, values: np.ndarray | None = None) -> tuple[tuple, int]:
-    """``(auto, ring_size)``: the automaton as the drivers take it, and the size of the event ring.
-
-    Anchored where ``values`` make the engine stop least (``CompiledMarkers.automaton_for``); on each
-    pattern's first token without them."""
-    compiled = markers.compiled()
-    return drivers_args(compiled.automaton if values is None else compiled.automaton_for(values))
-
-
-def drivers_args(a) -> tuple[tuple, int]:
-    """``automaton_args`` for one ``Automaton``."""
+def automaton_args(a) -> tuple[tuple, int]:
+    """``(auto, ring_size)``: the ``Automaton`` as the drivers take it, and the size of the event ring."""
     auto = (a.n_quiet, a.n_classes, a.max_response_length, a.max_anchor) + a.kernel_args()
     return auto, 1 << (a.max_length + 1).bit_length()  # a power of two >= max_length + 2
 
 
 def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
     """Backend entry point (see ``lossmask.kernels``)."""
-    auto, ring_size = automaton_args(markers, values)
+    # anchored where these tokens make the engine stop least (CompiledMarkers.automaton_for)
+    auto, ring_size = automaton_args(markers.compiled().automaton_for(values))
     parallel = values.shape[0] >= PARALLEL_MIN_TOKENS and numba.get_num_threads() > 1
     kernel = _label_rows_parallel if parallel else _label_rows_serial
     return kernel(

@@ -87,7 +87,7 @@ def assert_drivers_equal_reference(rows, markers, last_turn_only, dtype=np.int64
     expected = np.full(values.shape, 12345, dtype=np.int64)
     ref = reference.label_rows(values, starts, ends, markers, last_turn_only=last_turn_only, ignore_index=-100,
                                out=expected, write_mask=False)
-    auto, ring_size = numba_kernel.drivers_args(markers.compiled().anchored(anchors))
+    auto, ring_size = numba_kernel.automaton_args(markers.compiled().anchored(anchors))
     for name, driver in DRIVERS.items():
         for write_mask in (False, True):
             out = np.full(values.shape, 99, dtype=np.int8 if write_mask else np.int64)
@@ -168,7 +168,11 @@ def test_anchors_are_the_tokens_the_data_holds_least():
     row = [nl, nl, user, colon] + content + [nl, nl, assistant, colon] + content * 3 + [nl, assistant, colon, 8]
     compiled = markers.compiled()
     assert compiled.automaton_for(np.array(row * 3)) is compiled.anchored((2, 1, 0, 2))
-    assert compiled.automaton_for(np.array(row[:4])) is compiled.anchored((2, 1, 0, 2))  # a smaller sample keeps it
+    # A smaller sample keeps the choice, though on its own it would choose otherwise.
+    smaller = np.array([user] * 10)
+    alone = Markers(response=markers.response, instruction=markers.instruction).compiled()
+    assert alone.automaton_for(smaller) is not alone.anchored((2, 1, 0, 2))
+    assert compiled.automaton_for(smaller) is compiled.anchored((2, 1, 0, 2))
     # Where the role word is common, the colon every pattern ends with stops least.
     assert compiled.automaton_for(np.array([assistant] * 200 + row)) is compiled.anchored((3, 2, 1, 3))
     # The sample is spread over the batch: 70,000 role words at its start do not decide alone.

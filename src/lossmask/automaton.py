@@ -14,9 +14,9 @@ anchor here", the one test the engine's tight loop makes on every token. The loo
 anchors. When it stops at ``u``, every match not yet found has its anchor at ``u`` or later, so it
 starts at or after ``u - max_anchor`` (the largest anchor offset): the engine steps the automaton over
 those few tokens from the start state, and goes on from ``u`` as usual. The anchors change only speed,
-never labels: each pattern's rarest token in the data makes the fewest stops (Falcon's ``\n\nUser:``
+never labels: the tokens the data holds least make the fewest stops (Falcon's ``\n\nUser:``
 anchored on ``User``, not on the ``\n`` that fills content), and ``CompiledMarkers.automaton_for``
-picks them from a sample of the tokens.
+picks them from a sample of the tokens (``choose_anchors``).
 
 Ids under ``DENSE_IDS`` are looked up in a dense table sized by the largest of them; larger ids
 (legal, if unusual) go to a short sorted list, so a marker id of 2^40 costs a binary search on the

@@ -148,6 +148,11 @@ class CompiledMarkers:
     kinds: np.ndarray  # int8 kind codes
 
     @cached_property
+    def patterns(self) -> list[list[int]]:
+        """Each pattern's token ids, in order."""
+        return [self.tokens[self.offsets[k] : self.offsets[k + 1]].tolist() for k in range(self.kinds.shape[0])]
+
+    @cached_property
     def max_length(self) -> int:
         return int(np.diff(self.offsets).max())
 
@@ -164,12 +169,8 @@ class CompiledMarkers:
         """The automaton with these anchor offsets (one per pattern; see ``automaton.py``), built once."""
         built = self._automata.get(anchors)
         if built is None:
-            patterns = [
-                (int(self.kinds[k]), self.tokens[self.offsets[k] : self.offsets[k + 1]].tolist())
-                for k in range(self.kinds.shape[0])
-            ]
-            built = Automaton.build(patterns, response=RESPONSE, instruction=INSTRUCTION, end=END,
-                                    mask_out=MASK_OUT, anchors=anchors)
+            built = Automaton.build(list(zip(self.kinds.tolist(), self.patterns)), response=RESPONSE,
+                                    instruction=INSTRUCTION, end=END, mask_out=MASK_OUT, anchors=anchors)
             self._automata[anchors] = built
         return built
 
@@ -185,8 +186,7 @@ class CompiledMarkers:
             sample = values[:: max(1, values.shape[0] // ANCHOR_SAMPLE)][:size]
             by_class = np.bincount(a.class_of(sample), minlength=a.n_classes)
             counts = dict(zip(self.tokens.tolist(), by_class[a.class_of(self.tokens)].tolist()))
-            patterns = [self.tokens[self.offsets[k] : self.offsets[k + 1]].tolist() for k in range(self.kinds.shape[0])]
-            anchors = choose_anchors(patterns, counts)
+            anchors = choose_anchors(self.patterns, counts)
             self._chosen[:] = [size, anchors if any(anchors) else None]  # None: the first tokens, already built
         return self.anchored(self._chosen[1])
 
