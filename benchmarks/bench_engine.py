@@ -10,6 +10,9 @@ engine, not rendering, is timed. Per family: ``make_labels`` (int64 labels) with
 ``np.copyto`` int32 -> int64 of the same tokens in the same run. One more row is the idealised case:
 three ChatML patterns on synthetic rows (``conftest.chatml_rows``).
 
+``--content third-party`` fills the messages with pieces of text nobody here wrote instead (the
+installed packages' READMEs and the standard library's modules, ``third_party_chunks``).
+
 Detected markers and rendered rows are cached in ``.benchmarks/engine-rows/`` (keyed by the
 tokenizer files and the detection code), so a second run only times.
 
@@ -21,6 +24,7 @@ only those), or ``make bench`` (pytest-benchmark, one test per family).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -82,20 +86,54 @@ def _content(rng: np.random.Generator, kind: int) -> str:
     return rng.choice(pad) + "\t".join(sentence() for _ in range(int(rng.integers(1, 3)))) + "\n\n\n" + sentence() + rng.choice(pad)
 
 
+# What message bodies hold: "generated" (``_content``: whitespace-rich text this file writes) or
+# "third-party" (``third_party_chunks``: text nobody here wrote). Set by ``--content``.
+CONTENT = "generated"
+
+
+@functools.lru_cache(maxsize=1)
+def third_party_chunks() -> tuple[str, ...]:
+    """Pieces of text written by others, found on any machine with this environment: the long descriptions
+    of the installed packages (their READMEs: Markdown prose, lists, code blocks) and the Python standard
+    library's own modules (code, docstrings, comments), cut at line ends into pieces of about 25 lines."""
+    import importlib.metadata
+    import sysconfig
+
+    texts = []
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
+        body = (dist.read_text("METADATA") or "").partition("\n\n")[2]
+        if body.strip():
+            texts.append(body)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts += [f.read_text(encoding="utf-8", errors="replace") for f in sorted(stdlib.glob("*.py"))]
+    chunks = []
+    for text in texts:
+        lines = text.splitlines(keepends=True)
+        chunks += ["".join(lines[k:k + 25]) for k in range(0, len(lines), 25)]
+    return tuple(c for c in chunks if len(c.strip()) >= 80)
+
+
+def _message(rng: np.random.Generator) -> str:
+    if CONTENT == "third-party":
+        chunks = third_party_chunks()
+        return chunks[int(rng.integers(len(chunks)))]
+    return _content(rng, int(rng.integers(4)))
+
+
 def _chat(rng: np.random.Generator) -> tuple[list[dict], bool, bool]:
     """(messages, has_system, has_tool): 2-6 user/assistant turns, a system prompt half the time."""
     messages = []
     system = bool(rng.integers(2))
     if system:
-        messages.append({"role": "system", "content": "You are a careful assistant.\n" + _content(rng, int(rng.integers(4)))})
+        messages.append({"role": "system", "content": "You are a careful assistant.\n" + _message(rng)})
     tool = rng.integers(4) == 0
     for turn in range(int(rng.integers(2, 7))):
-        messages.append({"role": "user", "content": _content(rng, int(rng.integers(4)))})
+        messages.append({"role": "user", "content": _message(rng)})
         if tool and turn == 0:
             call = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
             messages.append({"role": "tool", "tool_call_id": "call12345", "name": "get_weather", "content": "minus three, snowing"})
-        messages.append({"role": "assistant", "content": _content(rng, int(rng.integers(4)))})
+        messages.append({"role": "assistant", "content": _message(rng)})
     return messages, system, bool(tool)
 
 
@@ -132,6 +170,9 @@ def _cache_key(path: Path) -> str:
     for module in ("detect.py", "verify.py", "tokenizer.py"):  # what the markers and rows depend on
         h.update((REPO / "src" / "lossmask" / module).read_bytes())
     h.update(str(N_CHATS).encode() + _render_rows.__code__.co_code + _content.__code__.co_code + _chat.__code__.co_code)
+    if CONTENT != "generated":  # the generated rows keep their cache key
+        h.update(CONTENT.encode() + _message.__code__.co_code)
+        h.update(hashlib.sha1("\0".join(third_party_chunks()).encode()).digest())
     return h.hexdigest()[:16]
 
 
@@ -256,8 +297,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table", action="store_true", help="print the per-family Markdown table")
     parser.add_argument("--cpu-time", action="store_true",
                         help="one thread, timed by this thread's CPU time (copy too): steadier on a loaded machine")
+    parser.add_argument("--content", choices=("generated", "third-party"), default="generated",
+                        help="message bodies: whitespace-rich text this file writes (default), or pieces of text "
+                             "written by others (installed packages' READMEs, the standard library's modules)")
     parser.add_argument("families", nargs="*", help="only these families (default: every one present)")
     args = parser.parse_args(argv)
+    global CONTENT
+    CONTENT = args.content
     if not args.table:
         parser.error("pass --table (or run it under pytest: make bench)")
     if not TOKENIZERS_DIR.is_dir():
@@ -266,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     text = table(args.families or None, cpu_time=args.cpu_time)
     clock = "thread CPU time" if args.cpu_time else "wall clock"
-    print(f"\n{text}\n\nuptime before: {before}\nuptime after:  {uptime()}\n"
+    print(f"\n{text}\n\nmessage bodies: {CONTENT}\nuptime before: {before}\nuptime after:  {uptime()}\n"
           f"{time.perf_counter() - start:.0f} s; {clock}, best of {REPEAT} rounds over all cases; np.copyto int32 -> int64 single-threaded")
 
 
