@@ -1,14 +1,15 @@
 """Package layout that pyproject.toml cannot express on its own.
 
-The kernels live in a top-level ``kernels/`` folder so that the data flow reads from the tree
-(Arrow batches in ``src/lossmask``, kernels in ``kernels/``), yet they ship inside the installed
-package as ``lossmask.kernels``.
+The kernels live in a top-level ``kernels/`` folder so that they read apart from the Python that
+feeds them (each beside its readable reference), yet they ship inside the installed package as
+``lossmask.engine.kernels``: the engine is the one stage that calls them.
 """
 
 from setuptools import setup
 
 setup(
-    packages=["lossmask", "lossmask.kernels", "lossmask.data"],
-    package_dir={"lossmask": "src/lossmask", "lossmask.kernels": "kernels"},
+    packages=["lossmask", "lossmask.chat", "lossmask.engine", "lossmask.engine.kernels", "lossmask.jobs",
+              "lossmask.markers", "lossmask.data"],
+    package_dir={"lossmask": "src/lossmask", "lossmask.engine.kernels": "kernels"},
     package_data={"lossmask": ["py.typed"], "lossmask.data": ["*.json"]},
 )

@@ -64,7 +64,7 @@ def test_make_labels_backend(benchmark, rows, numba_seconds, backend, torch_thre
 def test_torch_label_padded(benchmark, rows, numba_seconds):
     """The collator's path: a padded [B, T] tensor with lengths."""
     torch = pytest.importorskip("torch")
-    from lossmask.kernels import torch_kernel
+    from lossmask.engine.kernels import torch_kernel
 
     lengths = np.diff(rows.offsets.to_numpy())
     width = int(lengths.max())

@@ -39,9 +39,9 @@ def test_content_as_data_cost(benchmark, family):
     if not (TOKENIZERS / family).is_dir():
         pytest.skip(f"no tokenizer {family} in {TOKENIZERS}")
     from lossmask import label_batch, load_tokenizer
-    from lossmask.detect import detect_markers
-    from lossmask.encode import render_chats
-    from lossmask.rendered import encode_rendered, text_can_match
+    from lossmask.markers.detect import detect_markers
+    from lossmask.chat.encode import render_chats
+    from lossmask.chat.rendered import encode_rendered, text_can_match
 
     sys.path.insert(0, str(HERE.parent / "examples"))
     import make_chats

@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import lossmask  # noqa: E402
-from lossmask.markers import KINDS  # noqa: E402
+from lossmask.engine.patterns import KINDS  # noqa: E402
 from conftest import CHATML, chatml_rows, copy_baseline_seconds  # noqa: E402
 
 REPO = HERE.parent
@@ -139,8 +139,8 @@ def _chat(rng: np.random.Generator) -> tuple[list[dict], bool, bool]:
 
 def _render_rows(tok, n_chats: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``(offsets int64, values int32)`` of ``n_chats`` chats, each simplified until the template takes it."""
-    from lossmask.tokenizer import ChatTemplateError
-    from lossmask.verify import WEATHER_TOOL
+    from lossmask.chat.tokenizer import ChatTemplateError
+    from lossmask.chat.probes import WEATHER_TOOL
 
     rng = np.random.default_rng(seed)
     texts = []

@@ -232,8 +232,8 @@ def test_from_messages_time_split(benchmark, tmp_path):
     import pyarrow as pa
 
     import lossmask
-    from lossmask.encode import render_chats
-    from lossmask.stream import load_chat_tokenizer
+    from lossmask.chat.encode import render_chats
+    from lossmask.jobs.stream import load_chat_tokenizer
 
     sys.path.insert(0, str(HERE.parent / "examples"))
     import make_chats

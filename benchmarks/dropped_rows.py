@@ -17,7 +17,7 @@ untruncated and truncated at each ``--max-lengths``, with three marker sources:
   i.e. ``markers_from_strings``), used as the policy uses it: only when ``verify`` finds it exact,
   otherwise the full sequence trains.
 
-Every row is checked token by token against the ground truth of ``lossmask.verify`` (which never looks
+Every row is checked token by token against the ground truth of ``lossmask.markers.verify`` (which never looks
 at markers); truncated, the truth is the untruncated truth cut at ``max_length``. Written to ``--out``:
 ``dropped_rows.json`` (one record per family x source x max length), ``dropped_rows.md`` and
 ``dropped_rows.png``.
@@ -362,7 +362,7 @@ def source_markers(ct: Any, family: str) -> dict[str, tuple[Any, str, float]]:
 def _table_markers(ct: Any, family: str) -> tuple[Any, str]:
     """The template table's markers for the folder's name, as the policy takes them (verified, else None)."""
     from lossmask import MarkerDetectionError, match_template, verify
-    from lossmask.templates import table_markers
+    from lossmask.markers.templates import table_markers
 
     match = match_template(family)
     if match is None or match.entry is None:
@@ -380,7 +380,8 @@ def _table_markers(ct: Any, family: str) -> tuple[Any, str]:
 def run_family(path: Path, *, rows: int, max_lengths: Sequence[int], seed: int = 0) -> list[dict]:
     """Every record of one tokenizer folder (sources x [untruncated] + max lengths)."""
     from lossmask import load_tokenizer
-    from lossmask.verify import GroundTruth, build_truths, renderable_probes
+    from lossmask.chat.probes import renderable_probes
+    from lossmask.markers.verify import GroundTruth, build_truths
 
     family = path.name
     with warnings.catch_warnings():
@@ -428,7 +429,7 @@ def _checkable(truth: Any, ids: np.ndarray) -> bool:
     A turn with nothing to train means the ground truth could not find the assistant's text in the
     rendered chat (Falcon's template rewrites '\\n\\n' inside contents); such a row is left out.
     """
-    from lossmask.verify import GroundTruth
+    from lossmask.markers.verify import GroundTruth
 
     return (isinstance(truth, GroundTruth) and np.array_equal(truth.ids, ids)
             and all(turn.end > turn.start for turn in truth.turns))
@@ -496,7 +497,7 @@ def render_markdown(records: Sequence[dict], *, rows: int, max_lengths: Sequence
         "- **table**: lossmask's template table for the folder's name (`markers_from_strings`), used only when",
         "  `verify` finds it exact (as `resolve_markers` does), else the full sequence trains.",
         "",
-        "Every token is compared with the ground truth of `lossmask.verify` (untruncated; truncated, the truth cut",
+        "Every token is compared with the ground truth of `lossmask.markers.verify` (untruncated; truncated, the truth cut",
         "at `max_length`). *Dropped*: rows with nothing trained, by reason; a row whose every assistant token was",
         "cut away by truncation counts as `empty_response`. *Rows wrong*: rows with at least one token labelled",
         "differently from the truth. *Stop trained*: the fraction of assistant turns (stop token inside the row)",

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     import torch
 
     from lossmask.collator import CompletionCollator
-    from lossmask.kernels import torch_kernel
+    from lossmask.engine.kernels import torch_kernel
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=None, help="rows of ~1,000 tokens (default: 4,096 on CUDA, 64 on CPU)")

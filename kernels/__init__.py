@@ -11,7 +11,9 @@ Every backend module exposes one function with the same contract::
 - ``outcomes``: ``lossmask.Outcome`` codes; ``first_bad``: index into ``values`` of the row's first
   negative id, or -1. Kernels never raise on data; the caller turns these into errors.
 
-Backends are imported lazily, by name, in this one place.
+Backends are imported lazily, by name, in this one place. The package ships as
+``lossmask.engine.kernels`` (setup.py): the engine is the stage that calls it, and everything else
+asks ``lossmask.engine.get_backend``.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from ..markers import END, INSTRUCTION, MASK_OUT, RESPONSE, Markers
 from ..outcomes import Outcome
+from ..patterns import END, INSTRUCTION, MASK_OUT, RESPONSE, Markers
 
 
 def bucket(n: int, *, minimum: int = 64) -> int:

@@ -1,7 +1,7 @@
 """The CPU engine: one pass per row, rows in parallel (``prange``), over flat Arrow buffers.
 
 Equal to ``reference.py`` bit for bit. Each row is scanned once by the Aho-Corasick automaton of
-the markers (``lossmask/automaton.py``): one class lookup and one transition per token, whatever
+the markers (``lossmask/engine/automaton.py``): one class lookup and one transition per token, whatever
 the number of patterns, and the state tells which patterns end at that token.
 
 The labels need more than matches at their ends: a response or instruction match closes at its
@@ -27,8 +27,8 @@ import numpy as np
 from numba import njit, prange
 
 from ..automaton import CLOSE_AT_START, CLOSE_NEXT, MASK, OPEN_NEXT
-from ..markers import Markers
 from ..outcomes import Outcome
+from ..patterns import Markers
 
 _TRAINED = np.int8(Outcome.TRAINED)
 _NO_RESPONSE = np.int8(Outcome.NO_RESPONSE)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..markers import Markers
 from ..outcomes import Outcome
+from ..patterns import Markers
 
 
 def match_starts(row: np.ndarray, pattern: tuple[int, ...]) -> np.ndarray:

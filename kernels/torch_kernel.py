@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..markers import END, INSTRUCTION, MASK_OUT, RESPONSE, Markers
 from ..outcomes import Outcome
+from ..patterns import END, INSTRUCTION, MASK_OUT, RESPONSE, Markers
 
 
 @dataclass(frozen=True)

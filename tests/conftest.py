@@ -168,7 +168,7 @@ def detected_markers(family: str):
     if family not in _DETECTED:
         import warnings
 
-        from lossmask.detect import detect_markers_with_report
+        from lossmask.markers.detect import detect_markers_with_report
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lossmask import Markers
-from lossmask.automaton import DENSE_IDS, choose_anchors
-from lossmask.kernels import numba_kernel, reference
+from lossmask.engine.automaton import DENSE_IDS, choose_anchors
+from lossmask.engine.kernels import numba_kernel, reference
 
 DRIVERS = {"serial": numba_kernel._label_rows_serial, "parallel": numba_kernel._label_rows_parallel}
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

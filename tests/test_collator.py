@@ -112,7 +112,7 @@ def test_packed_rows_label_each_sequence():
 @given(batch=random_rows, m=random_markers(), side=st.sampled_from(["right", "left"]), padding_free=st.booleans(),
        pack=st.integers(1, 3), multiple=st.sampled_from([None, 8]))
 def test_collator_equals_reference_per_sequence(batch, m, side, padding_free, pack, multiple):
-    from lossmask.kernels import reference
+    from lossmask.engine.kernels import reference
 
     seqs = [list(r or []) for r in batch]
     if not seqs:

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import chat_tokenizer, detected_markers
 from lossmask import verify
-from lossmask.verify import GroundTruth, build_truths, renderable_probes
+from lossmask.chat.probes import renderable_probes
+from lossmask.markers.verify import GroundTruth, build_truths
 
 FAMILIES = [
     "alpaca", "chatml", "deepseek-v3", "deepseek-v3.1", "falcon", "gemma-2", "gemma-3", "glm-4", "gpt-oss",

@@ -23,9 +23,9 @@ import pytest
 
 from conftest import REPO_ROOT, chat_tokenizer, detected_markers, tokenizer_path
 from lossmask import MaskOptions, label_batch, mask_files
-from lossmask.locate import locate_messages
-from lossmask.rendered import encode_rendered
-from lossmask.verify import renderable_probes
+from lossmask.chat.locate import locate_messages
+from lossmask.chat.rendered import encode_rendered
+from lossmask.chat.probes import renderable_probes
 
 FAMILIES = [
     "alpaca", "chatml", "deepseek-v3", "deepseek-v3.1", "falcon", "gemma-2", "gemma-3", "glm-4", "gpt-oss",
@@ -320,7 +320,7 @@ def test_cli_mask_reports_both_counts(tmp_path, capsys):
 
 @pytest.mark.parametrize("family", ["llama-2", "alpaca", "falcon", "vicuna", "qwen2.5", "gemma-2"])
 def test_offsets_only_where_text_can_match_give_the_same_labels(family):
-    from lossmask.rendered import text_can_match
+    from lossmask.chat.rendered import text_can_match
 
     ct = chat_tokenizer(family)
     markers, _ = detected_markers(family)
@@ -360,9 +360,9 @@ def test_data_mask_makes_message_tokens_inert_on_every_backend_shape():
 @pytest.mark.parametrize("num_proc", [1, 2])
 def test_an_error_in_a_later_batch_names_its_file_and_line(tmp_path, num_proc, monkeypatch):
     """Batches are tokenised on a thread (one process) or after a worker rendered them: the error still names the row."""
-    import lossmask.stream
+    import lossmask.jobs.stream
 
-    monkeypatch.setattr(lossmask.stream, "_cores", lambda: 8)  # workers, even on two cores
+    monkeypatch.setattr(lossmask.jobs.stream, "_cores", lambda: 8)  # workers, even on two cores
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
             for i in range(4_500)]
     rows[4_321]["messages"][0]["content"] = "quote <|im_end|> here"

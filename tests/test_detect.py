@@ -6,7 +6,7 @@ import pytest
 
 from conftest import chat_tokenizer, detected_markers, tokenizer_path
 from lossmask import ChatTokenizer, MarkerDetectionError, Markers, detect_markers, load_tokenizer, markers_from_strings, verify
-from lossmask.detect import detect_markers_with_report
+from lossmask.markers.detect import detect_markers_with_report
 
 
 def decoded(ct, patterns) -> set[str]:
@@ -145,7 +145,7 @@ def test_qwen3_non_thinking_masks_the_prompt_prefill():
     last turn contains; it is never trained there, and earlier turns train from their content."""
     from test_conformance import random_conversations
     from test_verify import trained_spans
-    from lossmask.verify import ground_truth
+    from lossmask.markers.verify import ground_truth
 
     ct = load_tokenizer(chat_tokenizer("qwen3"), template_kwargs={"enable_thinking": False})
     markers, report = detect_markers_with_report(ct)
@@ -278,7 +278,7 @@ def test_gpt_oss_header_between_analysis_and_final_is_trained_by_the_rule():
     """The model writes '<|start|>assistant' between its analysis and its final message in one
     sampling run: the rule trains it; markers cannot (it is the turn's header, token for token), and
     verify counts those tokens apart, so the report stays exact and says so."""
-    from lossmask.verify import ground_truth
+    from lossmask.markers.verify import ground_truth
 
     ct = chat_tokenizer("gpt-oss")
     markers, report = detected_markers("gpt-oss")

@@ -20,7 +20,7 @@ from conftest import REPO_ROOT, chat_tokenizer, tokenizer_families
 
 pytest.importorskip("fastokens", reason="fastokens is not installed (pip install 'lossmask[fast]')")
 
-from lossmask.fast_tokens import FastTokenizerWarning, FastTokens  # noqa: E402
+from lossmask.chat.fast_tokens import FastTokenizerWarning, FastTokens  # noqa: E402
 
 EDGE_TEXTS = [
     "", " ", "\n", "\n\n\n", "  two leading spaces", "trailing spaces   ", "\ttab\tseparated\t", "a\r\nb",
@@ -31,7 +31,7 @@ EDGE_TEXTS = [
 
 
 def _texts(ct) -> list[str]:
-    from lossmask.verify import probe_conversations
+    from lossmask.chat.probes import probe_conversations
 
     chats = [json.loads(line)["messages"] for line in (REPO_ROOT / "examples" / "chats.jsonl").read_text().splitlines()]
     conversations = [(c, None) for c in chats if c] + [(list(p.messages), p.tools) for p in probe_conversations()]

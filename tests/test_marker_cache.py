@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 from conftest import chat_tokenizer
-from lossmask.marker_cache import cache_dir, resolve_cached
-from lossmask.stream import plan_workers
+from lossmask.markers.cache import cache_dir, resolve_cached
+from lossmask.jobs.stream import plan_workers
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _counting(ct, **arguments):
-    from lossmask.policy import resolve_markers
+    from lossmask.markers.policy import resolve_markers
 
     calls = []
 
@@ -111,3 +111,13 @@ def test_a_hit_names_the_folder_of_the_current_job(cache, tmp_path):
     assert not calls, "the same tokenizer files in another folder share the cached resolution"
     text = "\n".join(hit.messages)
     assert str(tmp_path / "b") in text and str(tmp_path / "a") not in text
+
+
+def test_the_key_reads_every_code_file_it_names():
+    # a file that moved would be hashed as "missing": an edit to it would no longer change the key
+    from pathlib import Path
+
+    from lossmask.markers import cache
+
+    package = Path(cache.__file__).resolve().parent.parent
+    assert [name for name in cache.CODE_FILES if not (package / name).is_file()] == []

@@ -14,7 +14,7 @@ import lossmask
 from lossmask import Markers
 
 mx = pytest.importorskip("mlx.core")
-from lossmask.kernels import mlx_kernel, reference  # noqa: E402
+from lossmask.engine.kernels import mlx_kernel, reference  # noqa: E402
 
 from backend_cases import as_arrow, markers, padded, rows, value_types  # noqa: E402
 

@@ -73,7 +73,7 @@ def _peer(family: str):
     """``(hf tokenizer, training template, lossmask ChatTokenizer on it, detected markers)``, once per family."""
     if family not in _PEER_CACHE:
         from lossmask import ChatTokenizer
-        from lossmask.detect import detect_markers_with_report
+        from lossmask.markers.detect import detect_markers_with_report
 
         hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer_path(family)), local_files_only=True)
         name = PEERS[family]

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import chat_tokenizer, tokenizer_path
 from lossmask import Markers
-from lossmask.detect import MarkerDetectionError
-from lossmask.policy import (
+from lossmask.markers.detect import MarkerDetectionError
+from lossmask.markers.policy import (
     FullSequenceWarning,
     MarkerFallbackWarning,
     MarkerResolutionError,
@@ -22,7 +22,7 @@ from lossmask.policy import (
     _resolve_chat,
     resolve_markers,
 )
-from lossmask.templates import TemplateEntry, TemplateMatch
+from lossmask.markers.templates import TemplateEntry, TemplateMatch
 
 DETECTED = Markers(response=[[1, 2]], end=[[9]])
 FROM_TABLE = Markers(response=[[1, 3]], end=[[9]])
@@ -245,7 +245,7 @@ def test_bad_user_strings(bad):
 
 @pytest.mark.parametrize("family", ["qwen2.5", "llama-3", "gpt-oss", "glm-4"])
 def test_real_tokenizers_resolve_to_detected_markers_that_verify(family):
-    from lossmask.verify import verify
+    from lossmask.markers.verify import verify
 
     path = chat_tokenizer(family)
     with warnings.catch_warnings():
@@ -313,7 +313,7 @@ def test_real_user_string_that_never_occurs_is_an_error_not_a_fallback():
 def test_tokenizer_without_a_chat_template_trains_the_full_sequence_loudly():
     from transformers import AutoTokenizer
 
-    from lossmask.tokenizer import ChatTemplateError
+    from lossmask.chat.tokenizer import ChatTemplateError
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path("qwen2.5")), local_files_only=True)
     tokenizer.chat_template = None

@@ -96,7 +96,7 @@ def test_one_huge_row_and_many_empty_rows():
 
 def test_parallel_and_serial_kernels_agree(monkeypatch):
     """Small batches run serially; force the parallel compilation onto random data too."""
-    from lossmask.kernels import numba_kernel
+    from lossmask.engine.kernels import numba_kernel
 
     rng = np.random.default_rng(11)
     markers = Markers(response=[[1, 2], [1, 2, 2]], instruction=[[1]], end=[[3], [3, 4]], mask_out=[[5, 0]])
@@ -114,7 +114,7 @@ def test_parallel_and_serial_kernels_agree(monkeypatch):
 
 def test_the_two_schedules_are_two_functions():
     """numba caches by Python function: one body behind both would load one schedule for both."""
-    from lossmask.kernels import numba_kernel
+    from lossmask.engine.kernels import numba_kernel
 
     parallel, serial = numba_kernel._label_rows_parallel, numba_kernel._label_rows_serial
     assert parallel.py_func.__qualname__ != serial.py_func.__qualname__

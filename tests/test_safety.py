@@ -1,7 +1,7 @@
 import pytest
 
 from lossmask import Markers, OutcomeCounts, TooManyDroppedRows, check_drop_fraction, label_batch
-from lossmask.safety import format_row
+from lossmask.jobs.display import format_row
 
 
 def counts(trained=0, no_response=0, empty_response=0, empty=0):

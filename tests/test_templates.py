@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import REPO_ROOT, chat_tokenizer, tokenizer_families
-from lossmask.templates import load_table, match_template, normalise_model_name, parse_table, table_markdown, table_markers
+from lossmask.markers.templates import load_table, match_template, normalise_model_name, parse_table, table_markdown, table_markers
 
 FAMILIES = [
     "alpaca", "chatml", "deepseek-v3", "deepseek-v3.1", "falcon", "gemma-2", "gemma-3", "glm-4", "gpt-oss", "lfm2",
@@ -139,7 +139,7 @@ def test_pattern_groups_allow_words_between_them():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_table_entry_verifies_exactly_on_the_real_tokenizer(family):
     """Each entry's strings, located in probes rendered by the family's own template, reproduce the ground truth."""
-    from lossmask.verify import verify
+    from lossmask.markers.verify import verify
 
     ct = chat_tokenizer(family)  # loaded once per session (tests/conftest.py)
     markers = table_markers(ct, family)
@@ -157,6 +157,6 @@ def test_the_families_under_test_are_the_shared_ones():
 def test_the_table_document_is_current():
     doc = REPO_ROOT / "docs" / "template-table.md"
     assert doc.read_text(encoding="utf-8") == table_markdown(), (
-        "docs/template-table.md is out of date; regenerate it: python -c \"from lossmask.templates import table_markdown; "
+        "docs/template-table.md is out of date; regenerate it: python -c \"from lossmask.markers.templates import table_markdown; "
         "open('docs/template-table.md', 'w').write(table_markdown())\""
     )

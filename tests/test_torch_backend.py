@@ -12,7 +12,7 @@ import lossmask
 from lossmask import Markers
 
 torch = pytest.importorskip("torch")
-from lossmask.kernels import reference, torch_kernel  # noqa: E402
+from lossmask.engine.kernels import reference, torch_kernel  # noqa: E402
 
 from backend_cases import as_arrow, markers, padded, rows, value_types  # noqa: E402
 

@@ -7,7 +7,8 @@ import pytest
 
 from conftest import chat_tokenizer
 from lossmask import Markers, VerifyReport, verify
-from lossmask.verify import Conversation, ground_truth, locate_messages, probe_conversations
+from lossmask.chat.probes import Conversation, probe_conversations
+from lossmask.markers.verify import ground_truth, locate_messages
 
 CHAT = [
     {"role": "user", "content": "What is the capital of France?"},
@@ -181,7 +182,7 @@ def test_a_reply_the_template_rewrites_is_not_checkable_rather_than_judged():
     """Falcon's template turns blank lines into single newlines: no truth can be read off that turn."""
     ct = chat_tokenizer("falcon")
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "One.\n\nTwo."}]
-    from lossmask.verify import GroundTruthError
+    from lossmask.markers.verify import GroundTruthError
 
     with pytest.raises(GroundTruthError, match="assistant message 1 does not occur"):
         ground_truth(ct, conv)
@@ -193,7 +194,7 @@ def test_a_reply_the_template_rewrites_is_not_checkable_rather_than_judged():
 
 
 def test_missing_message_text_names_each_dropped_piece():
-    from lossmask.content import missing_message_text
+    from lossmask.markers.content import missing_message_text
 
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -237,7 +238,7 @@ def test_verify_reports_a_message_the_template_drops(family, messages, dropped):
 
 def test_find_marker_text_flags_rows_that_quote_markers():
     from conftest import detected_markers
-    from lossmask.content import find_marker_text
+    from lossmask.markers.content import find_marker_text
 
     ct = chat_tokenizer("llama-2")
     markers, _ = detected_markers("llama-2")

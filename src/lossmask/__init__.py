@@ -7,30 +7,34 @@
 
 ``import lossmask`` loads numpy and pyarrow only; numba, torch, MLX, transformers and Ray load
 when a function that needs them is first called.
+
+The package reads as the data flow (docs/architecture.md): ``chat`` (chats to ids and a data mask),
+``markers`` (markers derived and verified from the template), ``engine`` (ids to labels), ``jobs``
+(files in, Parquet and a report out); the faces at the top (``hf``, ``ray``, ``mlx``, ``collator``,
+``lora``, ``cli``, ``show``) connect them to the tools people train with.
 """
 
 from __future__ import annotations
 
-from .content import find_marker_text
-from .detect import MarkerDetectionError, detect_markers, markers_from_strings
-from .labels import LabelledBatch, label_batch, make_labels, trainable_mask
-from .markers import Markers
-from .options import MaskOptions
-from .outcomes import Outcome, OutcomeCounts
-from .policy import (
+from .chat import ChatTokenizer, load_tokenizer
+from .engine import LabelledBatch, Markers, Outcome, OutcomeCounts, label_batch, make_labels, trainable_mask
+from .jobs import MaskReport, TooManyDroppedRows, check_drop_fraction, mask_files
+from .markers import (
     FullSequenceWarning,
+    MarkerDetectionError,
     MarkerFallbackWarning,
     MarkerResolutionError,
     Resolution,
     UnverifiedMarkersWarning,
+    VerifyReport,
+    detect_markers,
+    find_marker_text,
+    markers_from_strings,
+    match_template,
     resolve_markers,
+    verify,
 )
-from .report import MaskReport
-from .safety import TooManyDroppedRows, check_drop_fraction
-from .stream import mask_files
-from .templates import match_template
-from .tokenizer import ChatTokenizer, load_tokenizer
-from .verify import VerifyReport, verify
+from .options import MaskOptions
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ def _example(args: argparse.Namespace) -> int:
 
 def _mask(args: argparse.Namespace) -> int:
     from .options import MaskOptions
-    from .stream import mask_files, preview_rows
+    from .jobs.stream import mask_files, preview_rows
 
     _fail_cleanly_on_signals()
 
@@ -38,7 +38,7 @@ def _mask(args: argparse.Namespace) -> int:
         return 1
     print(report.summary())
     if args.show:
-        from .stream import load_chat_tokenizer
+        from .jobs.stream import load_chat_tokenizer
 
         tokenizer = load_chat_tokenizer(args.tokenizer, chat_template=args.chat_template) if args.tokenizer else None
         colour = sys.stdout.isatty()

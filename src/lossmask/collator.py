@@ -21,9 +21,10 @@ from typing import Any, Literal, Sequence
 import numpy as np
 import torch
 
-from . import batches
-from .kernels import torch_kernel
-from .markers import Markers
+from .engine import buffers, get_backend
+from .engine.patterns import Markers
+
+torch_kernel = get_backend("torch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,7 +180,7 @@ class _Layout:
             raise TypeError("each row must be a dict with an 'input_ids' list of token ids (tokenise first)") from None
         if isinstance(ids[0], torch.Tensor):  # a dataset formatted as torch
             ids = [row.cpu().numpy() if isinstance(row, torch.Tensor) else row for row in ids]
-        rows = batches.rows_from_arrow(batches.rows_from_pylist(ids))
+        rows = buffers.rows_from_arrow(buffers.rows_from_pylist(ids))
         values, row_starts = rows.values, rows.starts.astype(np.int64)
         lengths = rows.lengths.astype(np.int64)
         n_examples, total = len(ids), int(lengths.sum())
@@ -221,7 +222,7 @@ def _sequence_lengths(examples, lengths: np.ndarray, truncation_mode: str = "kee
     if "seq_lengths" not in examples[0]:
         return lengths, np.arange(len(lengths))
     try:
-        packed = batches.rows_from_arrow(batches.rows_from_pylist([example["seq_lengths"] for example in examples]))
+        packed = buffers.rows_from_arrow(buffers.rows_from_pylist([example["seq_lengths"] for example in examples]))
     except KeyError:
         raise ValueError("some rows carry 'seq_lengths' and some do not; pack all rows of a dataset or none") from None
     seq_lengths = packed.values[packed.starts[0] : packed.starts[0] + int(packed.lengths.sum())].astype(np.int64) if len(
@@ -275,7 +276,7 @@ def _row_labels(examples, layout: _Layout) -> np.ndarray | None:
         return None
     if not all(has):
         raise ValueError("some rows carry 'labels' and some do not; with row_labels='keep' every row needs them")
-    given = batches.rows_from_arrow(batches.rows_from_pylist([example["labels"] for example in examples]))
+    given = buffers.rows_from_arrow(buffers.rows_from_pylist([example["labels"] for example in examples]))
     if not np.array_equal(given.lengths, np.diff(layout.row_offsets)):
         r = int(np.flatnonzero(given.lengths != np.diff(layout.row_offsets))[0])
         raise ValueError(f"row {r} has {int(given.lengths[r])} labels for {int(np.diff(layout.row_offsets)[r])} input_ids")

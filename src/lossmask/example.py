@@ -11,8 +11,9 @@ import sys
 import numpy as np
 import pyarrow as pa
 
-from .labels import label_batch
-from .markers import Markers
+from .engine.labels import label_batch
+from .engine.patterns import Markers
+from .jobs.display import render_tokens
 
 IM_START, IM_END, NL = "<|im_start|>", "<|im_end|>", "\\n"
 
@@ -43,14 +44,6 @@ def build_sample() -> tuple[pa.Array, Markers, list[str]]:
         end=[ids(IM_END)],  # the stop token is trained
     )
     return pa.array(rows, type=pa.list_(pa.int32())), markers, list(vocab)
-
-
-def render_tokens(texts: list[str], trained, *, colour: bool) -> str:
-    """Token texts joined by spaces, trained ones highlighted (ANSI colour) or [bracketed]."""
-    return " ".join(
-        (f"\x1b[1;30;42m{text}\x1b[0m" if colour else f"[{text}]") if is_trained else text
-        for text, is_trained in zip(texts, trained)
-    )
 
 
 def render_row(row: np.ndarray, labels: np.ndarray, vocab: list[str], *, colour: bool) -> str:

@@ -18,9 +18,9 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from .markers import Markers
-from .report import MaskReport, Tally
-from .masking import input_kind, mask_batch, output_schema
+from .engine.patterns import Markers
+from .jobs.batch_step import input_kind, mask_batch, output_schema
+from .jobs.report import MaskReport, Tally
 from .options import MaskOptions
 
 MIN_ROWS_FOR_STREAMING_CHECK = 1_000  # an IterableDataset is checked once this many rows have gone by
@@ -63,7 +63,7 @@ def mask_dataset(
     """
     import datasets
 
-    from .stream import load_chat_tokenizer
+    from .jobs.stream import load_chat_tokenizer
 
     options = MaskOptions.resolve(options, **option_fields)
     chat = load_chat_tokenizer(tokenizer) if tokenizer is not None else None
@@ -88,18 +88,18 @@ def _will_encode(dataset: Any, options: MaskOptions) -> bool:
 
 
 def _resolve(markers, chat, *, model_name, strict, response_part, instruction_part):
-    from .stream import resolve_job_markers
+    from .jobs.stream import resolve_job_markers
 
     if markers is not None or (response_part is None and instruction_part is None):
         return resolve_job_markers(markers, tokenizer=chat, model_name=model_name, strict=strict)
     if chat is None:
         raise ValueError("response_part / instruction_part are strings to locate in the rendered chat template: "
                          "pass the tokenizer too")
-    from .policy import resolve_markers
+    from .markers.policy import resolve_markers
 
-    from .stream import _resolve_cached
+    from .jobs.stream import resolve_markers_cached
 
-    resolution = _resolve_cached(chat, lambda: resolve_markers(chat, model_name=model_name, strict=strict,
+    resolution = resolve_markers_cached(chat, lambda: resolve_markers(chat, model_name=model_name, strict=strict,
                                                                response_part=response_part, instruction_part=instruction_part),
                                  model_name=model_name, strict=strict, response_part=response_part,
                                  instruction_part=instruction_part)
@@ -141,9 +141,9 @@ class _Job:
             parts.append(mask_batch(table, self.markers, self.options, tally, tokenizer=self.tokenizer, kind=kind,
                                     first_row=first_row, source=name, truncated_at=self.truncated_at))
             first_row += table.num_rows
-        from .stream import _check_drops
+        from .jobs.stream import check_job_drops
 
-        _check_drops(tally, self.tokenizer, self.options, truncation=self.truncation)
+        check_job_drops(tally, self.tokenizer, self.options, truncation=self.truncation)
         table = pa.concat_tables([p if p.schema == out_schema else p.cast(out_schema) for p in parts]) if parts else out_schema.empty_table()
         features = datasets.Features({**dataset.features, **_new_features(out_schema, schema)})
         info = dataset.info.copy()
@@ -159,7 +159,7 @@ class _Job:
         return out, report
 
     def _run_iterable(self, dataset: Any, name: str):
-        from .stream import _check_drops
+        from .jobs.stream import check_job_drops
 
         tally = Tally()
         state = {"first_row": 0}
@@ -170,7 +170,7 @@ class _Job:
                              truncated_at=truncated_at)
             state["first_row"] += table.num_rows
             if tally.rows_in >= MIN_ROWS_FOR_STREAMING_CHECK:  # over the rows seen so far (no end to wait for)
-                _check_drops(tally, tokenizer, options, truncation=self.truncation)
+                check_job_drops(tally, tokenizer, options, truncation=self.truncation)
             return out
 
         fmt = getattr(dataset, "_formatting", None)
@@ -230,7 +230,7 @@ def train_on_responses_only(
     """
     tok = tokenizer if tokenizer is not None else _trainer_tokenizer(trainer)
     model_name = model_name or _model_name(trainer)
-    from .stream import load_chat_tokenizer
+    from .jobs.stream import load_chat_tokenizer
 
     chat = load_chat_tokenizer(tok)
     resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
@@ -307,9 +307,9 @@ def _count_packed_documents(job: "_Job", dataset: Any, name: str, truncation_mod
 
     if job.markers is None:  # no markers: every token trains, nothing to count
         return
-    from .labels import label_batch
-    from .outcomes import OutcomeCounts
-    from .stream import _check_drops
+    from .engine.labels import label_batch
+    from .engine.outcomes import OutcomeCounts
+    from .jobs.stream import check_job_drops
 
     counts = OutcomeCounts()
     for table in dataset.select_columns(["input_ids", "seq_lengths"]).with_format("arrow").iter(batch_size=job.options.batch_size):
@@ -331,7 +331,7 @@ def _count_packed_documents(job: "_Job", dataset: Any, name: str, truncation_mod
         documents = pa.LargeListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(seq_lengths)]), pa.int64()), values)
         counts = counts + label_batch(documents, job.markers, last_turn_only=job.options.last_turn_only).counts
     tally = Tally(counts=counts, rows_out=counts.rows)
-    _check_drops(tally, job.tokenizer, job.options, truncation=job.truncation)
+    check_job_drops(tally, job.tokenizer, job.options, truncation=job.truncation)
     report = MaskReport.build(tally, markers=job.markers, markers_source=job.source, keep_dropped=True,
                               input=f"{name} (packed documents)", messages=job.messages)
     if job.verbose:

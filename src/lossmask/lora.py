@@ -27,7 +27,7 @@ import types
 from pathlib import Path
 from typing import Any, Sequence
 
-from .safety import DEFAULT_MAX_DROP_FRACTION
+from .options import DEFAULT_MAX_DROP_FRACTION
 
 # lossmask's own settings, on the command line or in the YAML file (with underscores), and their defaults
 DEFAULTS = {"markers": None, "last_turn_only": False, "prompt_loss_weight": 0.0,
@@ -132,8 +132,8 @@ def run(args: types.SimpleNamespace, *, training_callback: Any = None) -> None:
 def load_splits(args: types.SimpleNamespace, tokenizer: Any) -> tuple:
     """The masked splits of ``args.data``, each split's drop report printed."""
     from . import mlx as lm
-    from .report import MaskReport, Tally
-    from .stream import load_chat_tokenizer, resolve_job_markers
+    from .jobs.report import MaskReport, Tally
+    from .jobs.stream import load_chat_tokenizer, resolve_job_markers
 
     chat = load_chat_tokenizer(tokenizer)
     markers, source, messages = resolve_job_markers(args.markers, tokenizer=chat, model_name=str(args.model), strict=False)

@@ -34,12 +34,14 @@ import mlx.nn as nn
 import numpy as np
 import pyarrow as pa
 
-from . import batches
-from .kernels import mlx_kernel
-from .labels import label_batch
-from .markers import Markers
-from .outcomes import Outcome, OutcomeCounts
-from .safety import DEFAULT_MAX_DROP_FRACTION, TooManyDroppedRows, check_drop_fraction
+from .engine import buffers, get_backend
+from .engine.labels import label_batch
+from .engine.outcomes import Outcome, OutcomeCounts
+from .engine.patterns import Markers
+from .jobs.safety import TooManyDroppedRows, check_drop_fraction
+from .options import DEFAULT_MAX_DROP_FRACTION
+
+mlx_kernel = get_backend("mlx")
 
 SPLITS = ("train", "valid", "test")
 
@@ -92,7 +94,7 @@ class MaskedDataset:
         self.markers = markers
         self.mask_prompt = bool(mask_prompt)
         self.last_turn_only = bool(last_turn_only)
-        rows = batches.rows_from_arrow(array)
+        rows = buffers.rows_from_arrow(array)
         lengths = rows.lengths.astype(np.int64)
         trained = None  # per-token trained flags, when the rows came with labels
         if labels is not None:
@@ -115,7 +117,7 @@ class MaskedDataset:
             if trained is not None:
                 trained = trained[np.repeat(keep, lengths)]
             array = array.filter(pa.array(keep))
-            rows = batches.rows_from_arrow(array)
+            rows = buffers.rows_from_arrow(array)
             lengths = rows.lengths.astype(np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self.values = _compact(rows, lengths).astype(np.int32)
@@ -136,7 +138,7 @@ class MaskedDataset:
 
 
 def _as_rows(rows: Any) -> pa.Array:
-    return rows if not isinstance(rows, (list, tuple)) else batches.rows_from_pylist(list(rows))
+    return rows if not isinstance(rows, (list, tuple)) else buffers.rows_from_pylist(list(rows))
 
 
 def _trained_per_row(trained: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -147,7 +149,7 @@ def _trained_per_row(trained: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 def _trained_from_labels(labels: pa.Array, lengths: np.ndarray, ignore_index: int, name: str) -> np.ndarray:
     """Flat per-token trained flags from a labels column (``lossmask mask`` output), checked against the ids."""
-    given = batches.rows_from_arrow(labels)
+    given = buffers.rows_from_arrow(labels)
     if not np.array_equal(given.lengths, lengths):
         r = int(np.flatnonzero(given.lengths != lengths)[0])
         raise ValueError(f"{name} row {r} has {int(given.lengths[r])} labels for {int(lengths[r])} input_ids; "
@@ -206,7 +208,7 @@ def tokenize_rows(rows: Sequence[dict], tokenizer: Any, *, features: Features = 
 
 def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_tokens_in_content: str = "text"):
     """``tokenize_rows`` plus, for chat and completion rows, which tokens are message text (``in_content``)."""
-    from .tokenizer import load_tokenizer
+    from .chat.tokenizer import load_tokenizer
 
     if len(rows) == 0:
         raise ValueError(f"{name} has no rows")
@@ -298,7 +300,7 @@ def load_dataset(
     if paths[1] is None:
         warnings.warn(f"{folder} has no valid.jsonl: training goes on without validation (as in mlx-lm)", stacklevel=2)
     if mask_prompt and markers is None:
-        from .detect import detect_markers
+        from .markers.detect import detect_markers
 
         markers = detect_markers(tokenizer)
     out: list[MaskedDataset | list] = []

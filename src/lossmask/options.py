@@ -4,6 +4,8 @@
 ``options=MaskOptions(...)`` and, for convenience, the same fields as keywords
 (``mask_files(..., max_length=2048)``); ``MaskOptions.resolve`` turns either into one checked value,
 so the list of fields lives here alone and a misspelt keyword names the ones that exist.
+
+Every stage reads this one value, so this module imports nothing else of lossmask.
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .safety import DEFAULT_MAX_DROP_FRACTION
-
 SPECIAL_TOKENS_IN_CONTENT = ("text", "keep", "drop", "error")
 
 DEFAULT_BATCH_SIZE = 16_384
+DEFAULT_MAX_DROP_FRACTION = 0.30  # the safety net's default: a job stops when more of its rows train nothing
 LABEL_DTYPES = ("int64", "int32")
 
 

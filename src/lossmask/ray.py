@@ -25,9 +25,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from .markers import Markers
-from .report import MaskReport, Tally
-from .masking import mask_batch
+from .engine.patterns import Markers
+from .jobs.batch_step import mask_batch
+from .jobs.report import MaskReport, Tally
 from .options import MaskOptions
 
 
@@ -59,7 +59,7 @@ def mask_dataset(
     at that path then).
     """
     ray = _ray()
-    from .stream import _check_drops, load_chat_tokenizer, resolve_job_markers
+    from .jobs.stream import check_job_drops, load_chat_tokenizer, resolve_job_markers
 
     options = MaskOptions.resolve(options, **option_fields)
     if not isinstance(dataset, ray.data.Dataset):
@@ -73,7 +73,7 @@ def mask_dataset(
     tally = Tally()
     for row in labelled.map_batches(_tallies_only, batch_format="pyarrow", zero_copy_batch=True).take_all():
         tally = tally + Tally.from_dict(json.loads(row[TALLY_COLUMN]))
-    _check_drops(tally, chat, options)  # before anything is written
+    check_job_drops(tally, chat, options)  # before anything is written
     rows = labelled.map_batches(_rows_only, batch_format="pyarrow", zero_copy_batch=True)
     result = rows.materialize() if output is None else _write(rows, os.fspath(output))
     report = MaskReport.build(tally, markers=resolved, markers_source=source, keep_dropped=options.keep_dropped,
@@ -125,7 +125,7 @@ def _rows_only(batch: pa.Table) -> pa.Table:
 
 def _write(rows: Any, output: str) -> Any:
     """Write Parquet to ``output``; a local folder is written under a partial name and renamed at the end."""
-    from .outputs import partial_name, remove_quietly, remove_stale_partials
+    from .jobs.outputs import partial_name, remove_quietly, remove_stale_partials
 
     ray = _ray()
     local = "://" not in output

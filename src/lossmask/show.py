@@ -24,10 +24,10 @@ from typing import Any, Mapping, Sequence, TextIO
 
 import numpy as np
 
-from .labels import make_labels
-from .markers import KINDS, Markers
-from .policy import Resolution, resolve_markers
-from .verify import WEATHER_TOOL
+from .chat.probes import WEATHER_TOOL
+from .engine.labels import make_labels
+from .engine.patterns import KINDS, Markers
+from .markers.policy import Resolution, resolve_markers
 
 _CALL = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
 
@@ -69,7 +69,7 @@ def describe_markers(tokenizer: Any, markers: Markers | None) -> dict[str, list[
     """``{kind: [(ids, decoded text), ...]}`` for each marker kind that has patterns."""
     if markers is None:
         return {}
-    from .tokenizer import load_tokenizer
+    from .chat.tokenizer import load_tokenizer
 
     ct = load_tokenizer(tokenizer)
     return {kind: [(list(p), ct.decode(p)) for p in getattr(markers, kind)] for kind in KINDS if getattr(markers, kind)}
@@ -89,7 +89,7 @@ def _coerce_conversation(conversation: Any) -> tuple[list[Mapping[str, Any]], li
 
 def _render_sample(ct: Any) -> tuple[str, tuple[str, ...]]:
     """The sample, adapted step by step to what the template accepts; notes say what was left out."""
-    from .tokenizer import ChatTemplateError
+    from .chat.tokenizer import ChatTemplateError
 
     messages, tools = SAMPLE_CONVERSATION["messages"], SAMPLE_CONVERSATION["tools"]
     without_tools = [m for m in messages if m["role"] != "tool" and not m.get("tool_calls")]
@@ -172,7 +172,7 @@ def label_conversation(
     already made (default: ``resolve_markers(tokenizer, model_name)``). Without markers (the policy
     found none) every token trains, as it would in training, and the resolution's messages say so.
     """
-    from .tokenizer import load_tokenizer
+    from .chat.tokenizer import load_tokenizer
 
     ct = load_tokenizer(tokenizer)
     if resolution is None:
@@ -327,7 +327,7 @@ def write_html(shown: Shown, path: str | os.PathLike, tokenizer: Any = None) -> 
     """Write ``to_html(shown)`` to ``path``; with ``tokenizer``, tooltips and special tokens come from it."""
     decode, special = None, frozenset()
     if tokenizer is not None:
-        from .tokenizer import load_tokenizer
+        from .chat.tokenizer import load_tokenizer
 
         ct = load_tokenizer(tokenizer)
         decode, special = ct.decode, ct.special_ids
@@ -348,7 +348,7 @@ def _resolve_quietly(ct: Any, model_name: str | None) -> Resolution:
 def run_show(tokenizer: Any, conversation_path: str | os.PathLike | None = None, *, html_path: str | os.PathLike | None = None,
              model_name: str | None = None, out: TextIO | None = None, colour: bool | None = None) -> int:
     """``lossmask show``: print the labelled conversation, or write it as an HTML page."""
-    from .tokenizer import load_tokenizer
+    from .chat.tokenizer import load_tokenizer
 
     out = out or sys.stdout
     ct = load_tokenizer(tokenizer)
@@ -372,7 +372,7 @@ def run_show(tokenizer: Any, conversation_path: str | os.PathLike | None = None,
 
 def detect_report(tokenizer: Any, *, model_name: str | None = None) -> dict[str, Any]:
     """What ``lossmask detect --json`` prints: markers (ids and text), source, reason, messages, verification."""
-    from .tokenizer import ChatTemplateError, load_tokenizer
+    from .chat.tokenizer import ChatTemplateError, load_tokenizer
 
     try:
         ct = load_tokenizer(tokenizer)
@@ -421,7 +421,7 @@ def run_detect(tokenizer: Any, *, model_name: str | None = None, as_json: bool =
     if info["markers"] is None:
         print("markers: none: the full sequence trains", file=out)
     else:
-        from .report import marker_lines
+        from .jobs.report import marker_lines
 
         print("markers (text = ids; whitespace variants are the header merged with the reply's leading whitespace):",
               file=out)

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .options import SPECIAL_TOKENS_IN_CONTENT  # noqa: F401  (re-exported)
+from ..options import SPECIAL_TOKENS_IN_CONTENT  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class ContentTokens:
     def of(cls, ct: Any) -> "ContentTokens":
         """Render the built-in probes and sort the added tokens by where the template writes them."""
         from .locate import locate_messages
-        from .verify import renderable_probes
+        from .probes import renderable_probes
 
         added = ct.tokenizer.added_tokens_decoder
         contents = {int(i): str(t.content) for i, t in added.items()}

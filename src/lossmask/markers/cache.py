@@ -23,9 +23,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from .markers import Markers
+from ..engine.patterns import Markers
 
-CODE_FILES = ("detect.py", "verify.py", "policy.py", "templates.py", "markers.py", "tokenizer.py", "data/templates.json")
+# The code a resolution depends on, relative to the package: a change to any of them is a new key.
+CODE_FILES = ("markers/detect.py", "markers/verify.py", "markers/content.py", "markers/policy.py", "markers/templates.py",
+              "engine/patterns.py", "chat/tokenizer.py", "chat/probes.py", "chat/locate.py", "data/templates.json")
 FORMAT = 2  # 2: the tokenizer's name stored as a placeholder
 
 
@@ -113,7 +115,7 @@ _CODE: list[bytes] = []
 
 def _code_digest() -> bytes:
     if not _CODE:
-        here = Path(__file__).resolve().parent
+        here = Path(__file__).resolve().parent.parent  # the lossmask package
         digest = hashlib.sha256()
         for name in CODE_FILES:
             try:

@@ -1,6 +1,6 @@
 """`detect_markers`: response, instruction and end patterns read off the tokenizer's own chat template.
 
-Detection renders the built-in probe conversations (``verify.probe_conversations``), builds their
+Detection renders the built-in probe conversations (``chat.probes.probe_conversations``), builds their
 ground truth (``verify.ground_truth``: where each assistant turn starts and stops training), and
 reads the token ids around every turn boundary as they occur in context:
 
@@ -35,12 +35,10 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .markers import Markers
-from .tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
-from .verify import (
-    KINDS, GroundTruth, Unchecked, VerifyReport, build_truths, check, probe_kind, renderable_probes, sort_probes,
-    vocabulary_probes,
-)
+from ..chat.probes import KINDS, probe_kind, renderable_probes, sort_probes, vocabulary_probes
+from ..chat.tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
+from ..engine.patterns import Markers
+from .verify import GroundTruth, Unchecked, VerifyReport, build_truths, check
 
 _HOW_TO_FIX = (
     "pass markers yourself (lossmask.Markers(response=[[...]], end=[[...]]), or "

@@ -1,6 +1,6 @@
 """The public labelling operations: ``make_labels``, ``trainable_mask`` and ``label_batch``.
 
-Each call validates once, turns its input into flat buffers (``batches.py``), makes one call into
+Each call validates once, turns its input into flat buffers (``buffers.py``), makes one call into
 the chosen kernel per Arrow chunk, raises on what the kernel reported, and gives back the same row
 structure it was given.
 """
@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from . import batches
-from .batches import TokenRows
+from . import buffers
+from .buffers import TokenRows
 from .kernels import get_backend
-from .markers import Markers
 from .outcomes import Outcome, OutcomeCounts
+from .patterns import Markers
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def label_batch(
     span; it is still trained where its span is. Pre-tokenised ``input_ids`` carry no such mask: a
     marker's text inside a message there acts as the marker.
     """
-    label_dtype = batches.resolve_label_dtype(dtype)
+    label_dtype = buffers.resolve_label_dtype(dtype)
     info = np.iinfo(label_dtype)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)) or not (
         info.min <= ignore_index <= info.max
@@ -122,7 +122,7 @@ def _label_with_data(input_ids, markers, backend, last_turn_only, ignore_index, 
         input_ids = input_ids.combine_chunks() if input_ids.num_chunks != 1 else input_ids.chunk(0)
     if not isinstance(input_ids, pa.Array):
         raise TypeError("data_mask goes with a pyarrow List/LargeList array of input_ids")
-    rows = batches.rows_from_arrow(input_ids)
+    rows = buffers.rows_from_arrow(input_ids)
     lengths = rows.lengths.astype(np.int64)
     data_mask = np.asarray(data_mask, dtype=bool)
     if data_mask.shape != (int(lengths.sum()),):
@@ -144,7 +144,7 @@ def _label_with_data(input_ids, markers, backend, last_turn_only, ignore_index, 
     _raise_on_negative_ids(rows, first_bad)
     trained_text = where[out[where] != ignore_index]
     out[trained_text] = rows.values[trained_text]
-    labels = batches.labels_to_arrow(input_ids, buffer, out_dtype, base=rows.base)
+    labels = buffers.labels_to_arrow(input_ids, buffer, out_dtype, base=rows.base)
     return _assemble(labels, [(trained, outcomes, rows.lengths)])
 
 
@@ -158,7 +158,7 @@ def _label(input_ids, markers, backend, last_turn_only, ignore_index, out_dtype,
 
     def run(rows: TokenRows, out: np.ndarray):
         if not write_mask:
-            batches.check_label_range(rows, out.dtype)
+            buffers.check_label_range(rows, out.dtype)
         trained, outcomes, first_bad = kernel.label_rows(
             rows.values, rows.starts, rows.ends, markers,
             last_turn_only=last_turn_only, ignore_index=ignore_index, out=out, write_mask=write_mask,
@@ -169,12 +169,12 @@ def _label(input_ids, markers, backend, last_turn_only, ignore_index, out_dtype,
     if lengths is not None or isinstance(input_ids, np.ndarray):
         if not isinstance(input_ids, np.ndarray) or lengths is None:
             raise TypeError("lengths goes with a 2-D NumPy input_ids (rows padded to one width); pass both or neither")
-        rows = batches.rows_from_padded(input_ids, lengths)
+        rows = buffers.rows_from_padded(input_ids, lengths)
         out = np.full(input_ids.shape, 0 if write_mask else ignore_index, dtype=out_dtype)
         return _assemble(out, [run(rows, out.reshape(-1))])
 
     if isinstance(input_ids, (list, tuple)):
-        array = batches.rows_from_pylist(list(input_ids))
+        array = buffers.rows_from_pylist(list(input_ids))
         result = _label_arrow_chunks([array], run, out_dtype)
         return LabelledBatch(result.labels.to_pylist(), result.trained_tokens, result.outcomes, result.counts)
 
@@ -191,10 +191,10 @@ def _label(input_ids, markers, backend, last_turn_only, ignore_index, out_dtype,
 def _label_arrow_chunks(chunks, run, out_dtype, *, chunked_type=None) -> LabelledBatch:
     labels, per_row, first_row = [], [], 0
     for chunk in chunks:
-        rows = batches.rows_from_arrow(chunk, first_row=first_row)
+        rows = buffers.rows_from_arrow(chunk, first_row=first_row)
         buffer = _label_buffer(chunk, rows, out_dtype)
         per_row.append(run(rows, np.frombuffer(buffer, dtype=out_dtype)))
-        labels.append(batches.labels_to_arrow(chunk, buffer, out_dtype, base=rows.base))
+        labels.append(buffers.labels_to_arrow(chunk, buffer, out_dtype, base=rows.base))
         first_row += len(chunk)
     if chunked_type is None:
         return _assemble(labels[0], per_row)

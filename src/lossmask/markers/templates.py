@@ -29,7 +29,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from .markers import KINDS, Markers
+from ..engine.patterns import KINDS, Markers
 
 _WORD = re.compile(r"[a-z]+|[0-9]+")
 
@@ -221,7 +221,7 @@ def table_markdown(table: TemplateTable | None = None) -> str:
     lines = [
         "# The template table",
         "",
-        "Generated from `src/lossmask/data/templates.json` by `lossmask.templates.table_markdown()`; do not edit by hand.",
+        "Generated from `src/lossmask/data/templates.json` by `lossmask.markers.templates.table_markdown()`; do not edit by hand.",
         "",
         "The table is the fallback of `lossmask.resolve_markers` when detection from the chat template fails.",
         "Marker strings become token ids only by being found inside a conversation rendered with the",

@@ -11,7 +11,7 @@ BOS on top would double it. A template that writes no BOS (Zephyr, OLMo-2, Qwen)
 one, here as in TRL. So every encode below uses ``add_special_tokens=False``: the rendered text is
 the whole row.
 
-This module renders and encodes; it knows nothing about markers (see ``detect.py``).
+This module renders and encodes; it knows nothing about markers (``lossmask.markers`` does).
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
+from .render import ChatTemplateError  # noqa: F401  (raised here too; importers name it from either)
+
 Messages = Sequence[Mapping[str, Any]]
-
-
-class ChatTemplateError(ValueError):
-    """The chat template could not render a conversation (it raised, or there is no template)."""
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from ..engine.outcomes import CONTENT_DROPPED, SPECIAL_TOKENS
 from .locate import locate_messages
-from .report import CONTENT_DROPPED, SPECIAL_TOKENS
 from .specials import SPECIAL_TOKENS_IN_CONTENT
 
 

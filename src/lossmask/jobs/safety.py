@@ -11,17 +11,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .outcomes import Outcome, OutcomeCounts
-
-DEFAULT_MAX_DROP_FRACTION = 0.30
-
-# What the dropped rows themselves show, in the order they are checked (one cause per row).
-NO_ASSISTANT_TURN = "no_assistant_turn"  # the chat has no assistant message: nothing could train
-CUT_BY_TRUNCATION = "cut_by_truncation"  # the row reaches the maximum length: truncation cut its assistant turns
-MARKERS_MATCH_NOTHING = "markers_match_nothing"  # no response marker, though the row is whole (and has assistant turns when known)
-HEADER_ONLY = "header_only"  # a response marker with nothing after it, in a row that was not cut
-NO_TOKENS = "no_tokens"  # empty or null input_ids
-
+from ..engine.outcomes import (
+    CUT_BY_TRUNCATION,
+    HEADER_ONLY,
+    MARKERS_MATCH_NOTHING,
+    NO_ASSISTANT_TURN,
+    Outcome,
+    OutcomeCounts,
+)
+from ..options import DEFAULT_MAX_DROP_FRACTION
 
 class TooManyDroppedRows(ValueError):
     """More rows than allowed end with no trained token."""
@@ -49,34 +47,6 @@ def likely_cause(counts: OutcomeCounts) -> str:
     if reason == Outcome.EMPTY.reason:
         return "most dropped rows have no tokens at all (empty or null input_ids): check the tokenisation step"
     return "no rows were dropped"
-
-
-def classify_drops(
-    outcomes: np.ndarray,
-    lengths: np.ndarray,
-    *,
-    has_assistant: np.ndarray | None = None,
-    max_length: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The cause of each dropped row, from what the row shows (vectorised; rows that train get no cause).
-
-    Returns ``(dropped_index, cause_codes)``: the indexes of the dropped rows and, for each, an index
-    into ``CAUSES``. ``has_assistant`` (per row, when the rows were chats) tells rows with no assistant
-    message; ``max_length`` (when a truncation length applied) tells rows cut by it.
-    """
-    dropped = np.flatnonzero(outcomes != Outcome.TRAINED)
-    out = outcomes[dropped]
-    cause = np.where(out == Outcome.NO_RESPONSE, CAUSES.index(MARKERS_MATCH_NOTHING),
-                     np.where(out == Outcome.EMPTY_RESPONSE, CAUSES.index(HEADER_ONLY), CAUSES.index(NO_TOKENS)))
-    if max_length:
-        cut = (lengths[dropped] >= max_length) & (out != Outcome.EMPTY)
-        cause = np.where(cut, CAUSES.index(CUT_BY_TRUNCATION), cause)
-    if has_assistant is not None:
-        cause = np.where(~has_assistant[dropped] & (out != Outcome.EMPTY), CAUSES.index(NO_ASSISTANT_TURN), cause)
-    return dropped, cause
-
-
-CAUSES = (NO_ASSISTANT_TURN, CUT_BY_TRUNCATION, MARKERS_MATCH_NOTHING, HEADER_ONLY, NO_TOKENS)
 
 
 def _cause_sentence(cause: str, n: int, total: int, truncation: str | None) -> str:
@@ -110,7 +80,7 @@ def check_drop_fraction(
     """Raise ``TooManyDroppedRows`` when more than ``max_drop_fraction`` of the rows train nothing.
 
     ``causes`` (from ``classify_drops``, added up): dropped rows per cause, each named in the message
-    with its example row from ``examples`` (rendered for a person, see ``format_row``); ``truncation``
+    with its example row from ``examples`` (rendered for a person, see ``display.format_row``); ``truncation``
     names the length that cut rows (e.g. ``"max_length=40 (SFTConfig.max_length)"``). Without
     ``causes`` the message guesses from the engine's reasons and shows ``example``.
     """
@@ -137,20 +107,3 @@ def check_drop_fraction(
             message += f"\nExample dropped row (trained tokens in [brackets]):\n  {example}"
     message += "\nTo go on anyway, raise max_drop_fraction (--max-drop-fraction 1.0 keeps going whatever drops)."
     raise TooManyDroppedRows(message, counts)
-
-
-def format_row(
-    token_ids: Sequence[int],
-    labels: Sequence[int],
-    decode: Callable[[int], str],
-    *,
-    ignore_index: int = -100,
-    max_tokens: int = 200,
-) -> str:
-    """A row as text with trained tokens in [brackets]; long rows keep their last ``max_tokens``."""
-    from .example import render_tokens
-
-    start = max(0, len(token_ids) - max_tokens)
-    texts = [repr(decode(int(t)))[1:-1] for t in token_ids[start:]]
-    trained = [int(label) != ignore_index for label in labels[start:]]
-    return ("... " if start else "") + render_tokens(texts, trained, colour=False)

@@ -1,7 +1,7 @@
 """``mask_files``: files in, one Parquet file out, batch by batch, with memory bounded by the batch size.
 
 Input: a Parquet file, a folder or glob of Parquet files, Arrow IPC (``.arrow`` / ``.feather`` /
-``.ipc``), or JSON Lines (``.jsonl`` / ``.json``), read one batch at a time (``files.py``).
+``.ipc``), or JSON Lines (``.jsonl`` / ``.json``), read one batch at a time (``inputs.py``).
 Output: Parquet written as the batches are labelled, to a hidden partial name beside the target,
 renamed onto it (with the report) only when the whole job (safety net included) succeeded; a failed
 job leaves no file that looks complete (``outputs.py``).
@@ -18,13 +18,13 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from .kernels import one_thread
-from .files import FORMATS, InputFiles, open_inputs  # noqa: F401  (FORMATS: for callers of stream)
-from .markers import Markers
-from .report import MaskReport, Tally
-from .masking import input_kind, mask_batch, output_schema
-from .options import MaskOptions
+from ..engine import one_thread
+from .inputs import FORMATS, InputFiles, open_inputs  # noqa: F401  (FORMATS: for callers of stream)
+from ..engine.patterns import Markers
+from ..options import MaskOptions
+from .batch_step import input_kind, mask_batch, output_schema
 from .outputs import OutputError, as_output_error, check_output, commit, partial_name, remove_quietly, remove_stale_partials
+from .report import MaskReport, Tally
 from .safety import TooManyDroppedRows, check_drop_fraction
 
 
@@ -137,7 +137,7 @@ def mask_files(
                 background.put(out)
                 show(batch.num_rows, tally)
         show(None, tally)
-        _check_drops(tally, tokenizer, options)
+        check_job_drops(tally, tokenizer, options)
         tally.seconds["total"] = time.perf_counter() - started
         result = MaskReport.build(
             tally, markers=resolved, markers_source=markers_source, keep_dropped=options.keep_dropped,
@@ -332,7 +332,7 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
         return
     import collections
 
-    from .encode import tokenize_rendered
+    from ..chat.encode import tokenize_rendered
 
     def tokenise(rendered):  # on the thread: a worker's batch is waited for there, not here
         waited = 0.0
@@ -363,7 +363,7 @@ def _rendered_batches(batches, kind, options, tokenizer, num_proc):
     its message text; this process tokenises, labels and writes, which on two cores is a worker's share of work."""
     import collections
 
-    from .encode import render_table
+    from ..chat.encode import render_table
 
     def here(batch, first_row):
         try:
@@ -380,7 +380,7 @@ def _rendered_batches(batches, kind, options, tokenizer, num_proc):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from .encode import render_in_worker, start_worker
+    from ..chat.encode import render_in_worker, start_worker
 
     workers = num_proc - 1
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(worker_start_method()), initializer=start_worker,
@@ -437,23 +437,23 @@ def resolve_job_markers(markers: Any, *, tokenizer: Any, model_name: str | None,
         raise ValueError("pass markers= (a Markers value or a JSON file, --markers FILE.json) or tokenizer= "
                          "(--tokenizer DIR) to derive them from its chat template")
     try:
-        from .policy import resolve_markers
+        from ..markers.policy import resolve_markers
     except ImportError:  # pragma: no cover - the policy lands with issue 3
-        from .detect import detect_markers
+        from ..markers.detect import detect_markers
 
         return detect_markers(tokenizer), "detected", ()
-    resolution = _resolve_cached(tokenizer, lambda: resolve_markers(tokenizer, model_name=model_name, strict=strict),
+    resolution = resolve_markers_cached(tokenizer, lambda: resolve_markers(tokenizer, model_name=model_name, strict=strict),
                                  model_name=model_name, strict=strict)
     return resolution.markers, resolution.source, tuple(resolution.messages)
 
 
-def _resolve_cached(tokenizer: Any, resolve, **arguments: Any):
-    """``resolve()`` through the on-disk marker cache (``marker_cache``) when the tokenizer is a ``ChatTokenizer``."""
-    from .tokenizer import ChatTokenizer
+def resolve_markers_cached(tokenizer: Any, resolve, **arguments: Any):
+    """``resolve()`` through the on-disk marker cache (``markers.cache``) when the tokenizer is a ``ChatTokenizer``."""
+    from ..chat.tokenizer import ChatTokenizer
 
     if not isinstance(tokenizer, ChatTokenizer):
         return resolve()
-    from .marker_cache import resolve_cached
+    from ..markers.cache import resolve_cached
 
     return resolve_cached(tokenizer, resolve, **arguments)
 
@@ -463,7 +463,7 @@ def _job_tokenizer(tokenizer: Any, chat_template: Any, kind: str, source: str):
     model: the policy then decides, and says so). Chat rows need a template: the error names --chat-template."""
     if tokenizer is None:
         return None
-    from .tokenizer import ChatTemplateError
+    from ..chat.tokenizer import ChatTemplateError
 
     try:
         return load_chat_tokenizer(tokenizer, chat_template=chat_template)
@@ -478,11 +478,11 @@ def _job_tokenizer(tokenizer: Any, chat_template: Any, kind: str, source: str):
 
 def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | None = None):
     """The tokenizer adapter of a job, with its chat template replaced when ``chat_template`` is given."""
-    from .encode import chat_tokenizer
+    from ..chat.encode import chat_tokenizer
 
     if chat_template is None:
         return chat_tokenizer(tokenizer)
-    from .tokenizer import ChatTokenizer
+    from ..chat.tokenizer import ChatTokenizer
 
     text = os.fspath(chat_template)
     if "{" not in text:  # a path, not a template
@@ -509,7 +509,7 @@ def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, inpu
     """The first ``rows`` rows of a masked Parquet file as token text, trained tokens highlighted."""
     import pyarrow.parquet as pq
 
-    from .example import render_tokens
+    from .display import render_tokens
 
     table = pq.ParquetFile(path).iter_batches(batch_size=rows, columns=[input_ids_column, labels_column])
     batch = next(table, None)
@@ -524,11 +524,11 @@ def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, inpu
     return "\n".join(lines)
 
 
-def _check_drops(tally: Tally, tokenizer: Any, options: MaskOptions, *, truncation: str | None = None) -> None:
+def check_job_drops(tally: Tally, tokenizer: Any, options: MaskOptions, *, truncation: str | None = None) -> None:
     """The safety net: the engine's outcomes first (its message names the cause the dropped rows show,
     with an example row each), then rows rejected as invalid. ``truncation`` names the length that cut
     the rows when it was not lossmask's own ``max_length`` (e.g. ``"max_length=40 (SFTConfig.max_length)"``)."""
-    from .safety import format_row
+    from .display import format_row
 
     decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
     example = None

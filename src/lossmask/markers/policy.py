@@ -26,8 +26,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ..engine.patterns import Markers
 from .detect import MarkerDetectionError
-from .markers import Markers
 
 SOURCES = ("detected", "table", "user", "none")
 
@@ -114,7 +114,7 @@ def resolve_markers(
         reason = f"dataset_format={dataset_format!r}: {NO_MASKING_FORMATS[fmt]}"
         return Resolution(None, "none", (reason,), reason)
 
-    from .tokenizer import ChatTemplateError, load_tokenizer
+    from ..chat.tokenizer import ChatTemplateError, load_tokenizer
 
     user_strings = response_part is not None or instruction_part is not None
     try:

@@ -7,7 +7,7 @@ A batch comes in as a ``pyarrow.RecordBatch`` or ``Table`` with one of three inp
   there; give ``messages`` to have message text kept inert;
 - ``messages``: chat rows (list of ``{role, content, ...}``), rendered with the tokenizer's chat template
   and tokenised in one batch call; rows the template rejects are dropped as ``invalid``, rows where it
-  dropped or rewrote a message as ``content_dropped`` (``rendered.py``). Message text is data: its
+  dropped or rewrote a message as ``content_dropped`` (``chat/rendered.py``). Message text is data: its
   special-token strings are text (``special_tokens_in_content``) and no marker matches inside it;
 - ``prompt`` / ``completion``: conversational (lists of messages, joined into one chat) or plain strings
   (tokenised as prompt then completion plus EOS; the completion trains, the prompt does not, by position).
@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .batches import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
-from .encode import encode_table
-from .labels import label_batch
-from .markers import Markers
-from .options import MaskOptions
-from .outcomes import Outcome, OutcomeCounts
-from .report import Tally
+from ..chat.encode import encode_table
+from ..engine.buffers import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
+from ..engine.labels import label_batch
+from ..engine.outcomes import CAUSES, Outcome, OutcomeCounts, classify_drops
+from ..engine.patterns import Markers
+from ..engine.tally import Tally
+from ..options import MaskOptions
 
 INPUT_KINDS = ("input_ids", "messages", "prompt_completion")
 
@@ -129,7 +129,7 @@ def mask_batch(
 ) -> pa.Table:
     """Label one batch; return the rows to keep (as a Table) and add what happened to ``tally``.
 
-    ``encoded``: the batch's ``encode.EncodedBatch`` when it was rendered and tokenised elsewhere
+    ``encoded``: the batch's ``chat.encode.EncodedBatch`` when it was rendered and tokenised elsewhere
     (in a worker process); otherwise chat and prompt/completion rows are encoded here with ``tokenizer``.
 
     ``markers=None`` trains every token (the policy's "no masking" outcome, e.g. raw text).
@@ -225,10 +225,9 @@ _ROW = re.compile(r"\brow (\d+)\b")
 
 
 def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid) -> None:
-    """Count the dropped rows of a batch by what they show (``safety.classify_drops``), one example each."""
+    """Count the dropped rows of a batch by what they show (``engine.outcomes.classify_drops``), one example each."""
     import pyarrow.compute as pc
 
-    from .safety import CAUSES, classify_drops
 
     lengths = pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False)
     has_assistant = None

@@ -140,7 +140,7 @@ class MarkerText:
 
 def marker_texts(tokenizer: Any, markers: Any = None) -> list[str]:
     """The texts to look for: every special or added token of the tokenizer, and each marker decoded."""
-    from .tokenizer import load_tokenizer
+    from ..chat.tokenizer import load_tokenizer
 
     ct = load_tokenizer(tokenizer)
     texts = {ct.decode([i]) for i in ct.added_ids}

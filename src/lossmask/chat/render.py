@@ -26,6 +26,10 @@ import pyarrow as pa
 PROOF_ROWS = 64
 
 
+class ChatTemplateError(ValueError):
+    """The chat template could not render a conversation (it raised, or there is no template)."""
+
+
 def plain_arrow_type(arrow_type: pa.DataType) -> bool:
     """Does ``to_pylist`` of this type give only JSON types (no bytes, dates, decimals, tuples of a map)?"""
     if getattr(arrow_type, "extension_name", None) == "arrow.json":

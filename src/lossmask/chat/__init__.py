@@ -1,0 +1,23 @@
+"""Chats to token ids: render with the tokenizer's own template, tokenise, and mark message text.
+
+What leaves this stage is ids plus a data mask (True where a token is message text), so that
+message text is data, never structure, in the engine.
+
+- ``tokenizer``: ``ChatTokenizer``, the one adapter over Hugging Face tokenizers and processors;
+- ``render``: the direct renderer (the compiled template, fed from Arrow rows);
+- ``locate``: where each message's text landed in the rendered text;
+- ``specials``: which special-token strings in message text stay tokens, and encoding the rest as text;
+- ``fast_tokens``: the exact fast tokeniser, proven against ``tokenizers`` per job;
+- ``rendered``: rendered text to ids and the data mask;
+- ``encode``: a table of chats (or prompt/completion text) to ids and the data mask, per batch;
+- ``probes``: the probe conversations that show what a template writes.
+"""
+
+from .encode import EncodedBatch, encode_table, render_table, tokenize_rendered
+from .probes import Conversation, probe_conversations, renderable_probes
+from .tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
+
+__all__ = [
+    "ChatTemplateError", "ChatTokenizer", "Conversation", "EncodedBatch", "encode_table", "load_tokenizer",
+    "probe_conversations", "render_table", "renderable_probes", "tokenize_rendered",
+]
