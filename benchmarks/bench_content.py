@@ -2,7 +2,7 @@
 
 Same run, same 2,000 chats (examples/make_chats.py), same rendering: the baseline tokenises the
 rendered rows with ``encode_texts`` and labels them (what lossmask did before issue 9); the measured
-path is ``rendered.encode_rendered`` (locate every message, check special-token strings, offsets where
+path is ``encode_rendered`` (locate every message, check special-token strings, offsets where
 the markers need them) plus ``label_batch(data_mask=...)``. Qwen2.5's markers hold special tokens only,
 so message text cannot match them and no offsets are needed; Llama-2's ``[/INST]`` is plain text, so
 rows whose messages hold ``INST`` get them. Rendering (Jinja, the same in both) is left out; add it to both sides for the whole job.
@@ -40,8 +40,8 @@ def test_content_as_data_cost(benchmark, family):
         pytest.skip(f"no tokenizer {family} in {TOKENIZERS}")
     from lossmask import label_batch, load_tokenizer
     from lossmask.markers.detect import detect_markers
-    from lossmask.chat.encode import render_chats
-    from lossmask.chat.rendered import encode_rendered, text_can_match
+    from lossmask.chat.encode_batch import render_chats
+    from lossmask.chat.encode_rendered import encode_rendered, text_can_match
 
     sys.path.insert(0, str(HERE.parent / "examples"))
     import make_chats

@@ -198,7 +198,7 @@ def measure_memory_mapped(rows: int, folder: Path, *, repeat: int = 9) -> dict:
     import lossmask
     import lossmask.hf
     import realistic_chats
-    from lossmask.chat.encode import render_chats
+    from lossmask.chat.encode_batch import render_chats
 
     ct = lossmask.load_tokenizer(TOKENIZERS / "qwen2.5")
     texts, _ = render_chats(ct, realistic_chats.chats(rows, seed=1))

@@ -232,7 +232,7 @@ def test_from_messages_time_split(benchmark, tmp_path):
     import pyarrow as pa
 
     import lossmask
-    from lossmask.chat.encode import render_chats
+    from lossmask.chat.encode_batch import render_chats
     from lossmask.jobs.stream import load_chat_tokenizer
 
     sys.path.insert(0, str(HERE.parent / "examples"))

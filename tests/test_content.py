@@ -24,7 +24,7 @@ import pytest
 from conftest import REPO_ROOT, chat_tokenizer, detected_markers, tokenizer_path
 from lossmask import MaskOptions, label_batch, mask_files
 from lossmask.chat.locate import locate_messages
-from lossmask.chat.rendered import encode_rendered
+from lossmask.chat.encode_rendered import encode_rendered
 from lossmask.chat.probes import renderable_probes
 
 FAMILIES = [
@@ -320,7 +320,7 @@ def test_cli_mask_reports_both_counts(tmp_path, capsys):
 
 @pytest.mark.parametrize("family", ["llama-2", "alpaca", "falcon", "vicuna", "qwen2.5", "gemma-2"])
 def test_offsets_only_where_text_can_match_give_the_same_labels(family):
-    from lossmask.chat.rendered import text_can_match
+    from lossmask.chat.encode_rendered import text_can_match
 
     ct = chat_tokenizer(family)
     markers, _ = detected_markers(family)

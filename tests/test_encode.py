@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from lossmask.chat.encode import messages_from_arrow
+from lossmask.chat.encode_batch import messages_from_arrow
 
 ROWS = [
     [{"role": "user", "content": "hi", "tool_calls": None}, None,

@@ -358,7 +358,7 @@ def test_json_lines_with_argument_forms_and_tool_schemas_that_differ_per_row(tmp
     out = pq.read_table(tmp_path / "out.parquet")
     for row, ids in zip(rows, out.column("input_ids").to_pylist()):
         assert ids == tok.encode(tok.render(row["messages"], tools=row["tools"]))
-    messages = lossmask.chat.encode.messages_from_arrow(out.column("messages"))
+    messages = lossmask.chat.encode_batch.messages_from_arrow(out.column("messages"))
     assert messages[1][1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert messages[0][1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
 

@@ -10,7 +10,7 @@ import pytest
 
 import lossmask
 from lossmask.chat import locate
-from lossmask.chat.encode import messages_from_arrow, render_chats
+from lossmask.chat.encode_batch import messages_from_arrow, render_chats
 from lossmask.chat.render import DirectRenderer, plain_arrow_type
 from lossmask.chat.tokenizer import ChatTemplateError
 from lossmask.chat.probes import probe_conversations

@@ -172,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shown = ", ".join(m.removeprefix("lossmask.") for m in names)
         print(f"  floor {f:2d}: {shown}")
+    if args.stages:
+        print("stages and the stages they import:")
+        reach: dict[str, set[str]] = {}
+        for m, targets in edges.items():
+            reach.setdefault(stage_of(m), set()).update(stage_of(t) for t in targets if stage_of(t) != stage_of(m))
+        for stage in sorted(reach, key=lambda s: (-len(reach[s]), s)):
+            print(f"  {stage}: {', '.join(sorted(reach[stage])) or '-'}")
     return 0
 
 

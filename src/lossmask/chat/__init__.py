@@ -4,16 +4,18 @@ What leaves this stage is ids plus a data mask (True where a token is message te
 message text is data, never structure, in the engine.
 
 - ``tokenizer``: ``ChatTokenizer``, the one adapter over Hugging Face tokenizers and processors;
-- ``render``: the direct renderer (the compiled template, fed from Arrow rows);
+- ``render``: the direct renderer (the compiled template, fed from Arrow rows), and
+  ``ChatTemplateError``, what rendering raises (``ChatTokenizer.render`` is the other renderer);
 - ``locate``: where each message's text landed in the rendered text;
 - ``specials``: which special-token strings in message text stay tokens, and encoding the rest as text;
 - ``fast_tokens``: the exact fast tokeniser, proven against ``tokenizers`` per job;
-- ``rendered``: rendered text to ids and the data mask;
-- ``encode``: a table of chats (or prompt/completion text) to ids and the data mask, per batch;
+- ``encode_rendered``: rendered rows to ids and the data mask;
+- ``encode_batch``: a batch of chat (or prompt/completion) rows to ids and the data mask: render,
+  then ``encode_rendered``;
 - ``probes``: the probe conversations that show what a template writes.
 """
 
-from .encode import EncodedBatch, encode_table, render_table, tokenize_rendered
+from .encode_batch import EncodedBatch, encode_table, render_table, tokenize_rendered
 from .probes import Conversation, probe_conversations, renderable_probes
 from .tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
 

@@ -4,7 +4,7 @@
 every message to turn objects into dicts, copies it again into plain JSON types, drops null keys and
 aliases the reasoning fields. Rows read from Arrow need none of that but the last two: every value is
 already a plain ``str``/``int``/``float``/``bool``/``None``/``list``/``dict`` (``plain_arrow_type`` checks
-the column's type once), and ``encode.messages_from_arrow`` has dropped the null keys. So such rows go
+the column's type once), and ``encode_batch.messages_from_arrow`` has dropped the null keys. So such rows go
 straight to the template transformers compiles (``_compile_jinja_template``, cached by it), with the same
 variables (the tokenizer's special tokens, then the tokenizer's ``template_kwargs``), after the same
 reasoning aliasing (transformers' own ``_alias_reasoning_fields``): 1.35-1.74x faster on the render step.
@@ -66,7 +66,7 @@ class DirectRenderer:
         self._proved.clear()
 
     def render(self, chats: Sequence[Any]) -> tuple[list[str | None], list[tuple[int, str]]]:
-        """Like ``encode.render_chats`` for chats of plain JSON values (a list of messages, or ``{messages, tools}``)."""
+        """Like ``encode_batch.render_chats`` for chats of plain JSON values (a list of messages, or ``{messages, tools}``)."""
         texts: list[str | None] = [None] * len(chats)
         errors: list[tuple[int, str]] = []
         if self.reason is None:

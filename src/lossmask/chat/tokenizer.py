@@ -269,7 +269,7 @@ class ChatTokenizer:
     def encode_texts_with_offsets(self, texts: Sequence[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Token ids and ``(n, 2)`` character offsets of many rendered texts, in one batch call.
 
-        The one call the messages path tokenises through (``rendered.encode_rendered``): a faster exact
+        The one call the messages path tokenises through (``encode_rendered``): a faster exact
         tokeniser can take its place here.
         """
         encodings = self.tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False)
@@ -309,7 +309,7 @@ class ChatTokenizer:
         ``special_tokens_in_content``: what special-token strings in message text become (``"text"``,
         the default: ordinary text; ``"keep"``: control tokens; ``"drop"``: the row; ``"error"``: raise).
         """
-        from .rendered import encode_rendered
+        from .encode_rendered import encode_rendered
 
         if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
             raise ValueError(f"max_length={max_length!r} must be a positive integer or None")

@@ -92,7 +92,7 @@ def label_batch(
     """``make_labels`` plus per-row trained-token counts and outcomes, in one pass.
 
     ``data_mask``: a bool per token of a list-array ``input_ids`` (its rows' tokens back to back,
-    as ``.flatten()`` gives them), True for tokens that are message text (``rendered.encode_rendered``
+    as ``.flatten()`` gives them), True for tokens that are message text (``encode_rendered``
     gives it). No pattern can match such a token, so message text never opens, closes or extends a
     span; it is still trained where its span is. Pre-tokenised ``input_ids`` carry no such mask: a
     marker's text inside a message there acts as the marker.

@@ -7,7 +7,7 @@ A batch comes in as a ``pyarrow.RecordBatch`` or ``Table`` with one of three inp
   there; give ``messages`` to have message text kept inert;
 - ``messages``: chat rows (list of ``{role, content, ...}``), rendered with the tokenizer's chat template
   and tokenised in one batch call; rows the template rejects are dropped as ``invalid``, rows where it
-  dropped or rewrote a message as ``content_dropped`` (``chat/rendered.py``). Message text is data: its
+  dropped or rewrote a message as ``content_dropped`` (``chat/encode_rendered.py``). Message text is data: its
   special-token strings are text (``special_tokens_in_content``) and no marker matches inside it;
 - ``prompt`` / ``completion``: conversational (lists of messages, joined into one chat) or plain strings
   (tokenised as prompt then completion plus EOS; the completion trains, the prompt does not, by position).
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..chat.encode import encode_table
+from ..chat.encode_batch import encode_table
 from ..engine.buffers import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
 from ..engine.labels import label_batch
 from ..engine.outcomes import CAUSES, Outcome, OutcomeCounts, classify_drops
@@ -129,7 +129,7 @@ def mask_batch(
 ) -> pa.Table:
     """Label one batch; return the rows to keep (as a Table) and add what happened to ``tally``.
 
-    ``encoded``: the batch's ``chat.encode.EncodedBatch`` when it was rendered and tokenised elsewhere
+    ``encoded``: the batch's ``chat.encode_batch.EncodedBatch`` when it was rendered and tokenised elsewhere
     (in a worker process); otherwise chat and prompt/completion rows are encoded here with ``tokenizer``.
 
     ``markers=None`` trains every token (the policy's "no masking" outcome, e.g. raw text).

@@ -332,7 +332,7 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
         return
     import collections
 
-    from ..chat.encode import tokenize_rendered
+    from ..chat.encode_batch import tokenize_rendered
 
     def tokenise(rendered):  # on the thread: a worker's batch is waited for there, not here
         waited = 0.0
@@ -363,7 +363,7 @@ def _rendered_batches(batches, kind, options, tokenizer, num_proc):
     its message text; this process tokenises, labels and writes, which on two cores is a worker's share of work."""
     import collections
 
-    from ..chat.encode import render_table
+    from ..chat.encode_batch import render_table
 
     def here(batch, first_row):
         try:
@@ -380,7 +380,7 @@ def _rendered_batches(batches, kind, options, tokenizer, num_proc):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from ..chat.encode import render_in_worker, start_worker
+    from ..chat.encode_batch import render_in_worker, start_worker
 
     workers = num_proc - 1
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(worker_start_method()), initializer=start_worker,
@@ -478,7 +478,7 @@ def _job_tokenizer(tokenizer: Any, chat_template: Any, kind: str, source: str):
 
 def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | None = None):
     """The tokenizer adapter of a job, with its chat template replaced when ``chat_template`` is given."""
-    from ..chat.encode import chat_tokenizer
+    from ..chat.encode_batch import chat_tokenizer
 
     if chat_template is None:
         return chat_tokenizer(tokenizer)

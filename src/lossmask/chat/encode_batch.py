@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..engine.outcomes import SPECIAL_TOKENS
+from .encode_rendered import LocatedRows, encode_located, encode_rendered, locate_rendered, text_can_match
 from .render import plain_arrow_type
-from .rendered import SPECIAL_TOKENS, LocatedRows, encode_located, encode_rendered, locate_rendered, text_can_match
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     """Render and tokenise the chat (``kind="messages"``) or prompt/completion rows of ``table``.
 
     ``markers``: what will label the rows; ``in_content`` is only computed where message text could
-    match one of them (``rendered.text_can_match``; always when they are not given).
+    match one of them (``encode_rendered.text_can_match``; always when they are not given).
     """
     tok = chat_tokenizer(tokenizer)
     if kind != "messages" and is_text_pairs(table, options):
@@ -87,7 +88,7 @@ def is_text_pairs(table: pa.Table, options: Any) -> bool:
 def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0,
                  locate: bool = False) -> RenderedBatch:
     """Render the chat (``kind="messages"``) or conversational prompt/completion rows of ``table``; with ``locate``,
-    also locate their message text (``rendered.locate_rendered``) and keep that instead of the messages."""
+    also locate their message text (``encode_rendered.locate_rendered``) and keep that instead of the messages."""
     tok = chat_tokenizer(tokenizer)
     started = time.perf_counter()
     if kind == "messages":
@@ -138,7 +139,7 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
 
 def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, markers: Any = "unknown") -> EncodedBatch:
     """Token ids of a rendered batch (one batch call into the tokeniser), as ``list<int32>``, with message text
-    kept as data (``rendered.encode_rendered``): rows whose message the template dropped are taken out here."""
+    kept as data (``encode_rendered``): rows whose message the template dropped are taken out here."""
     started = time.perf_counter()
     tok = chat_tokenizer(tokenizer)
     positions = markers == "unknown" or text_can_match(tok, markers, options.special_tokens_in_content)
