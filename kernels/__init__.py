@@ -22,7 +22,7 @@ import importlib
 from contextlib import contextmanager
 from types import ModuleType
 
-# name -> (module inside lossmask.kernels, pip extra that brings its dependency)
+# name -> (module inside lossmask.engine.kernels, pip extra that brings its dependency)
 BACKENDS: dict[str, tuple[str, str | None]] = {
     "numba": ("numba_kernel", None),
     "numpy": ("reference", None),

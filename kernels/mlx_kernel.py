@@ -5,7 +5,7 @@ recompiles for every new shape, so buffers are padded up to a few widths (``buck
 added that way lie in no segment and take part in nothing. Array operations only, no custom Metal
 kernel, so the same program runs on every MLX device, ``mlx[cpu]`` included.
 
-- ``label_rows``: the kernel contract of ``lossmask.kernels`` (NumPy in and out);
+- ``label_rows``: the kernel contract of ``lossmask.engine.kernels`` (NumPy in and out);
 - ``trained_padded``: the decision for a right-padded ``[B, T]`` batch with ``lengths`` (what
   ``lossmask.mlx`` feeds to the loss).
 """
@@ -157,7 +157,7 @@ def trained_padded(input_ids: mx.array, lengths: mx.array, markers: Markers, *, 
 
 
 def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
-    """Backend entry point (see ``lossmask.kernels``): one compiled pass over a bucketed copy of the buffer."""
+    """Backend entry point (see ``lossmask.engine.kernels``): one compiled pass over a bucketed copy of the buffer."""
     n_rows = len(starts)
     starts = np.asarray(starts, dtype=np.int64)
     ends = np.maximum(np.asarray(ends, dtype=np.int64), starts)

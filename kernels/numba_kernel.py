@@ -292,7 +292,7 @@ def automaton_args(a) -> tuple[tuple, int]:
 
 
 def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
-    """Backend entry point (see ``lossmask.kernels``)."""
+    """Backend entry point (see ``lossmask.engine.kernels``)."""
     # anchored where these tokens make the engine stop least (CompiledMarkers.automaton_for)
     auto, ring_size = automaton_args(markers.compiled().automaton_for(values))
     parallel = values.shape[0] >= PARALLEL_MIN_TOKENS and numba.get_num_threads() > 1

@@ -64,7 +64,7 @@ def outcome_of(n_tokens: int, n_trained: int, has_response: bool) -> Outcome:
 
 
 def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
-    """Backend entry point (see ``lossmask.kernels``): one Python iteration per row."""
+    """Backend entry point (see ``lossmask.engine.kernels``): one Python iteration per row."""
     n_rows = len(starts)
     trained_tokens = np.zeros(n_rows, dtype=np.int64)
     outcomes = np.zeros(n_rows, dtype=np.int8)

@@ -14,7 +14,7 @@ response pattern occurs" and ``max(OPEN)``, which are per-segment reductions (``
 
 Three entry points:
 
-- ``label_rows``: the kernel contract of ``lossmask.kernels`` (NumPy in and out, on the CPU);
+- ``label_rows``: the kernel contract of ``lossmask.engine.kernels`` (NumPy in and out, on the CPU);
 - ``label_padded``: a ``[B, T]`` tensor with ``lengths`` or an ``attention_mask`` (right or left
   padding), on the tensor's device: what the collator calls;
 - ``label_segments``: a flat tensor cut by ``cu_seq_lens``, for padding-free and packed batches.
@@ -268,7 +268,7 @@ def _as_tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
-    """Backend entry point (see ``lossmask.kernels``): one pass over the whole buffer, on the CPU."""
+    """Backend entry point (see ``lossmask.engine.kernels``): one pass over the whole buffer, on the CPU."""
     n_rows = len(starts)
     starts = np.asarray(starts, dtype=np.int64)
     ends = np.maximum(np.asarray(ends, dtype=np.int64), starts)

@@ -37,7 +37,7 @@ class Conversation:
             return cls(f"conversation {index}", tuple(obj))
         raise TypeError(
             f"conversation {index} is a {type(obj).__name__}; pass a list of messages, "
-            "a mapping with 'messages' (and 'tools'), or a lossmask.verify.Conversation"
+            "a mapping with 'messages' (and 'tools'), or a lossmask.chat.probes.Conversation"
         )
 
 
