@@ -63,7 +63,7 @@ def test_only_the_engine_calls_the_kernels():
     assert not callers, f"{callers} import the kernels: ask lossmask.engine.get_backend instead"
 
 
-def test_the_graph_sees_lazy_imports_and_skips_type_checking(tmp_path):
+def test_the_graph_sees_lazy_imports_and_skips_type_checking():
     import ast
 
     code = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..jobs import x\ndef f():\n    from ..chat import y\n"

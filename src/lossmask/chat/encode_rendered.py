@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..engine.outcomes import CONTENT_DROPPED, SPECIAL_TOKENS
+from ..options import SPECIAL_TOKENS_IN_CONTENT
 from .locate import locate_messages
-from .specials import SPECIAL_TOKENS_IN_CONTENT
 
 
 @dataclass

@@ -39,8 +39,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..options import SPECIAL_TOKENS_IN_CONTENT  # noqa: F401  (re-exported)
-
 
 @dataclass(frozen=True)
 class ContentTokens:

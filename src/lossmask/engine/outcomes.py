@@ -117,4 +117,3 @@ def classify_drops(
     if has_assistant is not None:
         cause = np.where(~has_assistant[dropped] & (out != Outcome.EMPTY), CAUSES.index(NO_ASSISTANT_TURN), cause)
     return dropped, cause
-

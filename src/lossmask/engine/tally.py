@@ -29,7 +29,7 @@ class Tally:
     special_rows: int = 0
     special_example: str | None = None
     tokens_dropped: int = 0  # tokens of the rows that train nothing
-    drop_causes: dict[str, int] = field(default_factory=dict)  # dropped rows by what they show (safety.CAUSES)
+    drop_causes: dict[str, int] = field(default_factory=dict)  # dropped rows by what they show (outcomes.CAUSES)
     drop_examples: dict[str, tuple[int, list[int], list[int]]] = field(default_factory=dict)  # cause -> (row, ids, labels)
 
     def __add__(self, other: "Tally") -> "Tally":

@@ -17,9 +17,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..engine.outcomes import DROP_REASONS, INVALID, MAX_EXAMPLES, REJECTED_REASONS, OutcomeCounts
+from ..engine.outcomes import DROP_REASONS, INVALID, REJECTED_REASONS
 from ..engine.patterns import Markers
 from ..engine.tally import Tally
+
 
 @dataclass(frozen=True)
 class MaskReport:

@@ -7,10 +7,6 @@ returns anyway are checked once per job (or per batch), and the error names the 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
-import numpy as np
-
 from ..engine.outcomes import (
     CUT_BY_TRUNCATION,
     HEADER_ONLY,
@@ -20,6 +16,7 @@ from ..engine.outcomes import (
     OutcomeCounts,
 )
 from ..options import DEFAULT_MAX_DROP_FRACTION
+
 
 class TooManyDroppedRows(ValueError):
     """More rows than allowed end with no trained token."""

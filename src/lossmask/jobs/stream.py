@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from ..engine import one_thread
-from .inputs import FORMATS, InputFiles, open_inputs  # noqa: F401  (FORMATS: for callers of stream)
+from .inputs import InputFiles, open_inputs
 from ..engine.patterns import Markers
 from ..options import MaskOptions
 from .batch_step import input_kind, mask_batch, output_schema

@@ -31,7 +31,6 @@ applied with ``make_labels`` and every token is compared.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -41,7 +40,7 @@ from ..chat.probes import Conversation, renderable_probes
 from ..chat.tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
 from ..engine.labels import make_labels
 from ..engine.patterns import Markers
-from .content import MissingText, find_marker_text, message_pieces, missing_message_text  # noqa: F401
+from .content import MissingText, message_pieces, missing_message_text
 
 
 class GroundTruthError(ValueError):
