@@ -17,7 +17,7 @@ untruncated and truncated at each ``--max-lengths``, with three marker sources:
   i.e. ``markers_from_strings``), used as the policy uses it: only when ``verify`` finds it exact,
   otherwise the full sequence trains.
 
-Every row is checked token by token against the ground truth of ``lossmask.markers.verify`` (which never looks
+Every row is checked token by token against the ground truth of ``lossmask.verify`` (which never looks
 at markers); truncated, the truth is the untruncated truth cut at ``max_length``. Written to ``--out``:
 ``dropped_rows.json`` (one record per family x source x max length), ``dropped_rows.md`` and
 ``dropped_rows.png``.
@@ -497,7 +497,7 @@ def render_markdown(records: Sequence[dict], *, rows: int, max_lengths: Sequence
         "- **table**: lossmask's template table for the folder's name (`markers_from_strings`), used only when",
         "  `verify` finds it exact (as `resolve_markers` does), else the full sequence trains.",
         "",
-        "Every token is compared with the ground truth of `lossmask.markers.verify` (untruncated; truncated, the truth cut",
+        "Every token is compared with the ground truth of `lossmask.verify` (untruncated; truncated, the truth cut",
         "at `max_length`). *Dropped*: rows with nothing trained, by reason; a row whose every assistant token was",
         "cut away by truncation counts as `empty_response`. *Rows wrong*: rows with at least one token labelled",
         "differently from the truth. *Stop trained*: the fraction of assistant turns (stop token inside the row)",

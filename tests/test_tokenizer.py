@@ -29,7 +29,7 @@ def test_import_lossmask_pulls_no_heavy_dependency():
         "import sys, lossmask\n"
         "heavy = [m for m in ('transformers', 'torch', 'mlx', 'ray', 'datasets', 'trl', 'jinja2', 'tokenizers') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
-        "assert lossmask.load_tokenizer and lossmask.detect_markers and lossmask.markers.verify\n"
+        "assert lossmask.load_tokenizer and lossmask.detect_markers and lossmask.verify\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
