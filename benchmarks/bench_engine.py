@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE))
 
 import lossmask  # noqa: E402
 from lossmask.engine.patterns import KINDS  # noqa: E402
+from lossmask.markers.cache import code_digest  # noqa: E402
 from conftest import CHATML, chatml_rows, copy_baseline_seconds  # noqa: E402
 
 REPO = HERE.parent
@@ -167,8 +168,7 @@ def _cache_key(path: Path) -> str:
         f = path / name
         if f.is_file():
             h.update(name.encode() + f.read_bytes())
-    for module in ("detect.py", "verify.py", "tokenizer.py"):  # what the markers and rows depend on
-        h.update((REPO / "src" / "lossmask" / module).read_bytes())
+    h.update(code_digest())  # the code the markers and rows depend on, as the marker cache keys it
     h.update(str(N_CHATS).encode() + _render_rows.__code__.co_code + _content.__code__.co_code + _chat.__code__.co_code)
     if CONTENT != "generated":  # the generated rows keep their cache key
         h.update(CONTENT.encode() + _message.__code__.co_code)

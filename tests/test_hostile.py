@@ -143,8 +143,8 @@ def test_ids_the_label_dtype_cannot_hold_are_refused(tmp_path):
                                          r"hold \(at most 2147483647\); pass label_dtype='int64'"):
         mask_files(tmp_path / "i64.parquet", tmp_path / "out.parquet", markers=MARKERS, label_dtype="int32", batch_size=2)
     with pytest.raises(ValueError, match="int32 labels cannot hold"):  # no markers: every token trains, same check
-        lossmask.jobs.batch_step.mask_batch(pa.table({"input_ids": rows}), None, lossmask.MaskOptions(label_dtype="int32"),
-                                   lossmask.engine.tally.Tally())
+        lossmask.jobs.batch_step.mask_batch(pa.table({"input_ids": rows}), None,
+                                            lossmask.MaskOptions(label_dtype="int32"), lossmask.engine.tally.Tally())
     mask_files(tmp_path / "i64.parquet", tmp_path / "out.parquet", markers=MARKERS)  # int64 labels hold it
     assert not partials(tmp_path)
 

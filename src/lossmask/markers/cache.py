@@ -106,14 +106,15 @@ def cache_key(ct: Any, arguments: dict) -> str:
         "template_kwargs": ct.template_kwargs, "arguments": arguments, "versions": versions,
     }
     digest.update(json.dumps(facts, sort_keys=True, default=repr).encode("utf-8"))
-    digest.update(_code_digest())
+    digest.update(code_digest())
     return digest.hexdigest()
 
 
 _CODE: list[bytes] = []
 
 
-def _code_digest() -> bytes:
+def code_digest() -> bytes:
+    """A digest of the code a marker resolution depends on (``CODE_FILES``), computed once."""
     if not _CODE:
         here = Path(__file__).resolve().parent.parent  # the lossmask package
         digest = hashlib.sha256()
