@@ -19,6 +19,7 @@ from lossmask.engine.automaton import DENSE_IDS, choose_anchors
 from lossmask.engine.kernels import numba_kernel, reference
 
 DRIVERS = {"serial": numba_kernel._label_rows_serial, "parallel": numba_kernel._label_rows_parallel}
+DIRECT_DRIVERS = {"serial": numba_kernel._direct_rows_serial, "parallel": numba_kernel._direct_rows_parallel}
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -87,16 +88,32 @@ def assert_drivers_equal_reference(rows, markers, last_turn_only, dtype=np.int64
     expected = np.full(values.shape, 12345, dtype=np.int64)
     ref = reference.label_rows(values, starts, ends, markers, last_turn_only=last_turn_only, ignore_index=-100,
                                out=expected, write_mask=False)
-    auto, ring_size = numba_kernel.automaton_args(markers.compiled().anchored(anchors))
+    automaton = markers.compiled().anchored(anchors)
+    auto, ring_size = numba_kernel.automaton_args(automaton)
+    prefilter, usable = numba_kernel.prefilter_ids(automaton.anchor_ids, values.dtype)
+    # the block prefilter where it can hold the anchor ids, and the token-at-a-time scan always
+    scans = {"blocks": (prefilter, True)} if usable else {}
+    scans["tokens"] = (prefilter, False)
+    runs = {}
     for name, driver in DRIVERS.items():
+        for scan, (ids, use) in scans.items():
+            runs[f"{name} driver, {scan}"] = lambda out, wm, driver=driver, ids=ids, use=use: driver(
+                values, starts, ends, auto, ring_size, last_turn_only, out.dtype.type(0 if wm else -100), out, wm, ids, use)
+    if usable and not last_turn_only:  # each pattern checked at its anchor
+        direct = numba_kernel.direct_args(automaton)
+        groups = numba_kernel.direct_groups(automaton, values.dtype)
+        for name, driver in DIRECT_DRIVERS.items():
+            runs[f"{name} direct driver"] = lambda out, wm, driver=driver: driver(
+                values, starts, ends, direct, groups, prefilter, out.dtype.type(0 if wm else -100), out, wm)
+    for run_name, run in runs.items():
         for write_mask in (False, True):
+            where = f"{run_name}, write_mask={write_mask}"
             out = np.full(values.shape, 99, dtype=np.int8 if write_mask else np.int64)
-            got = driver(values, starts, ends, auto, ring_size, last_turn_only, out.dtype.type(0 if write_mask else -100),
-                         out, write_mask)
+            got = run(out, write_mask)
             want = (expected != -100).astype(np.int8) if write_mask else expected
-            np.testing.assert_array_equal(out, want, err_msg=f"{name} driver, write_mask={write_mask}")
+            np.testing.assert_array_equal(out, want, err_msg=where)
             for a, b in zip(got, ref):
-                np.testing.assert_array_equal(a, b, err_msg=f"{name} driver, write_mask={write_mask}")
+                np.testing.assert_array_equal(a, b, err_msg=where)
 
 
 @SETTINGS
@@ -148,6 +165,38 @@ def test_hundreds_of_distinct_marker_tokens_use_a_wider_class_table():
     rows = [rng.choice(tokens, 200).tolist() for _ in range(20)]
     for last_turn_only in (False, True):
         assert_drivers_equal_reference(rows, markers, last_turn_only)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), last_turn_only=st.booleans(), dtype=st.sampled_from([np.int32, np.int64, np.uint16]))
+def test_candidates_on_the_edges_of_the_prefilter_blocks(data, last_turn_only, dtype):
+    """Long rows of filler with markers, decoy anchors (an anchor id no pattern goes on from) and
+    negative-free ids placed just before, on and after the edges of the scan's blocks, and at row ends:
+    the block prefilter must neither miss a stop nor copy a block across one."""
+    block = numba_kernel._BLOCK
+    markers = Markers(response=[[50, 51, 52]], instruction=[[50, 53]], end=[[54]], mask_out=[[55, 56]])
+    pieces = [[50, 51, 52], [50, 53], [54], [55, 56], [50], [50, 50, 51, 52], [52], [51, 52]]
+    rows = []
+    for _ in range(data.draw(st.integers(1, 6), label="rows")):
+        length = data.draw(st.integers(0, 5 * block), label="length")
+        row = (np.arange(length) % 7 + 1).tolist()  # filler: ids 1..7, in no pattern
+        edges = sorted({e + d for e in range(0, length + block, block) for d in (-3, -2, -1, 0, 1)} & set(range(length)))
+        for at in data.draw(st.lists(st.sampled_from(edges), max_size=8), label="at") if edges else []:
+            piece = data.draw(st.sampled_from(pieces), label="piece")
+            row[at:at + len(piece)] = piece
+        rows.append(row[:length])
+    assert_drivers_equal_reference(rows, markers, last_turn_only, dtype)
+
+
+def test_the_prefilter_holds_at_most_four_anchor_ids_and_the_values_dtype():
+    ids, usable = numba_kernel.prefilter_ids(np.array([3, 70000], np.int64), np.dtype(np.int16))
+    assert usable and ids.dtype == np.int16 and ids.tolist() == [3, 3, 3, 3, 0]  # 70000 cannot occur in int16
+    ids, usable = numba_kernel.prefilter_ids(np.arange(5, dtype=np.int64), np.dtype(np.int32))
+    assert not usable  # five anchor ids: every token is classified by the table instead
+    rows = [list(range(40)) * 3 + [0, 1, 2, 3, 4]]
+    markers = Markers(response=[[0, 9]], instruction=[[1, 9]], end=[[2]], mask_out=[[3, 9], [4, 9]])
+    assert markers.compiled().automaton.anchor_ids.size == 5
+    assert_drivers_equal_reference(rows, markers, False)
 
 
 def test_a_row_that_ends_inside_a_pending_match_and_rows_after_it():

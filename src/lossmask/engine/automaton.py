@@ -56,6 +56,9 @@ CLOSE_NEXT = 2  # an end pattern ends here: close at the next position
 CLOSE_AT_START = 4  # a response or instruction pattern ends here: close at its start
 MASK = 8  # a mask_out pattern ends here: positions [e+1-mask_length, e] are masked
 
+# Kinds of Automaton.group_kinds.
+DIRECT_RESPONSE, DIRECT_INSTRUCTION, DIRECT_END, DIRECT_MASK = range(4)
+
 
 @dataclass(frozen=True, eq=False)
 class Automaton:
@@ -76,6 +79,17 @@ class Automaton:
     back_goto: np.ndarray  # int32 [n_back_states * n_classes], reversed response patterns
     back_quiet: np.ndarray  # uint8 [n_classes]: 1 where the backward start state stays put
     back_open_length: np.ndarray  # int32 [n_back_states]: longest response pattern starting here, or 0
+    anchor_ids: np.ndarray  # int64, sorted: the ids of the anchor classes (class >= n_quiet)
+    # The patterns grouped by the class of their anchor token, for the kernel that checks each pattern
+    # at its anchor directly (``kernels/numba_kernel.py``): group ``c - n_quiet`` is
+    # ``[group_offsets[g], group_offsets[g+1])`` of the arrays below, each pattern's kind (one of the
+    # ``DIRECT_*`` codes), anchor offset, length and ids (``group_ids[group_starts[k]:][:group_lengths[k]]``).
+    group_offsets: np.ndarray  # int64 [n_classes - n_quiet + 1]
+    group_kinds: np.ndarray  # int8
+    group_anchors: np.ndarray  # int64
+    group_lengths: np.ndarray  # int64
+    group_starts: np.ndarray  # int64
+    group_ids: np.ndarray  # int64
     max_length: int  # longest pattern
     max_anchor: int  # largest anchor offset: a match starts at most this many tokens before its anchor
     max_response_length: int
@@ -185,11 +199,31 @@ class Automaton:
             classes=table, big_ids=big_ids, big_classes=big_classes, n_quiet=n_quiet, n_classes=n_classes,
             goto=goto, pending=pending, outputs=outputs, close_offsets=close_offsets, close_lengths=close_lengths,
             mask_length=mask_length, pair=pair, back_goto=back_goto, back_quiet=back_quiet,
-            back_open_length=back_open_length,
+            back_open_length=back_open_length, anchor_ids=np.sort(anchor_ids),
+            **_anchor_groups(patterns, anchors, class_index, n_quiet, n_classes,
+                             {response: DIRECT_RESPONSE, instruction: DIRECT_INSTRUCTION, end: DIRECT_END,
+                              mask_out: DIRECT_MASK}),
             max_length=max(len(p) for _, p in coded),
             max_anchor=max(anchors),
             max_response_length=max(len(p) for p in responses),
         )
+
+
+def _anchor_groups(patterns, anchors, class_index, n_quiet: int, n_classes: int, codes: dict) -> dict:
+    """The ``group_*`` fields of ``Automaton``: the patterns ordered by the class of their anchor token."""
+    order = sorted(range(len(patterns)), key=lambda k: class_index[int(patterns[k][1][anchors[k]])])
+    group_of = np.array([class_index[int(patterns[k][1][anchors[k]])] - n_quiet for k in order], dtype=np.int64)
+    lengths = np.array([len(patterns[k][1]) for k in order], dtype=np.int64)
+    starts = np.zeros(len(order), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return dict(
+        group_offsets=np.searchsorted(group_of, np.arange(n_classes - n_quiet + 1)).astype(np.int64),
+        group_kinds=np.array([codes[patterns[k][0]] for k in order], dtype=np.int8),
+        group_anchors=np.array([anchors[k] for k in order], dtype=np.int64),
+        group_lengths=lengths,
+        group_starts=starts,
+        group_ids=np.array([int(t) for k in order for t in patterns[k][1]], dtype=np.int64),
+    )
 
 
 def choose_anchors(patterns: Sequence[Sequence[int]], counts: dict[int, int]) -> tuple[int, ...]:
