@@ -7,8 +7,11 @@ template takes them, a tool call where it renders one, and content full of newli
 lists, tabs and leading/trailing spaces), then those rows tiled up to about 20 M tokens so that the
 engine, not rendering, is timed. Per family: ``make_labels`` (int64 labels) with 2 threads and with 1
 (``numba.set_num_threads``), and ``last_turn_only`` with 2, each as Mtok/s and as a ratio to
-``np.copyto`` int32 -> int64 of the same tokens in the same run. One more row is the idealised case:
-three ChatML patterns on synthetic rows (``conftest.chatml_rows``).
+``np.copyto`` int32 -> int64 of the same tokens in the same run, and the kernel alone writing into a
+warm buffer (what ``make_labels`` adds: checks, an output from Arrow's pool, Arrow assembly). One more
+row is the idealised case: three ChatML patterns on synthetic rows (``conftest.chatml_rows``). The
+machine (CPU model, cores, numba threads) heads the output, and a second table sets ``make_labels``
+beside the yardsticks of a fresh output: Arrow's cast to list<int64> and NumPy's ``astype``.
 
 ``--content third-party`` fills the messages with pieces of text nobody here wrote instead (the
 installed packages' READMEs and the standard library's modules, ``third_party_chunks``).
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -216,16 +218,34 @@ def thread_counts() -> list[int]:
     return sorted({min(2, numba.config.NUMBA_NUM_THREADS), 1}, reverse=True)
 
 
+def kernel_run(rows: pa.Array, markers: lossmask.Markers, out: np.ndarray):
+    """The numba kernel alone, writing into ``out`` (a warm buffer, reused): ``make_labels`` less its
+    validation, its output allocation and its Arrow assembly."""
+    from lossmask.engine.kernels import numba_kernel
+
+    values = rows.values.to_numpy()
+    offsets = rows.offsets.to_numpy()
+    starts, ends = offsets[:-1] - offsets[0], offsets[1:] - offsets[0]
+    out = out[: values.shape[0]]
+    return lambda: numba_kernel.label_rows(values, starts, ends, markers, last_turn_only=False, ignore_index=-100,
+                                           out=out, write_mask=False)
+
+
 def timed_runs(rows: pa.Array, markers: lossmask.Markers, *, threads: list[int], copy_out: np.ndarray) -> dict:
-    """The runs to time for one case: the copy, ``make_labels`` per thread count, ``last_turn_only`` at the
-    first; each a ``(threads, function)`` pair (None: the copy, which numba does not run)."""
+    """The runs to time for one case: the copy, ``make_labels`` and the kernel into a warm buffer per thread
+    count, ``last_turn_only`` at the first; each a ``(threads, function)`` pair (None: the copy, which numba
+    does not run)."""
     lossmask.make_labels(rows.slice(0, 4), markers)  # compile or load the cache outside the timing
     values = rows.values.to_numpy()
     out = copy_out[: values.shape[0]]
     np.copyto(out, values, casting="unsafe")  # touch the pages once before timing
     runs = {"copy": (None, lambda: np.copyto(out, values, casting="unsafe"))}
+    kernel_out = np.empty_like(out)
+    kernel = kernel_run(rows, markers, kernel_out)
+    kernel()  # touch its pages too
     for t in threads:
         runs[f"labels_{t}"] = (t, lambda: lossmask.make_labels(rows, markers))
+        runs[f"kernel_{t}"] = (t, kernel)
     runs["last_turn"] = (threads[0], lambda: lossmask.make_labels(rows, markers, last_turn_only=True))
     return runs
 
@@ -270,12 +290,74 @@ def uptime() -> str:
         return "load: " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def machine() -> str:
+    """The CPU model, the cores this process may use and numba's threads: a ratio means little without them."""
+    import numba
+
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    except OSError:
+        import platform
+
+        model = platform.processor() or platform.machine() or model
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, nproc {cores}, numba threads {numba.config.NUMBA_NUM_THREADS}"
+
+
+def baselines(rows: pa.Array, markers: lossmask.Markers, *, threads: list[int], clock=time.perf_counter) -> str:
+    """The issue's yardsticks on one case, each in Mtok/s and as ``make_labels``' fraction of it: a copy into
+    a warm buffer, Arrow's cast to list<int64> and NumPy's astype (both fresh outputs, so they pay for their
+    pages), beside ``make_labels``, the kernel into a warm buffer, and ``label_batch``."""
+    import numba
+
+    values = rows.values.to_numpy()
+    n = values.shape[0]
+    warm = np.empty(n, dtype=np.int64)
+    np.copyto(warm, values, casting="unsafe")
+    kernel_out = np.empty(n, dtype=np.int64)
+    runs = {
+        "np.copyto int32 -> int64 into a warm buffer": (None, lambda: np.copyto(warm, values, casting="unsafe")),
+        "pyarrow.compute.cast to list<int64> (fresh output from Arrow's pool)": (
+            None, lambda: pa.compute.cast(rows, pa.large_list(pa.int64()))),
+        "values.astype(np.int64) (fresh output, page faults)": (None, lambda: values.astype(np.int64)),
+    }
+    kernel = kernel_run(rows, markers, kernel_out)
+    kernel()
+    for t in threads:
+        runs[f"make_labels, {t} thread{'s' * (t > 1)}"] = (t, lambda: lossmask.make_labels(rows, markers))
+        runs[f"kernel into a warm buffer, {t} thread{'s' * (t > 1)}"] = (t, kernel)
+        runs[f"label_batch, {t} thread{'s' * (t > 1)}"] = (t, lambda: lossmask.label_batch(rows, markers))
+    best = dict.fromkeys(runs, float("inf"))
+    try:
+        for _ in range(REPEAT):
+            for name, (t, run) in runs.items():
+                if t is not None:
+                    numba.set_num_threads(t)
+                start = clock()
+                run()
+                best[name] = min(best[name], clock() - start)
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    labels = best[f"make_labels, {threads[0]} thread{'s' * (threads[0] > 1)}"]
+    lines = [f"| run | Mtok/s | make_labels ({threads[0]}) as a fraction of it |", "| --- | ---: | ---: |"]
+    for name, seconds in best.items():
+        fraction = f"{seconds / labels:.2f}x" if runs[name][0] is None else ""
+        lines.append(f"| {name} | {n / seconds / 1e6:,.0f} | {fraction} |")
+    return "\n".join(lines)
+
+
 def table(selected: list[str] | None = None, *, cpu_time: bool = False) -> str:
     threads = [1] if cpu_time else thread_counts()
     clock = time.thread_time if cpu_time else time.perf_counter
     head = ["family", "patterns", "M tokens", "copy Mtok/s"]
     for t in threads:
-        head += [f"{t} thread{'s' * (t > 1)} Mtok/s", "ratio"]
+        head += [f"{t} thread{'s' * (t > 1)} Mtok/s", "ratio", "kernel ratio"]
+    if len(threads) > 1:
+        head += [f"{threads[0]} threads / 1"]
     head += [f"last_turn_only ({threads[0]}) ratio"]
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     cases = {}
@@ -286,7 +368,9 @@ def table(selected: list[str] | None = None, *, cpu_time: bool = False) -> str:
     for name, r in measure(cases, threads=threads, clock=clock).items():
         cells = [name, str(r["patterns"]), f"{r['tokens'] / 1e6:.1f}", f"{r['copy']:.0f}"]
         for t in threads:
-            cells += [f"{r[f'labels_{t}']:.0f}", f"{r[f'labels_{t}'] / r['copy']:.2f}x"]
+            cells += [f"{r[f'labels_{t}']:.0f}", f"{r[f'labels_{t}'] / r['copy']:.2f}x", f"{r[f'kernel_{t}'] / r['copy']:.2f}x"]
+        if len(threads) > 1:
+            cells.append(f"{r[f'labels_{threads[0]}'] / r['labels_1']:.2f}x")
         cells.append(f"{r['last_turn'] / r['copy']:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -312,8 +396,14 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     text = table(args.families or None, cpu_time=args.cpu_time)
     clock = "thread CPU time" if args.cpu_time else "wall clock"
-    print(f"\n{text}\n\nmessage bodies: {CONTENT}\nuptime before: {before}\nuptime after:  {uptime()}\n"
-          f"{time.perf_counter() - start:.0f} s; {clock}, best of {REPEAT} rounds over all cases; np.copyto int32 -> int64 single-threaded")
+    threads = [1] if args.cpu_time else thread_counts()
+    yardsticks = baselines(chatml_rows(TARGET_TOKENS // 1000), CHATML, threads=threads,
+                           clock=time.thread_time if args.cpu_time else time.perf_counter)
+    print(f"\nmachine: {machine()}\n\n{text}\n\nYardsticks on the idealised rows ({IDEALISED}):\n\n{yardsticks}\n\n"
+          f"message bodies: {CONTENT}\nuptime before: {before}\nuptime after:  {uptime()}\n"
+          f"{time.perf_counter() - start:.0f} s; {clock}, best of {REPEAT} rounds over all cases; ratios are to "
+          "np.copyto int32 -> int64 into a warm buffer, single-threaded, in the same round; kernel: the numba kernel "
+          "into a warm buffer, without make_labels' checks, allocation and Arrow assembly")
 
 
 # -- pytest-benchmark ---------------------------------------------------------------------------
