@@ -216,6 +216,17 @@ def test_item9_deeply_nested_json_line_is_one_line(tmp_path, markers_file):
     assert not (tmp_path / "out.parquet").exists()
 
 
+def test_item9_unknown_compression_is_refused_with_the_codecs(tmp_path, markers_file):
+    (tmp_path / "in.jsonl").write_bytes(LINES)
+    code, _, err = run_cli(tmp_path / "in.jsonl", tmp_path / "out.parquet", "--markers", markers_file,
+                           "--compression", "rar")
+    assert code == 1 and err.count("\n") == 1, err
+    assert "'rar'" in err and all(codec in err for codec in ("snappy", "zstd", "gzip", "none")), err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "m.json"]
+    assert run_cli(tmp_path / "in.jsonl", tmp_path / "out.parquet", "--markers", markers_file,
+                   "--compression", "ZSTD")[0] == 0
+
+
 def test_item9_lone_surrogate_names_file_and_line(tmp_path, markers_file):
     for value in ('"\\ud800"', '{"text": "ok \\udfff"}'):  # a string column, and text inside an object
         lines = [json.dumps(row) for row in ROWS]
@@ -285,3 +296,59 @@ def test_item10_dev_zero_ends_with_one_error_line(tmp_path, markers_file):
     err = done.stderr.decode()
     assert err.count("\n") == 1 and "/dev/zero, line 1: " in err and "64 MiB" in err, err
     assert sorted(os.listdir(tmp_path)) == ["m.json"]
+
+
+# -- 12: two jobs on one output ----------------------------------------------------------------------------------
+
+
+def test_item12_a_second_job_on_one_output_is_refused_naming_the_first(tmp_path, markers_file):
+    from lossmask.jobs.outputs import output_lock
+
+    (tmp_path / "in.jsonl").write_bytes(LINES)
+    out = tmp_path / "out.parquet"
+    with output_lock(str(out)):  # what a job holds while it writes out.parquet
+        code, _, err = run_cli(tmp_path / "in.jsonl", out, "--markers", markers_file)
+        assert code == 1 and err.count("\n") == 1 and f"pid {os.getpid()}" in err and "out.parquet" in err, err
+        assert not out.exists()
+    code, _, err = run_cli(tmp_path / "in.jsonl", out, "--markers", markers_file)
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "m.json", "out.parquet"]  # the lock went with the job
+    # a lock file left by a killed job (nobody holds it) does not stop the next one
+    (tmp_path / ".out.parquet.lock").write_text("999999\n")
+    assert run_cli(tmp_path / "in.jsonl", out, "--markers", markers_file)[0] == 0
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "m.json", "out.parquet"]
+
+
+# -- 13: misleading messages -------------------------------------------------------------------------------------
+
+
+def test_item13_missing_tokenizer_folder_says_it_does_not_exist(tmp_path):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    for folder in (tmp_path / "nope", "./no/such/tokenizer"):
+        code, _, err = run_cli(tmp_path / "in.jsonl", tmp_path / "out.parquet", "--tokenizer", folder)
+        assert code == 1 and err.count("\n") == 1 and f"{folder}" in err and "does not exist" in err, err
+        assert "Repo id" not in err
+
+
+def test_item13_output_named_for_another_format_is_refused(tmp_path, markers_file):
+    (tmp_path / "in.jsonl").write_bytes(LINES)
+    for name in ("out.jsonl", "out.json", "out.csv", "out.arrow", "out.jsonl.gz"):
+        code, _, err = run_cli(tmp_path / "in.jsonl", tmp_path / name, "--markers", markers_file)
+        assert code == 1 and err.count("\n") == 1 and name in err and ".parquet" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "m.json"]
+    for name in ("out.parquet", "out.pq", "out"):  # Parquet names, and a name without a suffix
+        assert run_cli(tmp_path / "in.jsonl", tmp_path / name, "--markers", markers_file)[0] == 0
+
+
+def test_item13_input_ids_and_messages_says_which_is_used(tmp_path, markers_file):
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    pq.write_table(pa.table({"input_ids": [CHAT] * 3, "messages": [chat] * 3}), tmp_path / "in.parquet")
+    with pytest.warns(UserWarning) as caught:
+        report = mask_files(tmp_path / "in.parquet", tmp_path / "out.parquet", markers=MARKERS)
+    said = [str(w.message) for w in caught if "messages" in str(w.message)]
+    assert len(said) == 1, said
+    assert "'input_ids'" in said[0] and "--input-ids-column" in said[0], said[0]
+    assert report.rows_out == 3
+    done = run_cli_process(tmp_path / "in.parquet", tmp_path / "out.parquet", "--markers", markers_file)
+    err = done.stderr.decode()
+    assert done.returncode == 0 and err.count("has both") == 1 and "--input-ids-column" in err, err

@@ -10,6 +10,7 @@ job leaves no file that looks complete (``outputs.py``).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +24,8 @@ from .inputs import InputFiles, open_inputs
 from ..engine.patterns import Markers
 from ..options import MaskOptions
 from .batch_step import input_kind, mask_batch, output_schema
-from .outputs import OutputError, as_output_error, check_output, commit, partial_name, remove_quietly, remove_stale_partials
+from .outputs import (OutputError, as_output_error, check_compression, check_output, check_output_format, commit,
+                      output_lock, partial_name, remove_quietly, remove_stale_partials)
 from .report import MaskReport, Tally
 from .safety import TooManyDroppedRows, check_drop_fraction
 
@@ -73,16 +75,32 @@ def mask_files(
     options = MaskOptions.resolve(options, **option_fields)
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"num_proc={num_proc!r} must be a positive number of processes")
+    check_compression(compression)
     started = time.perf_counter()
     output = os.fspath(output)
+    check_output_format(output)
     report = None if report is None else os.fspath(report)
     dataset = open_inputs(input, input_format=input_format, exclude=(output, report))
+    try:
+        check_output(output, inputs=dataset.paths)
+        if report is not None:
+            check_output(report, what="report", inputs=dataset.paths)
+            if os.path.realpath(report) == os.path.realpath(output):
+                raise ValueError(f"report {report} is the output {output}; write the report to another path")
+        with output_lock(output):
+            return _mask_job(dataset, output, report, tokenizer=tokenizer, chat_template=chat_template,
+                             model_name=model_name, markers=markers, strict=strict, options=options,
+                             row_group_size=row_group_size, compression=compression, num_proc=num_proc,
+                             progress=progress, started=started)
+    finally:
+        dataset.close()
+
+
+def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer: Any, chat_template: Any,
+              model_name: str | None, markers: Any, strict: bool, options: MaskOptions, row_group_size: int | None,
+              compression: str, num_proc: int, progress: bool | None, started: float) -> MaskReport:
+    """The job of ``mask_files`` once its inputs are open, its outputs checked and the output locked."""
     source = dataset.source
-    check_output(output, inputs=dataset.paths)
-    if report is not None:
-        check_output(report, what="report", inputs=dataset.paths)
-        if os.path.realpath(report) == os.path.realpath(output):
-            raise ValueError(f"report {report} is the output {output}; write the report to another path")
     kind = job_input_kind(dataset, options)
     tokenizer, bare = _job_tokenizer(tokenizer, chat_template, kind, source), tokenizer
     if tokenizer is not None and kind != "input_ids":
@@ -166,7 +184,17 @@ def job_input_kind(dataset: InputFiles, options: MaskOptions) -> str:
                 f"{path} holds {KIND_NAMES[kind]} but {dataset.paths[0]} holds {KIND_NAMES[kinds[0]]}; the files of "
                 "one job must hold the same input shape: mask them separately"
             )
-    return input_kind(dataset.schema, options, source=dataset.source)
+    kind = input_kind(dataset.schema, options, source=dataset.source)
+    if kind == "input_ids" and options.messages_column in dataset.schema.names:
+        import warnings
+
+        warnings.warn(
+            f"{dataset.source} has both {options.input_ids_column!r} and {options.messages_column!r}: the token ids "
+            f"in {options.input_ids_column!r} are labelled as they are, and the messages are not rendered. To label the "
+            "messages instead, pass --input-ids-column NAME (input_ids_column=NAME in Python) with a name the input "
+            "does not have: the ids tokenised from the messages are written there", UserWarning, stacklevel=4,
+        )
+    return kind
 
 
 KIND_NAMES = {"input_ids": "token ids (input_ids)", "messages": "chat messages",
@@ -480,8 +508,13 @@ def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | No
     """The tokenizer adapter of a job, with its chat template replaced when ``chat_template`` is given."""
     from ..chat.encode_batch import chat_tokenizer
 
+    check_tokenizer_path(tokenizer)
     if chat_template is None:
-        return chat_tokenizer(tokenizer)
+        try:
+            return chat_tokenizer(tokenizer)
+        except ValueError:
+            check_tokenizer_path(tokenizer, loaded=False)
+            raise
     from ..chat.tokenizer import ChatTokenizer
 
     text = os.fspath(chat_template)
@@ -497,11 +530,34 @@ def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | No
         try:
             hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as exc:
+            check_tokenizer_path(path, loaded=False)
             raise ValueError(f"could not load a tokenizer from {path!r} offline ({type(exc).__name__}: {exc})") from exc
         hf_tokenizer.chat_template = text  # ours alone: a trainer given it renders as we do
         return ChatTokenizer(hf_tokenizer, chat_template=text, name=path)
     adapter = chat_tokenizer(tokenizer)
     return ChatTokenizer(adapter.tokenizer, chat_template=text, name=adapter.name)
+
+
+_MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def check_tokenizer_path(tokenizer: Any, *, loaded: bool | None = None) -> None:
+    """Refuse a tokenizer path that does not exist with that said, not with what Hugging Face says of it ("Repo id
+    must be in the form ..."). A name that could be a model id (``org/name``) may still load from the local Hugging
+    Face cache, so it is refused only once loading it failed (``loaded=False``)."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return
+    path = os.fspath(tokenizer)
+    if os.path.exists(path):
+        return
+    could_be_id = _MODEL_ID.fullmatch(path) is not None and ".." not in path
+    if not could_be_id:
+        raise FileNotFoundError(f"tokenizer {path}: the folder does not exist; pass a folder holding tokenizer.json "
+                                "and tokenizer_config.json (--tokenizer DIR)")
+    if loaded is False:
+        raise FileNotFoundError(f"tokenizer {path}: the folder does not exist, and no model of that id is in the local "
+                                "Hugging Face cache (tokenizers load offline); pass a folder holding tokenizer.json "
+                                "and tokenizer_config.json (--tokenizer DIR)")
 
 
 def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, input_ids_column: str = "input_ids",
