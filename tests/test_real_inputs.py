@@ -13,6 +13,7 @@ import gzip
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -296,6 +297,27 @@ def test_item10_dev_zero_ends_with_one_error_line(tmp_path, markers_file):
     err = done.stderr.decode()
     assert err.count("\n") == 1 and "/dev/zero, line 1: " in err and "64 MiB" in err, err
     assert sorted(os.listdir(tmp_path)) == ["m.json"]
+
+
+# -- 11: SIGTERM -------------------------------------------------------------------------------------------------
+
+
+def test_item11_sigterm_exits_143_with_one_line_and_leaves_nothing(tmp_path, markers_file):
+    write_input(tmp_path / "in.parquet", [CHAT] * 20_000)  # in batches of 1 row: seconds of work, so it is stopped
+    job = subprocess.Popen([sys.executable, "-m", "lossmask", "mask", str(tmp_path / "in.parquet"),
+                            str(tmp_path / "out.parquet"), "--markers", str(markers_file), "--batch-size", "1",
+                            "--no-progress"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not any(n.endswith(".partial") for n in os.listdir(tmp_path)) and job.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if job.poll() is not None:
+        pytest.skip("the job finished before it could be stopped")
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 143, err
+    assert err.count("\n") == 1 and "stopped by SIGTERM" in err and "partial output was removed" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet", "m.json"]
 
 
 # -- 12: two jobs on one output ----------------------------------------------------------------------------------

@@ -36,22 +36,41 @@ def _mask(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, ImportError) as exc:  # OSError: one line naming the path and the cause
         print(f"lossmask mask: error: {exc}", file=sys.stderr)
         return 1
-    print(report.summary())
-    if args.show:
-        from .jobs.stream import load_chat_tokenizer
+    except _Stopped as stop:  # mask_files removed its partial files (and its lock) on the way out
+        print(f"lossmask mask: stopped by {stop.name}; the partial output was removed, and {args.output} is as it was "
+              "before the job", file=sys.stderr)
+        return 128 + stop.signum
+    try:
+        print(report.summary())
+        if args.show:
+            from .jobs.stream import load_chat_tokenizer
 
-        tokenizer = load_chat_tokenizer(args.tokenizer, chat_template=args.chat_template) if args.tokenizer else None
-        colour = sys.stdout.isatty()
-        legend = "trained tokens highlighted" if colour else "trained tokens in [brackets]"
-        print(f"\nfirst {args.show} rows of {args.output} ({legend}):")
-        print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
-                           labels_column=args.labels_column, colour=colour))
+            tokenizer = load_chat_tokenizer(args.tokenizer, chat_template=args.chat_template) if args.tokenizer else None
+            colour = sys.stdout.isatty()
+            legend = "trained tokens highlighted" if colour else "trained tokens in [brackets]"
+            print(f"\nfirst {args.show} rows of {args.output} ({legend}):")
+            print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
+                               labels_column=args.labels_column, colour=colour))
+    except _Stopped as stop:
+        print(f"lossmask mask: stopped by {stop.name} after {args.output} was written", file=sys.stderr)
+        return 128 + stop.signum
     return 0
 
 
+class _Stopped(BaseException):
+    """SIGTERM, raised in the main thread: a ``BaseException``, as Ctrl-C's ``KeyboardInterrupt`` is, so that no
+    ``except Exception`` keeps the job going, and the job's clean-up (partial files, lock) runs on the way out."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
 def _fail_cleanly_on_signals() -> None:
-    """SIGTERM ends the job like Ctrl-C (its partial files are removed); beyond the file size limit a write fails
-    with an error (EFBIG) instead of SIGXFSZ killing the process with its partial files in place."""
+    """SIGTERM ends the job like Ctrl-C (its partial files are removed) and says so; beyond the file size limit a
+    write fails with an error (EFBIG) instead of SIGXFSZ killing the process with its partial files in place."""
     import signal
     import threading
 
@@ -59,7 +78,7 @@ def _fail_cleanly_on_signals() -> None:
         return
 
     def terminate(signum, frame):
-        raise SystemExit(128 + signum)
+        raise _Stopped(signum)
 
     signal.signal(signal.SIGTERM, terminate)
     if hasattr(signal, "SIGXFSZ"):
@@ -116,9 +135,11 @@ def _add_mask_command(commands) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from .jobs.stream import check_tokenizer_path
     from .show import run_show
 
     try:
+        check_tokenizer_path(args.tokenizer)
         return run_show(args.tokenizer, args.conversation, html_path=args.html, model_name=args.model_name)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         print(f"lossmask show: error: {exc}", file=sys.stderr)
@@ -126,9 +147,11 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _detect(args: argparse.Namespace) -> int:
+    from .jobs.stream import check_tokenizer_path
     from .show import run_detect
 
     try:
+        check_tokenizer_path(args.tokenizer)
         return run_detect(args.tokenizer, model_name=args.model_name, as_json=args.json)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         print(f"lossmask detect: error: {exc}", file=sys.stderr)
