@@ -91,10 +91,12 @@ def _add_mask_command(commands) -> None:
         description="Label INPUT (Parquet file, folder or glob; Arrow IPC; JSONL) and write OUTPUT (Parquet), "
         "dropping rows that train nothing (counted per reason). Markers come from --markers or from --tokenizer.",
     )
-    mask.add_argument("input", metavar="INPUT", help="Parquet file, folder or glob of them; Arrow IPC; or JSONL. Rows hold "
+    mask.add_argument("input", metavar="INPUT", help="Parquet file, folder or glob of them; Arrow IPC; JSONL or a JSON "
+                      "array, also gzip/zstd/bzip2 compressed; - for stdin (docs/inputs.md). Rows hold "
                       "input_ids (token ids), messages (a chat) or prompt + completion")
-    mask.add_argument("output", metavar="OUTPUT", help="the Parquet file to write (its folder must exist): the input "
-                      "columns plus labels (and input_ids when tokenised here); written only when the job succeeds")
+    mask.add_argument("output", metavar="OUTPUT", help="the Parquet file to write (its folder must exist; a name such as "
+                      "out.jsonl is refused): the input columns plus labels (and input_ids when tokenised here); "
+                      "written only when the job succeeds, while a lock keeps other jobs off it")
     source = mask.add_argument_group("markers (one of)")
     source.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder: markers from its chat template; "
                         "also renders and tokenises messages / prompt+completion rows")
@@ -104,7 +106,7 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
     mask.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the tokenizer's own")
     mask.add_argument("--strict", action="store_true", help="fail instead of training full sequences when no markers are found")
-    mask.add_argument("--input-format", choices=("parquet", "ipc", "json"), help="default: from the file suffix")
+    mask.add_argument("--input-format", choices=("parquet", "ipc", "json"), help="default: from the file suffix, else its first bytes")
     mask.add_argument("--input-ids-column", default="input_ids", metavar="NAME")
     mask.add_argument("--messages-column", default="messages", metavar="NAME")
     mask.add_argument("--prompt-column", default="prompt", metavar="NAME")
@@ -124,7 +126,7 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--label-dtype", choices=("int64", "int32"), default="int64",
                       help="labels as int64 (the Hugging Face convention) or int32 (smaller files, faster writes)")
     mask.add_argument("--compression", default="snappy", metavar="CODEC",
-                      help="Parquet compression of OUTPUT: snappy (default), zstd, lz4, gzip or none")
+                      help="Parquet compression of OUTPUT: snappy (default), zstd, lz4, gzip, brotli or none")
     mask.add_argument("--num-proc", type=int, default=1, metavar="N",
                       help="render messages / prompt+completion rows in up to N-1 worker processes beside this one, "
                            "where cores and rows pay for them (one process on 2 cores)")

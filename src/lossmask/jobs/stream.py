@@ -1,7 +1,8 @@
 """``mask_files``: files in, one Parquet file out, batch by batch, with memory bounded by the batch size.
 
 Input: a Parquet file, a folder or glob of Parquet files, Arrow IPC (``.arrow`` / ``.feather`` /
-``.ipc``), or JSON Lines (``.jsonl`` / ``.json``), read one batch at a time (``inputs.py``).
+``.ipc``), or JSON Lines or a JSON array (``.jsonl`` / ``.json``, also gzip, bzip2 or zstd compressed),
+from files, stdin or pipes, read one batch at a time (``inputs.py``).
 Output: Parquet written as the batches are labelled, to a hidden partial name beside the target,
 renamed onto it (with the report) only when the whole job (safety net included) succeeded; a failed
 job leaves no file that looks complete (``outputs.py``).
@@ -67,9 +68,11 @@ def mask_files(
     inside it, and a row whose message the template dropped is counted as ``content_dropped``.
     Pre-tokenised ``input_ids`` cannot be fixed that way: a marker's text inside a message acts as
     the marker there.
-    Every output location is checked before any row is read (``output`` may not be an input, a folder, or
-    in a missing or unwritable folder); the data and the report are committed together or not at all,
-    and a failed job leaves neither (``OutputError`` names the path and the cause of an OS error).
+    Every output location is checked before any row is read (``output`` may not be an input, a folder, in a
+    missing or unwritable folder, or named for another format than Parquet); the data and the report are
+    committed together or not at all, and a failed job leaves neither (``OutputError`` names the path and the
+    cause of an OS error). While the job runs it holds a lock on ``output``: a second job on it is refused.
+    ``input="-"`` reads stdin; stdin and pipes are copied to a temporary file once (see ``docs/inputs.md``).
     With a tokenizer, token ids it does not have are refused, naming the file, row and position.
     """
     options = MaskOptions.resolve(options, **option_fields)
