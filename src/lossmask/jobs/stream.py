@@ -556,11 +556,11 @@ def check_tokenizer_path(tokenizer: Any, *, loaded: bool | None = None) -> None:
     could_be_id = _MODEL_ID.fullmatch(path) is not None and ".." not in path
     if not could_be_id:
         raise FileNotFoundError(f"tokenizer {path}: the folder does not exist; pass a folder holding tokenizer.json "
-                                "and tokenizer_config.json (--tokenizer DIR)")
+                                "and tokenizer_config.json")
     if loaded is False:
         raise FileNotFoundError(f"tokenizer {path}: the folder does not exist, and no model of that id is in the local "
                                 "Hugging Face cache (tokenizers load offline); pass a folder holding tokenizer.json "
-                                "and tokenizer_config.json (--tokenizer DIR)")
+                                "and tokenizer_config.json")
 
 
 def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, input_ids_column: str = "input_ids",
