@@ -193,14 +193,29 @@ def test_item7_symlink_loop_glob_reads_each_file_once(tmp_path):
     (data / "other").mkdir()
     write_input(data / "a.parquet", [CHAT] * 3)
     write_input(data / "sub" / "b.parquet", [CHAT] * 2)
-    os.symlink("..", data / "sub" / "up")  # a loop
-    os.symlink("..", data / "other" / "up")  # a second one: glob alone would walk 2^40 paths
+    os.symlink("..", data / "sub" / "up")  # a loop: glob.glob listed each file 41 times
     os.symlink("../a.parquet", data / "sub" / "same.parquet")  # another name for a.parquet
     for source in (str(data / "**" / "*.parquet"), str(data / "**"), data):
         report = mask_files(source, tmp_path / "out.parquet", markers=MARKERS)
         assert report.rows_in == 5 == report.rows_out, source
         assert ids_out(tmp_path / "out.parquet") == [0, 1, 2, 0, 1]  # the first name of each file, in sorted order
     assert any("same.parquet" in m and "a.parquet" in m for m in report.messages), report.messages
+
+
+def test_item7_two_symlink_loops_are_walked_once_each(tmp_path):
+    """With two loops, glob.glob would walk 2^40 paths (every mix of the two up to the kernel's 40 links), so this
+    asks the walk itself rather than a job, which on a glob without loop checks would never end."""
+    from lossmask.jobs.inputs import glob_files
+
+    data = tmp_path / "data"
+    for sub in ("a", "b"):
+        (data / sub).mkdir(parents=True)
+        os.symlink("..", data / sub / "up")
+        write_input(data / sub / "x.parquet", [CHAT])
+    found = glob_files(str(data / "**" / "*.parquet"))
+    assert found == [str(data / "a" / "x.parquet"), str(data / "b" / "x.parquet")]  # no folder entered from within
+    report = mask_files(str(data / "**" / "*.parquet"), tmp_path / "out.parquet", markers=MARKERS)
+    assert report.rows_in == 2 == report.rows_out
 
 
 # -- 9: one line naming file and line or row, never a traceback -----------------------------------------------
