@@ -158,7 +158,7 @@ def test_cli_show_bad_inputs_name_the_problem(tmp_path, capsys):
     assert main(["show", path, str(bad)]) == 1
     assert "is not JSON" in capsys.readouterr().err
     assert main(["show", str(tmp_path / "missing-tokenizer")]) == 1
-    assert "could not load a tokenizer" in capsys.readouterr().err
+    assert "missing-tokenizer: the folder does not exist" in capsys.readouterr().err  # not "Repo id must be ..."
 
 
 def test_cli_detect_text_and_json(capsys):

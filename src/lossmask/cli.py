@@ -36,22 +36,41 @@ def _mask(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, ImportError) as exc:  # OSError: one line naming the path and the cause
         print(f"lossmask mask: error: {exc}", file=sys.stderr)
         return 1
-    print(report.summary())
-    if args.show:
-        from .jobs.stream import load_chat_tokenizer
+    except _Stopped as stop:  # mask_files removed its partial files (and its lock) on the way out
+        print(f"lossmask mask: stopped by {stop.name}; the partial output was removed, and {args.output} is as it was "
+              "before the job", file=sys.stderr)
+        return 128 + stop.signum
+    try:
+        print(report.summary())
+        if args.show:
+            from .jobs.stream import load_chat_tokenizer
 
-        tokenizer = load_chat_tokenizer(args.tokenizer, chat_template=args.chat_template) if args.tokenizer else None
-        colour = sys.stdout.isatty()
-        legend = "trained tokens highlighted" if colour else "trained tokens in [brackets]"
-        print(f"\nfirst {args.show} rows of {args.output} ({legend}):")
-        print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
-                           labels_column=args.labels_column, colour=colour))
+            tokenizer = load_chat_tokenizer(args.tokenizer, chat_template=args.chat_template) if args.tokenizer else None
+            colour = sys.stdout.isatty()
+            legend = "trained tokens highlighted" if colour else "trained tokens in [brackets]"
+            print(f"\nfirst {args.show} rows of {args.output} ({legend}):")
+            print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
+                               labels_column=args.labels_column, colour=colour))
+    except _Stopped as stop:
+        print(f"lossmask mask: stopped by {stop.name} after {args.output} was written", file=sys.stderr)
+        return 128 + stop.signum
     return 0
 
 
+class _Stopped(BaseException):
+    """SIGTERM, raised in the main thread: a ``BaseException``, as Ctrl-C's ``KeyboardInterrupt`` is, so that no
+    ``except Exception`` keeps the job going, and the job's clean-up (partial files, lock) runs on the way out."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
 def _fail_cleanly_on_signals() -> None:
-    """SIGTERM ends the job like Ctrl-C (its partial files are removed); beyond the file size limit a write fails
-    with an error (EFBIG) instead of SIGXFSZ killing the process with its partial files in place."""
+    """SIGTERM ends the job like Ctrl-C (its partial files are removed) and says so; beyond the file size limit a
+    write fails with an error (EFBIG) instead of SIGXFSZ killing the process with its partial files in place."""
     import signal
     import threading
 
@@ -59,7 +78,7 @@ def _fail_cleanly_on_signals() -> None:
         return
 
     def terminate(signum, frame):
-        raise SystemExit(128 + signum)
+        raise _Stopped(signum)
 
     signal.signal(signal.SIGTERM, terminate)
     if hasattr(signal, "SIGXFSZ"):
@@ -72,10 +91,12 @@ def _add_mask_command(commands) -> None:
         description="Label INPUT (Parquet file, folder or glob; Arrow IPC; JSONL) and write OUTPUT (Parquet), "
         "dropping rows that train nothing (counted per reason). Markers come from --markers or from --tokenizer.",
     )
-    mask.add_argument("input", metavar="INPUT", help="Parquet file, folder or glob of them; Arrow IPC; or JSONL. Rows hold "
+    mask.add_argument("input", metavar="INPUT", help="Parquet file, folder or glob of them; Arrow IPC; JSONL or a JSON "
+                      "array, also gzip/zstd/bzip2 compressed; - for stdin (docs/inputs.md). Rows hold "
                       "input_ids (token ids), messages (a chat) or prompt + completion")
-    mask.add_argument("output", metavar="OUTPUT", help="the Parquet file to write (its folder must exist): the input "
-                      "columns plus labels (and input_ids when tokenised here); written only when the job succeeds")
+    mask.add_argument("output", metavar="OUTPUT", help="the Parquet file to write (its folder must exist; a name such as "
+                      "out.jsonl is refused): the input columns plus labels (and input_ids when tokenised here); "
+                      "written only when the job succeeds, while a lock keeps other jobs off it")
     source = mask.add_argument_group("markers (one of)")
     source.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder: markers from its chat template; "
                         "also renders and tokenises messages / prompt+completion rows")
@@ -85,7 +106,7 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
     mask.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the tokenizer's own")
     mask.add_argument("--strict", action="store_true", help="fail instead of training full sequences when no markers are found")
-    mask.add_argument("--input-format", choices=("parquet", "ipc", "json"), help="default: from the file suffix")
+    mask.add_argument("--input-format", choices=("parquet", "ipc", "json"), help="default: from the file suffix, else its first bytes")
     mask.add_argument("--input-ids-column", default="input_ids", metavar="NAME")
     mask.add_argument("--messages-column", default="messages", metavar="NAME")
     mask.add_argument("--prompt-column", default="prompt", metavar="NAME")
@@ -105,7 +126,7 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--label-dtype", choices=("int64", "int32"), default="int64",
                       help="labels as int64 (the Hugging Face convention) or int32 (smaller files, faster writes)")
     mask.add_argument("--compression", default="snappy", metavar="CODEC",
-                      help="Parquet compression of OUTPUT: snappy (default), zstd, lz4, gzip or none")
+                      help="Parquet compression of OUTPUT: snappy (default), zstd, lz4, gzip, brotli or none")
     mask.add_argument("--num-proc", type=int, default=1, metavar="N",
                       help="render messages / prompt+completion rows in up to N-1 worker processes beside this one, "
                            "where cores and rows pay for them (one process on 2 cores)")
@@ -116,9 +137,11 @@ def _add_mask_command(commands) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from .jobs.stream import check_tokenizer_path
     from .show import run_show
 
     try:
+        check_tokenizer_path(args.tokenizer)
         return run_show(args.tokenizer, args.conversation, html_path=args.html, model_name=args.model_name)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         print(f"lossmask show: error: {exc}", file=sys.stderr)
@@ -126,9 +149,11 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _detect(args: argparse.Namespace) -> int:
+    from .jobs.stream import check_tokenizer_path
     from .show import run_detect
 
     try:
+        check_tokenizer_path(args.tokenizer)
         return run_detect(args.tokenizer, model_name=args.model_name, as_json=args.json)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         print(f"lossmask detect: error: {exc}", file=sys.stderr)

@@ -3,10 +3,14 @@
 ``open_inputs`` lists the files (a file, a folder, a glob or a list), leaves out the job's own
 output, report and partial files, reads every file's schema and unites them: a column that only some
 files have is null in the others; a column whose types cannot be united is refused, naming both files.
+A file reached under two names (a symlink, a recursive glob through a symlink loop) is read once.
 Parquet and Arrow IPC are read with ``pyarrow.dataset``. JSON Lines are read here, block by block:
 objects and lists of objects (messages, tool calls, tool schemas) are kept as JSON text per message
 or per value (``arrow.json``), so rows whose keys or argument types differ are read as they are;
-malformed lines and non-UTF-8 bytes are refused naming the file and line.
+malformed lines and non-UTF-8 bytes are refused naming the file and line. A JSON file that holds one
+array of objects is read the same way, its items as rows. JSON compressed with gzip, bzip2 or zstd is
+told by its magic bytes and read as it is decompressed. Input that can only be read once (stdin, a
+pipe, a FIFO) is first copied to a temporary file, which is removed when the job ends.
 
 Every batch is recorded with the file it came from and where it starts there, so that a row of the
 job (``row 70``) can be named as the user knows it (``row 70 (chats.jsonl, line 71)``).
@@ -14,12 +18,18 @@ job (``row 70``) can be named as the user knows it (``row 70 (chats.jsonl, line 
 
 from __future__ import annotations
 
+import atexit
 import bisect
+import fnmatch
+import functools
 import glob
 import io
 import json
 import os
 import re
+import stat
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -30,8 +40,14 @@ FORMATS = {
     ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc",
     ".jsonl": "json", ".json": "json", ".ndjson": "json",
 }
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}  # of JSON files
+_MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bz2"), (b"\x28\xb5\x2f\xfd", "zstd"))
 PARTIAL_SUFFIX = ".partial"
 INFER_LINES = 10_000  # JSON Lines: the rows of each file whose values fix the column types
+# One line of JSON Lines (or one item of a JSON array) is held in memory whole: without a bound, a file
+# with no line end (/dev/zero, a binary file read as JSON) would take all the memory there is.
+MAX_LINE_BYTES = 64 << 20
+STDIN = "<stdin>"  # the name of input "-" in messages
 
 
 @dataclass(frozen=True)
@@ -42,19 +58,28 @@ class _Segment:
     rows: int
     path: str
     first: int
-    unit: str  # "row" (0-based row of a Parquet/IPC file) or "line" (1-based line of a JSON Lines file)
+    unit: str  # "row" (0-based row of a Parquet/IPC file or item of a JSON array) or "line" (1-based, JSON Lines)
 
 
 class InputFiles:
     """The files of a job, their united ``schema``, and ``batches`` over all of them in order."""
 
     def __init__(self, paths: list[str], fmt: str, source: str, schema: pa.Schema, schemas: list[pa.Schema],
-                 skipped: list[str]):
+                 skipped: list[str], copies: dict[str, str] | None = None):
         self.paths, self.format, self.source, self.schema = paths, fmt, source, schema
         self.file_schemas = schemas
         self.skipped = skipped  # messages for the report: files left out (the job's own output...)
+        self.copies = copies or {}  # a path as named -> the temporary copy read instead (stdin, pipes)
         self._segments: list[_Segment] = []
         self._starts: list[int] = []
+
+    def close(self) -> None:
+        """Remove the temporary copies of stdin and pipes (also done at exit, should a job not call this)."""
+        for copy in self.copies.values():
+            _remove_copy(copy)
+
+    def _local(self, path: str) -> str:
+        return self.copies.get(path, path)
 
     # -- reading -------------------------------------------------------------------------------------
 
@@ -77,9 +102,11 @@ class InputFiles:
         if fmt == "parquet":
             # pre_buffer caches the ranges it has read until the file is closed: memory would grow with the file
             fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
-        dataset = ds.dataset(self.paths, format=fmt, schema=self.schema)
+        named = {self._local(path): path for path in self.paths}
+        dataset = ds.dataset(list(named), format=fmt, schema=self.schema)
         scanner = dataset.scanner(batch_size=batch_size, batch_readahead=1, fragment_readahead=1, use_threads=True)
         iterator = iter(scanner.scan_batches())
+        text = [i for i, field in enumerate(self.schema) if _holds_text(field.type)]
         within: dict[str, int] = {}
         path = self.paths[0]
         while True:
@@ -90,10 +117,12 @@ class InputFiles:
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OSError) as exc:
                 raise ValueError(f"{self._next_file(path, within)}: reading failed ({_first_line(exc)}); "
                                  "the file may be truncated or corrupt") from None
-            path = tagged.fragment.path
+            path = named.get(tagged.fragment.path, tagged.fragment.path)
             batch = tagged.record_batch
             first = within.get(path, 0)
             within[path] = first + batch.num_rows
+            for i in text:
+                _check_utf8(batch.column(i), batch.schema.names[i], path, first)
             yield batch, path, first, "row"
 
     def _next_file(self, last: str, within: dict[str, int]) -> str:
@@ -104,13 +133,13 @@ class InputFiles:
     def _json_batches(self, batch_size: int):
         def blocks():
             for path in self.paths:
-                for table, first_line in read_json_lines(path, self.schema, batch_size):
-                    yield table, path, first_line
+                for table, first, unit in read_json_lines(self._local(path), self.schema, batch_size, name=path):
+                    yield table, path, first, unit
 
-        for table, path, first_line in _read_ahead(blocks()):
+        for table, path, first, unit in _read_ahead(blocks()):
             for batch in table.to_batches():
-                yield batch, path, first_line, "line"
-                first_line += batch.num_rows
+                yield batch, path, first, unit
+                first += batch.num_rows
 
     def count_rows(self) -> int | None:
         """Rows in the input when it is cheap to know (Parquet metadata); None otherwise."""
@@ -119,7 +148,7 @@ class InputFiles:
         import pyarrow.parquet as pq
 
         try:
-            return sum(pq.ParquetFile(path).metadata.num_rows for path in self.paths)
+            return sum(pq.ParquetFile(self._local(path)).metadata.num_rows for path in self.paths)
         except (pa.ArrowInvalid, OSError):
             return None
 
@@ -193,14 +222,15 @@ _ROW = re.compile(r"\brow (\d+)\b(?! \()")
 
 
 def open_inputs(input: Any, *, input_format: str | None = None, exclude: tuple[str, ...] = ()) -> InputFiles:
-    """The files of ``input`` (a file, folder, glob or list of files) and their united schema.
+    """The files of ``input`` (a file, folder, glob or list of files, or ``"-"`` for stdin) and their united schema.
 
     ``exclude``: paths that are never input (the job's output and report). A file given by name that is
     one of them is refused; one found in a folder or by a glob is left out and said so (``skipped``).
+    Stdin, pipes and FIFOs are copied to temporary files first (``InputFiles.close`` removes them).
     """
-    paths, source, explicit = _list_paths(input)
+    paths, source, explicit, skipped = _list_paths(input)
     excluded = {os.path.realpath(p) for p in exclude if p is not None}
-    kept, skipped = [], []
+    kept = []
     for path in paths:
         real = os.path.realpath(path)
         if real in excluded:
@@ -215,65 +245,260 @@ def open_inputs(input: Any, *, input_format: str | None = None, exclude: tuple[s
         kept.append(path)
     if not kept:
         raise FileNotFoundError(f"{source}: holds no data file besides this job's own output")
-    for path in kept:
-        if os.path.isfile(path) and os.path.getsize(path) == 0:
-            raise ValueError(f"{path}: the file is empty (0 bytes); remove it or regenerate it")
-    fmt = input_format or _format_of(kept, source)
-    if fmt not in ("parquet", "ipc", "json"):
-        raise ValueError(f"input_format={fmt!r} is not supported; pass 'parquet', 'ipc' (Arrow/Feather) or 'json' (JSON Lines)")
-    schemas = [_file_schema(path, fmt) for path in kept]
-    return InputFiles(kept, fmt, source, unite_schemas(kept, schemas), schemas, skipped)
+    copies: dict[str, str] = {}
+    try:
+        for path in kept:
+            if _read_once(path):
+                copies[path] = _copy_stream(path)
+            if os.path.getsize(copies.get(path, path)) == 0:
+                raise ValueError(f"{path}: the file is empty (0 bytes); remove it or regenerate it")
+        local = [copies.get(path, path) for path in kept]
+        fmt = input_format or _format_of(kept, local, source)
+        if fmt not in ("parquet", "ipc", "json"):
+            raise ValueError(f"input_format={fmt!r} is not supported; pass 'parquet', 'ipc' (Arrow/Feather) or 'json' "
+                             "(JSON Lines, or a JSON array; gzip, bzip2 or zstd compressed)")
+        schemas = [_file_schema(path, fmt, name) for path, name in zip(local, kept)]
+        return InputFiles(kept, fmt, source, unite_schemas(kept, schemas), schemas, skipped, copies)
+    except BaseException:
+        for copy in copies.values():
+            _remove_copy(copy)
+        raise
 
 
-def _list_paths(input: Any) -> tuple[list[str], str, bool]:
-    """``(paths, a name for errors, whether the paths were named one by one)``."""
+def _list_paths(input: Any) -> tuple[list[str], str, bool, list[str]]:
+    """``(paths, a name for errors, whether the paths were named one by one, messages on paths left out)``."""
     if isinstance(input, (list, tuple)):
         paths = [os.fspath(p) for p in input]
         if not paths:
             raise FileNotFoundError("input=[]: no file given")
-        missing = [p for p in paths if not os.path.exists(p)]
+        missing = [p for p in paths if p != "-" and not os.path.exists(p)]
         if missing:
             raise FileNotFoundError(f"{missing[0]}: no such file or folder")
-        return paths, (f"{len(paths)} files" if len(paths) != 1 else paths[0]), True
+        paths = [STDIN if p == "-" else p for p in paths]
+        return paths, (f"{len(paths)} files" if len(paths) != 1 else paths[0]), True, []
     source = os.fspath(input)
+    if source == "-":
+        return [STDIN], STDIN, True, []
     if any(ch in source for ch in "*?["):
-        paths = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
+        paths, skipped = _once_each(glob_files(source))
         if not paths:
             raise FileNotFoundError(f"{source}: the pattern matches no file")
-        return paths, source, False
+        return paths, source, False, skipped
     if os.path.isdir(source):
-        paths = sorted(
+        found = sorted(
             os.path.join(root, name) for root, folders, names in os.walk(source) for name in names
             if not name.startswith((".", "_"))
         )
+        paths, skipped = _once_each(found)
         if not paths:
             raise FileNotFoundError(f"{source}: the folder holds no data file")
-        return paths, source, False
+        return paths, source, False, skipped
     if os.path.exists(source):
-        return [source], source, True
+        return [source], source, True, []
     raise FileNotFoundError(f"{source}: no such file or folder")
 
 
-def _format_of(paths: list[str], source: str) -> str:
-    kinds = {FORMATS.get(os.path.splitext(p)[1].lower()) for p in paths}
+def _once_each(paths: list[str]) -> tuple[list[str], list[str]]:
+    """The regular files of ``paths``, each under the first of its names; and messages on those left out.
+
+    A FIFO or device in a folder is left out: opening it could wait for ever for a writer."""
+    kept, seen, skipped, again = [], {}, [], []
+    for path in paths:
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError as exc:
+            skipped.append(f"skipped {path}: {exc.strerror or exc} (a broken link?)")
+            continue
+        if not regular:
+            skipped.append(f"skipped {path}: not a regular file (a FIFO, socket or device); name it alone to read it")
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            again.append((path, seen[real]))
+            continue
+        seen[real] = path
+        kept.append(path)
+    if len(again) <= 3:
+        skipped += [f"skipped {path}: the same file as {first}, read once" for path, first in again]
+    else:
+        skipped.append(f"skipped {len(again):,} paths that name files already read (through symbolic links), "
+                       f"e.g. {again[0][0]}, the same file as {again[0][1]}")
+    return kept, skipped
+
+
+def glob_files(pattern: str) -> list[str]:
+    """The files matching ``pattern`` in sorted order, as ``glob.glob(pattern, recursive=True)`` finds them, except
+    that ``**`` does not enter a folder that holds itself (``sub/up -> ..``): ``glob`` would list every file once
+    per turn of such a loop (41 times, up to the kernel's limit on symbolic links), and 2^40 times with two loops.
+    Names starting with ``.`` are matched only by pattern parts that start with ``.``, as in ``glob``."""
+    if "**" not in pattern:
+        return sorted(path for path in glob.glob(pattern) if os.path.isfile(path))
+    parts = pattern.split(os.sep)
+    fixed = 0
+    while fixed < len(parts) and not glob.has_magic(parts[fixed]):
+        fixed += 1
+    base = os.sep.join(parts[:fixed]) or (os.sep if pattern.startswith(os.sep) else "")
+    rest = tuple(parts[fixed:])
+    found: list[str] = []
+
+    hidden = any(part.startswith(".") for part in rest)
+
+    def walk(folder: str, names: tuple[str, ...], ancestors: frozenset) -> None:
+        try:
+            entries = sorted(os.scandir(folder or os.curdir), key=lambda entry: entry.name)
+        except OSError:
+            return
+        for entry in entries:
+            path = os.path.join(folder, entry.name) if folder else entry.name
+            inner = names + (entry.name,)
+            try:
+                is_dir = entry.is_dir()  # through symbolic links, as glob goes
+            except OSError:
+                continue
+            if is_dir and (hidden or not entry.name.startswith(".")):
+                real = os.path.realpath(path)
+                if real not in ancestors:  # a folder that holds itself is not entered again
+                    walk(path, inner, ancestors | {real})
+            elif not is_dir and _path_matches(rest, inner) and os.path.isfile(path):
+                found.append(path)
+
+    if os.path.isdir(base or os.curdir):
+        walk(base, (), frozenset({os.path.realpath(base or os.curdir)}))
+    return sorted(found)
+
+
+def _path_matches(parts: tuple[str, ...], names: tuple[str, ...]) -> bool:
+    """Whether the path ``names`` (its parts) matches the pattern ``parts``, ``**`` standing for any folders."""
+    if not parts:
+        return not names
+    if parts[0] == "**":
+        return any(_path_matches(parts[1:], names[i:]) for i in range(len(names) + 1)
+                   if not any(name.startswith(".") for name in names[:i]))
+    return bool(names) and _name_matches(parts[0], names[0]) and _path_matches(parts[1:], names[1:])
+
+
+def _name_matches(part: str, name: str) -> bool:
+    if name.startswith(".") and not part.startswith("."):
+        return False
+    return fnmatch.fnmatch(name, part)
+
+
+def _read_once(path: str) -> bool:
+    """Whether ``path`` can only be read once: stdin, a pipe or FIFO (``<(zcat x.gz)`` is /dev/fd/63), a device.
+    Anything under /dev or /proc counts, since on some systems /dev/stdin shares its offset with fd 0."""
+    if path == STDIN or path.startswith(("/dev/", "/proc/")):
+        return True
+    mode = os.stat(path).st_mode
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+_COPIES: set[str] = set()
+
+
+def _copy_stream(path: str) -> str:
+    """Copy stdin, a pipe or a FIFO to a temporary file once, and return its path.
+
+    Unless the stream is a compressed or a Parquet/Arrow file, a run of ``MAX_LINE_BYTES`` without a line
+    end stops the copy there (``/dev/zero`` would otherwise fill the disk)."""
+    import tempfile
+
+    fd, copy = tempfile.mkstemp(prefix="lossmask-input-", suffix=".copy")
+    _COPIES.add(copy)
+    if len(_COPIES) == 1:
+        atexit.register(_remove_copies)
+    try:
+        with os.fdopen(fd, "wb") as out, (sys.stdin.buffer if path == STDIN else open(path, "rb")) as stream:
+            check, line, since = None, 1, 0
+            while True:
+                chunk = stream.read(1 << 20)
+                if not chunk:
+                    break
+                if check is None:
+                    check = not chunk.startswith((b"PAR1", b"ARROW1", b"FEA1", *(magic for magic, _ in _MAGIC)))
+                if check:
+                    end = chunk.rfind(b"\n")
+                    if end < 0:
+                        since += len(chunk)
+                    else:
+                        line += chunk.count(b"\n")
+                        since = len(chunk) - end - 1
+                    if since > MAX_LINE_BYTES:
+                        raise _too_long(path, "line", line)
+                out.write(chunk)
+    except BaseException:
+        _remove_copy(copy)
+        raise
+    return copy
+
+
+def _remove_copy(copy: str) -> None:
+    _COPIES.discard(copy)
+    try:
+        os.remove(copy)
+    except OSError:
+        pass
+
+
+def _remove_copies() -> None:
+    for copy in list(_COPIES):
+        _remove_copy(copy)
+
+
+def _too_long(name: str, unit: str, number: int) -> ValueError:
+    return ValueError(
+        f"{name}, {unit} {number}: longer than {MAX_LINE_BYTES >> 20} MiB, the limit on one row of JSON "
+        f"(lossmask.jobs.inputs.MAX_LINE_BYTES); is the file JSON at all? Store rows this long in Parquet"
+    )
+
+
+def _suffix_format(path: str) -> str | None:
+    """The format a file's suffix names, through a compression suffix (``.jsonl.gz``: JSON)."""
+    root, suffix = os.path.splitext(path.lower())
+    if suffix in COMPRESSIONS:
+        kind = FORMATS.get(os.path.splitext(root)[1])
+        return kind if kind == "json" else None
+    return FORMATS.get(suffix)
+
+
+def _sniffed_format(path: str) -> str | None:
+    """The format of a file without a known suffix, from its first bytes (decompressed, for JSON)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+        if head.startswith(b"PAR1"):
+            return "parquet"
+        if head.startswith((b"ARROW1", b"FEA1")):
+            return "ipc"
+        if _codec_of(head) is not None:
+            with _open_json(path)[0] as fh:
+                head = fh.read(1024)
+        return "json" if head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith((b"{", b"[")) else None
+    except (OSError, EOFError, ValueError, pa.ArrowException):
+        return None
+
+
+def _format_of(paths: list[str], local: list[str], source: str) -> str:
+    kinds = {_suffix_format(p) or _sniffed_format(f) for p, f in zip(paths, local)}
     if None in kinds or len(kinds) != 1:
         suffixes = sorted({os.path.splitext(p)[1] or "(none)" for p in paths})
         raise ValueError(
-            f"{source}: cannot tell the format from the file suffixes {suffixes}; name the files .parquet, .arrow or "
-            ".jsonl, or pass input_format= (--input-format parquet|ipc|json)"
+            f"{source}: cannot tell the format from the file suffixes {suffixes} or the first bytes; name the files "
+            ".parquet, .arrow or .jsonl (.jsonl.gz, .jsonl.zst, .jsonl.bz2), or pass input_format= "
+            "(--input-format parquet|ipc|json)"
         )
     return kinds.pop()
 
 
-def _file_schema(path: str, fmt: str) -> pa.Schema:
+def _file_schema(path: str, fmt: str, name: str | None = None) -> pa.Schema:
+    name = path if name is None else name
     if fmt == "json":
-        return json_lines_schema(path)
+        return json_lines_schema(path, name=name)
     import pyarrow.dataset as ds
 
     try:
         return ds.dataset(path, format=fmt).schema
     except (pa.ArrowInvalid, OSError) as exc:
-        raise ValueError(f"{path}: cannot be read as {fmt} ({_first_line(exc)}); is the file complete? "
+        raise ValueError(f"{name}: cannot be read as {fmt} ({_first_line(exc)}); is the file complete? "
                          "(a truncated Parquet file has no footer)") from None
 
 
@@ -308,23 +533,26 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-# -- JSON Lines ----------------------------------------------------------------------------------------
+# -- JSON Lines, JSON arrays -----------------------------------------------------------------------------
 
 
-def json_lines_schema(path: str) -> pa.Schema:
-    """Column types from the first ``INFER_LINES`` rows of a JSON Lines file.
+def json_lines_schema(path: str, *, name: str | None = None) -> pa.Schema:
+    """Column types from the first ``INFER_LINES`` rows of a JSON Lines file (or JSON array file).
 
     Lists of integers are ``list<int64>`` (token ids), strings, numbers and booleans their Arrow
     types; objects, and anything holding an object, are JSON text (``arrow.json``), a list of objects
-    as a list of JSON texts (one per message), so that no later row can fail to fit.
+    as a list of JSON texts (one per message), so that no later row can fail to fit. ``name``: the
+    file as the user named it, for messages (``path`` may be a temporary copy of a pipe).
     """
+    name = path if name is None else name
     rows = []
-    for line, raw in _lines(path):
-        rows.append(_parse_line(path, line, raw))
-        if len(rows) >= INFER_LINES:
-            break
+    with _json_rows(path, name) as (unit, records):
+        for number, raw in records:
+            rows.append(_parse_line(name, number, raw, unit))
+            if len(rows) >= INFER_LINES:
+                break
     if not rows:
-        raise ValueError(f"{path}: the file holds no JSON object (only blank lines)")
+        raise ValueError(f"{name}: the file holds no JSON object (only blank lines)")
     names: dict[str, None] = {}
     for row in rows:
         names.update(dict.fromkeys(row))
@@ -350,31 +578,160 @@ def _infer_type(values: list) -> pa.DataType:
     return pa.json_() if pa.types.is_null(inferred) else inferred
 
 
-def _lines(path: str) -> Iterator[tuple[int, bytes]]:
-    """``(line number, bytes)`` for each non-blank line."""
+def _codec_of(head: bytes) -> str | None:
+    return next((codec for magic, codec in _MAGIC if head.startswith(magic)), None)
+
+
+def _open_json(path: str) -> tuple[Any, str | None]:
+    """``(binary file, codec)``: the file, decompressed as it is read when its magic bytes name gzip, bzip2 or zstd
+    (whatever its suffix says: a ``.jsonl`` that is gzip is read, a ``.gz`` that is not is read as it is)."""
     with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            if raw.strip():
-                yield number, raw
+        codec = _codec_of(fh.read(4))
+    if codec == "gzip":
+        import gzip
+
+        return gzip.open(path, "rb"), codec
+    if codec == "bz2":
+        import bz2
+
+        return bz2.open(path, "rb"), codec
+    if codec == "zstd":  # the standard library has no zstd before Python 3.14; pyarrow does
+        return io.BufferedReader(pa.input_stream(path, compression="zstd"), buffer_size=1 << 16), codec
+    return open(path, "rb", buffering=1 << 16), None
 
 
-def read_json_lines(path: str, schema: pa.Schema, batch_size: int) -> Iterator[tuple[pa.Table, int]]:
-    """``(table, line of its first row)`` for runs of at most ``batch_size`` consecutive non-blank lines."""
+@contextmanager
+def _json_rows(path: str, name: str):
+    """``(unit, records)``: records are ``(number, one row's JSON text as one line of bytes)`` for each non-blank line
+    of JSON Lines (unit ``"line"``, from 1), or each item of a file holding one JSON array (unit ``"row"``, from 0)."""
+    fh, codec = _open_json(path)
+    with fh:
+        try:
+            head = fh.peek(1 << 12)[: 1 << 12]
+        except (OSError, EOFError, ValueError, pa.ArrowException) as exc:
+            raise _not_decompressed(name, codec, exc) from None
+        array = head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+        records = _array_items(fh, name) if array else _lines(fh, name)
+        yield ("row" if array else "line"), (records if codec is None else _decompressing(records, name, codec))
+
+
+def _decompressing(records: Iterator, name: str, codec: str) -> Iterator:
+    """``records``, with a failure of the decompression (a truncated or corrupt file) as one line naming the file."""
+    import zlib
+
+    try:
+        yield from records
+    except (OSError, EOFError, zlib.error, pa.ArrowException) as exc:
+        raise _not_decompressed(name, codec, exc) from None
+
+
+def _not_decompressed(name: str, codec: str | None, exc: BaseException) -> ValueError:
+    return ValueError(f"{name}: cannot be read as {codec or 'uncompressed'} data ({_first_line(exc)}); "
+                      "the file may be truncated or corrupt")
+
+
+def _lines(fh, name: str) -> Iterator[tuple[int, bytes]]:
+    """``(line number, bytes)`` for each non-blank line; a line over ``MAX_LINE_BYTES`` is refused as it is read."""
+    for number, raw in enumerate(iter(functools.partial(fh.readline, MAX_LINE_BYTES + 1), b""), start=1):
+        if len(raw) - raw.endswith(b"\n") > MAX_LINE_BYTES:
+            raise _too_long(name, "line", number)
+        if raw.strip():
+            yield number, raw
+
+
+_SPACE = re.compile(r"[ \t\r\n]*")
+
+
+def _array_items(fh, name: str) -> Iterator[tuple[int, bytes]]:
+    """``(item number, its JSON text on one line)`` for each item of a file holding one JSON array, read in
+    chunks: one item at a time is held in memory (at most ``MAX_LINE_BYTES``), not the whole array."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    scan = json.JSONDecoder().raw_decode
+    text, pos, index, ended = "", 0, 0, False
+
+    def read(size: int = 1 << 20) -> bool:
+        """Append the next ``size`` bytes to ``text`` (dropping what was parsed); False at the end of the file."""
+        nonlocal text, pos, ended
+        data = fh.read(size)
+        ended = not data
+        try:
+            text = text[pos:] + decoder.decode(data, final=ended)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{name}, row {index}: not UTF-8 (byte 0x{exc.object[exc.start]:02x}); re-encode the file "
+                             "as UTF-8") from None
+        pos = 0
+        return not ended
+
+    def next_char() -> str:
+        nonlocal pos
+        while True:
+            pos = _SPACE.match(text, pos).end()
+            if pos < len(text):
+                return text[pos]
+            if not read():
+                return ""
+
+    if next_char() != "[":
+        raise ValueError(f"{name}: not a JSON array")
+    pos += 1
+    closed = next_char() == "]"
+    while not closed:
+        if next_char() == "":
+            raise ValueError(f"{name}, row {index}: the file ends inside the array (is it truncated?)")
+        while True:
+            try:
+                value, end = scan(text, pos)
+                break
+            except json.JSONDecodeError as exc:
+                if ended:
+                    raise ValueError(f"{name}, row {index}: not valid JSON ({exc.msg})") from None
+                if len(text) - pos > MAX_LINE_BYTES:
+                    raise _too_long(name, "row", index) from None
+                read(max(1 << 20, 2 * (len(text) - pos)))  # the item may go on beyond the text read so far
+            except RecursionError:
+                raise _too_deep(name, "row", index) from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}, row {index}: holds {_json_kind(value)}, not a JSON object (one row per item)")
+        # JSON text holds no raw line break inside a string: as one line, the item is read as JSON Lines are
+        yield index, text[pos:end].replace("\n", " ").replace("\r", " ").encode()
+        index, pos = index + 1, end
+        after = next_char()
+        if after == "]":
+            closed = True
+        elif after == ",":
+            pos += 1
+        else:
+            raise ValueError(f"{name}, row {index - 1}: expected ',' or ']' after the row, found "
+                             f"{after!r}" if after else f"{name}: the file ends inside the array (is it truncated?)")
+    pos += 1
+    if next_char() != "":
+        raise ValueError(f"{name}: holds more after the JSON array ends; a JSON file holds one array of rows "
+                         "(or name it .jsonl: one object per line)")
+
+
+def read_json_lines(path: str, schema: pa.Schema, batch_size: int, *,
+                    name: str | None = None) -> Iterator[tuple[pa.Table, int, str]]:
+    """``(table, number of its first row, unit)`` for runs of at most ``batch_size`` consecutive non-blank lines
+    (unit ``"line"``), or items of a JSON array (``"row"``)."""
+    name = path if name is None else name
     block: list[bytes] = []
-    first = next_line = 0
-    for number, raw in _lines(path):
-        if block and (number != next_line or len(block) == batch_size):
-            yield _json_table(path, block, first, schema), first
-            block = []
-        if not block:
-            first = number
-        block.append(raw)
-        next_line = number + 1
-    if block:
-        yield _json_table(path, block, first, schema), first
+    first = following = 0
+    with _json_rows(path, name) as (unit, records):
+        for number, raw in records:
+            if block and (number != following or len(block) == batch_size):
+                yield _json_table(name, block, first, schema, unit), first, unit
+                block = []
+            if not block:
+                first = number
+            block.append(raw)
+            following = number + 1
+        if block:
+            yield _json_table(name, block, first, schema, unit), first, unit
 
 
-def _json_table(path: str, lines: list[bytes], first: int, schema: pa.Schema) -> pa.Table:
+def _json_table(path: str, lines: list[bytes], first: int, schema: pa.Schema, unit: str = "line") -> pa.Table:
     """One block of lines as a table of ``schema``: Arrow's reader when no column is JSON text, else Python."""
     if not any(_holds_json(field.type) for field in schema):
         try:
@@ -389,17 +746,17 @@ def _json_table(path: str, lines: list[bytes], first: int, schema: pa.Schema) ->
                 return table
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
             pass  # the row-by-row reading below names the line and the problem
-    rows = [_parse_line(path, first + i, raw) for i, raw in enumerate(lines)]
+    rows = [_parse_line(path, first + i, raw, unit) for i, raw in enumerate(lines)]
     known = set(schema.names)
     for i, row in enumerate(rows):
         extra = [key for key in row if key not in known]
         if extra:
             raise ValueError(
-                f"{path}, line {first + i}: key {extra[0]!r} appears here but in none of the first {INFER_LINES:,} "
+                f"{path}, {unit} {first + i}: key {extra[0]!r} appears here but in none of the first {INFER_LINES:,} "
                 f"rows of the file, which fix its columns; give every row the key (null where absent), "
                 "or convert the file to Parquet"
             )
-    return pa.table([_json_column(path, first, field, [row.get(field.name) for row in rows]) for field in schema],
+    return pa.table([_json_column(path, first, field, [row.get(field.name) for row in rows], unit) for field in schema],
                     schema=schema)
 
 
@@ -409,12 +766,12 @@ def _holds_json(arrow_type: pa.DataType) -> bool:
     return pa.types.is_list(arrow_type) and _holds_json(arrow_type.value_type)
 
 
-def _json_column(path: str, first: int, field: pa.Field, values: list) -> pa.Array:
+def _json_column(path: str, first: int, field: pa.Field, values: list, unit: str = "line") -> pa.Array:
     if _holds_json(field.type):
         if pa.types.is_list(field.type):
             for i, value in enumerate(values):
                 if value is not None and not isinstance(value, list):
-                    raise ValueError(f"{path}, line {first + i}: {field.name!r} is {_json_kind(value)}, "
+                    raise ValueError(f"{path}, {unit} {first + i}: {field.name!r} is {_json_kind(value)}, "
                                      f"not a list as in the file's first rows")
             texts = [None if v is None else [json.dumps(item, ensure_ascii=False) for item in v] for v in values]
             storage = pa.array(texts, type=pa.list_(pa.string()))
@@ -433,30 +790,91 @@ def _json_column(path: str, first: int, field: pa.Field, values: list) -> pa.Arr
             shown = json.dumps(value)
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
             raise ValueError(
-                f"{path}, line {first + i}: {field.name!r} holds {shown}, which does not fit {field.type} "
+                f"{path}, {unit} {first + i}: {field.name!r} holds {shown}, which does not fit {field.type} "
                 f"(its type in the file's first rows); fix the row, or convert the file to Parquet with one type"
             ) from None
-    raise ValueError(f"{path}, lines {first}-{first + len(values) - 1}: column {field.name!r} cannot be read as {field.type}")
+    raise ValueError(f"{path}, {unit}s {first}-{first + len(values) - 1}: column {field.name!r} cannot be read as "
+                     f"{field.type}")
 
 
-def _parse_line(path: str, line: int, raw: bytes) -> dict:
+# an escaped UTF-16 surrogate (\ud800-\udfff): half of a pair, or alone, which is not text
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _parse_line(path: str, line: int, raw: bytes, unit: str = "line") -> dict:
     try:
-        text = raw.decode("utf-8-sig" if line == 1 else "utf-8")  # a byte order mark may open the file
+        # a byte order mark may open the file
+        text = raw.decode("utf-8-sig" if (unit, line) == ("line", 1) else "utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}, line {line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the "
-                         "line); re-encode the file as UTF-8") from None
+        raise ValueError(f"{path}, {unit} {line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of "
+                         f"the {unit}); re-encode the file as UTF-8") from None
     try:
         value = json.loads(text.rstrip("\r\n"))
     except ValueError as exc:
         reason = getattr(exc, "msg", str(exc))
         column = getattr(exc, "colno", None)
-        raise ValueError(f"{path}, line {line}: not valid JSON ({reason}"
+        raise ValueError(f"{path}, {unit} {line}: not valid JSON ({reason}"
                          f"{f' at column {column}' if column else ''})") from None
+    except RecursionError:
+        raise _too_deep(path, unit, line) from None
     if not isinstance(value, dict):
-        raise ValueError(f"{path}, line {line}: holds {_json_kind(value)}, not a JSON object (one row per line)")
+        raise ValueError(f"{path}, {unit} {line}: holds {_json_kind(value)}, not a JSON object (one row per line)")
+    if _SURROGATE.search(raw):
+        _check_surrogates(path, unit, line, value)
     return value
+
+
+def _check_surrogates(path: str, unit: str, line: int, row: dict) -> None:
+    """Refuse a string holding a lone surrogate (``"\\ud800"``): it is no character, and no UTF-8 can hold it."""
+    for key, value in row.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{path}, {unit} {line}: {key!r} holds a lone UTF-16 surrogate (\\u{ord(exc.object[exc.start]):04x}), "
+                "half of a pair that is not text; remove it or write the whole character"
+            ) from None
+
+
+def _too_deep(path: str, unit: str, line: int) -> ValueError:
+    return ValueError(f"{path}, {unit} {line}: nested too deep to read (Python's JSON reader stops at about "
+                      f"{sys.getrecursionlimit():,} levels of arrays and objects); flatten it, or store it as a string")
 
 
 def _json_kind(value: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
             float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+# -- strings in Parquet and Arrow files -----------------------------------------------------------------
+
+
+def _holds_text(arrow_type: pa.DataType) -> bool:
+    """Whether a column of this type holds strings anywhere (in lists, structs, maps, dictionaries)."""
+    storage = getattr(arrow_type, "storage_type", arrow_type)
+    if pa.types.is_string(storage) or pa.types.is_large_string(storage) or pa.types.is_string_view(storage):
+        return True
+    if pa.types.is_dictionary(storage):
+        return _holds_text(storage.value_type)
+    if pa.types.is_map(storage):
+        return _holds_text(storage.key_type) or _holds_text(storage.item_type)
+    return any(_holds_text(storage.field(i).type) for i in range(storage.num_fields))
+
+
+def _check_utf8(column: pa.Array, name: str, path: str, first: int) -> None:
+    """Refuse strings that are not UTF-8 (Parquet and Arrow files are not checked when read), naming the row."""
+    try:
+        column.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        bad = next((row for row in range(len(column)) if not _decodes(column.slice(row, 1))), None)
+        where = f"{path}, row {first + bad}" if bad is not None else path
+        raise ValueError(f"{where}: column {name!r} holds text that is not UTF-8 ({_first_line(exc)}); re-encode it "
+                         "as UTF-8, or store it as binary") from None
+
+
+def _decodes(row: pa.Array) -> bool:
+    try:
+        row.to_pylist()
+    except UnicodeDecodeError:
+        return False
+    return True

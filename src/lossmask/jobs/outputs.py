@@ -5,6 +5,10 @@ its target, ``.NAME.PID.partial``, and renames them all onto their targets only 
 succeeded; on any failure the partials are removed, so a target is either the previous file or the
 complete new one. A partial whose process is gone (a killed job) is removed when the next job on the
 same target starts. OS errors become one ``OutputError`` line naming the path and the cause.
+
+While a job writes, it holds a lock on its output (``output_lock``: ``.NAME.lock`` beside it), so that a
+second job on the same output is refused instead of both writing and one report disagreeing with the
+file. The output is Parquet: a name that says another format (``out.jsonl``) is refused.
 """
 
 from __future__ import annotations
@@ -12,7 +16,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+PARQUET_CODECS = ("snappy", "zstd", "lz4", "gzip", "brotli", "none")
+# suffixes that name another format than the Parquet a job writes
+OTHER_FORMATS = {".jsonl": "JSON Lines", ".json": "JSON", ".ndjson": "JSON Lines", ".csv": "CSV", ".tsv": "TSV",
+                 ".txt": "text", ".arrow": "Arrow IPC", ".feather": "Feather", ".ipc": "Arrow IPC",
+                 ".gz": "gzip", ".bz2": "bzip2", ".zst": "zstd", ".xz": "xz", ".zip": "zip"}
 
 
 class OutputError(OSError):
@@ -35,6 +46,77 @@ def check_output(path: str | os.PathLike, *, what: str = "output", inputs: Itera
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputError(f"{path}: the folder {folder} is not writable")
     return path
+
+
+def check_output_format(path: str) -> None:
+    """Refuse an output whose suffix names another format than Parquet (``out.jsonl`` would hold Parquet)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in OTHER_FORMATS:
+        stem = os.path.basename(path)[: -len(suffix)]
+        stem = os.path.splitext(stem)[0] if os.path.splitext(stem)[1].lower() in OTHER_FORMATS else stem
+        raise ValueError(f"{path}: the name says {OTHER_FORMATS[suffix]}, but a job writes Parquet; name the output "
+                         f"{stem}.parquet (pyarrow or pandas convert it if you need {OTHER_FORMATS[suffix]})")
+
+
+def check_compression(compression: object) -> None:
+    """Refuse a Parquet codec that does not exist or that this pyarrow was built without, listing those there are."""
+    if not isinstance(compression, str):
+        return  # a dict per column, or None: pyarrow judges it
+    import pyarrow as pa
+
+    name = compression.lower()
+    if name not in PARQUET_CODECS or (name != "none" and not pa.Codec.is_available(name)):
+        there = [codec for codec in PARQUET_CODECS if codec == "none" or pa.Codec.is_available(codec)]
+        raise ValueError(f"compression={compression!r} is not a Parquet codec here; pass one of {', '.join(there)} "
+                         "(--compression)")
+
+
+def lock_name(path: str) -> str:
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.lock")
+
+
+@contextmanager
+def output_lock(path: str) -> Iterator[str]:
+    """Hold the lock of output ``path`` while the block runs; raise ``OutputError`` naming the job that holds it.
+
+    The lock is ``flock`` on ``.NAME.lock`` beside the output, which holds the pid of its job: the system
+    releases it when that process ends, however it ends, so a lock file left by a killed job stops nobody.
+    The file is removed on the way out. (Where ``fcntl`` is missing, as on Windows, no lock is taken.)
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield lock_name(path)
+        return
+    lock = lock_name(path)
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise as_output_error(exc, lock) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise OutputError(f"{path}: another lossmask job (pid {holder}) is writing this output now ({lock} is "
+                              "locked); wait for it to end, or write to another path") from None
+        # its last holder may have removed the file between our open and our lock: then lock the new one
+        try:
+            current = os.path.samestat(os.fstat(fd), os.stat(lock))
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield lock
+    finally:
+        remove_quietly(lock)  # before the lock goes, so that the next job locks a file that stays
+        os.close(fd)
 
 
 def partial_name(path: str) -> str:

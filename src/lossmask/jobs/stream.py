@@ -1,7 +1,8 @@
 """``mask_files``: files in, one Parquet file out, batch by batch, with memory bounded by the batch size.
 
 Input: a Parquet file, a folder or glob of Parquet files, Arrow IPC (``.arrow`` / ``.feather`` /
-``.ipc``), or JSON Lines (``.jsonl`` / ``.json``), read one batch at a time (``inputs.py``).
+``.ipc``), or JSON Lines or a JSON array (``.jsonl`` / ``.json``, also gzip, bzip2 or zstd compressed),
+from files, stdin or pipes, read one batch at a time (``inputs.py``).
 Output: Parquet written as the batches are labelled, to a hidden partial name beside the target,
 renamed onto it (with the report) only when the whole job (safety net included) succeeded; a failed
 job leaves no file that looks complete (``outputs.py``).
@@ -10,6 +11,7 @@ job leaves no file that looks complete (``outputs.py``).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +25,8 @@ from .inputs import InputFiles, open_inputs
 from ..engine.patterns import Markers
 from ..options import MaskOptions
 from .batch_step import input_kind, mask_batch, output_schema
-from .outputs import OutputError, as_output_error, check_output, commit, partial_name, remove_quietly, remove_stale_partials
+from .outputs import (OutputError, as_output_error, check_compression, check_output, check_output_format, commit,
+                      output_lock, partial_name, remove_quietly, remove_stale_partials)
 from .report import MaskReport, Tally
 from .safety import TooManyDroppedRows, check_drop_fraction
 
@@ -65,24 +68,42 @@ def mask_files(
     inside it, and a row whose message the template dropped is counted as ``content_dropped``.
     Pre-tokenised ``input_ids`` cannot be fixed that way: a marker's text inside a message acts as
     the marker there.
-    Every output location is checked before any row is read (``output`` may not be an input, a folder, or
-    in a missing or unwritable folder); the data and the report are committed together or not at all,
-    and a failed job leaves neither (``OutputError`` names the path and the cause of an OS error).
+    Every output location is checked before any row is read (``output`` may not be an input, a folder, in a
+    missing or unwritable folder, or named for another format than Parquet); the data and the report are
+    committed together or not at all, and a failed job leaves neither (``OutputError`` names the path and the
+    cause of an OS error). While the job runs it holds a lock on ``output``: a second job on it is refused.
+    ``input="-"`` reads stdin; stdin and pipes are copied to a temporary file once (see ``docs/inputs.md``).
     With a tokenizer, token ids it does not have are refused, naming the file, row and position.
     """
     options = MaskOptions.resolve(options, **option_fields)
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"num_proc={num_proc!r} must be a positive number of processes")
+    check_compression(compression)
     started = time.perf_counter()
     output = os.fspath(output)
+    check_output_format(output)
     report = None if report is None else os.fspath(report)
     dataset = open_inputs(input, input_format=input_format, exclude=(output, report))
+    try:
+        check_output(output, inputs=dataset.paths)
+        if report is not None:
+            check_output(report, what="report", inputs=dataset.paths)
+            if os.path.realpath(report) == os.path.realpath(output):
+                raise ValueError(f"report {report} is the output {output}; write the report to another path")
+        with output_lock(output):
+            return _mask_job(dataset, output, report, tokenizer=tokenizer, chat_template=chat_template,
+                             model_name=model_name, markers=markers, strict=strict, options=options,
+                             row_group_size=row_group_size, compression=compression, num_proc=num_proc,
+                             progress=progress, started=started)
+    finally:
+        dataset.close()
+
+
+def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer: Any, chat_template: Any,
+              model_name: str | None, markers: Any, strict: bool, options: MaskOptions, row_group_size: int | None,
+              compression: str, num_proc: int, progress: bool | None, started: float) -> MaskReport:
+    """The job of ``mask_files`` once its inputs are open, its outputs checked and the output locked."""
     source = dataset.source
-    check_output(output, inputs=dataset.paths)
-    if report is not None:
-        check_output(report, what="report", inputs=dataset.paths)
-        if os.path.realpath(report) == os.path.realpath(output):
-            raise ValueError(f"report {report} is the output {output}; write the report to another path")
     kind = job_input_kind(dataset, options)
     tokenizer, bare = _job_tokenizer(tokenizer, chat_template, kind, source), tokenizer
     if tokenizer is not None and kind != "input_ids":
@@ -166,7 +187,17 @@ def job_input_kind(dataset: InputFiles, options: MaskOptions) -> str:
                 f"{path} holds {KIND_NAMES[kind]} but {dataset.paths[0]} holds {KIND_NAMES[kinds[0]]}; the files of "
                 "one job must hold the same input shape: mask them separately"
             )
-    return input_kind(dataset.schema, options, source=dataset.source)
+    kind = input_kind(dataset.schema, options, source=dataset.source)
+    if kind == "input_ids" and options.messages_column in dataset.schema.names:
+        import warnings
+
+        warnings.warn(
+            f"{dataset.source} has both {options.input_ids_column!r} and {options.messages_column!r}: the token ids "
+            f"in {options.input_ids_column!r} are labelled as they are, and the messages are not rendered. To label the "
+            "messages instead, pass --input-ids-column NAME (input_ids_column=NAME in Python) with a name the input "
+            "does not have: the ids tokenised from the messages are written there", UserWarning, stacklevel=4,
+        )
+    return kind
 
 
 KIND_NAMES = {"input_ids": "token ids (input_ids)", "messages": "chat messages",
@@ -480,8 +511,13 @@ def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | No
     """The tokenizer adapter of a job, with its chat template replaced when ``chat_template`` is given."""
     from ..chat.encode_batch import chat_tokenizer
 
+    check_tokenizer_path(tokenizer)
     if chat_template is None:
-        return chat_tokenizer(tokenizer)
+        try:
+            return chat_tokenizer(tokenizer)
+        except ValueError:
+            check_tokenizer_path(tokenizer, loaded=False)
+            raise
     from ..chat.tokenizer import ChatTokenizer
 
     text = os.fspath(chat_template)
@@ -497,11 +533,34 @@ def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | No
         try:
             hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as exc:
+            check_tokenizer_path(path, loaded=False)
             raise ValueError(f"could not load a tokenizer from {path!r} offline ({type(exc).__name__}: {exc})") from exc
         hf_tokenizer.chat_template = text  # ours alone: a trainer given it renders as we do
         return ChatTokenizer(hf_tokenizer, chat_template=text, name=path)
     adapter = chat_tokenizer(tokenizer)
     return ChatTokenizer(adapter.tokenizer, chat_template=text, name=adapter.name)
+
+
+_MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def check_tokenizer_path(tokenizer: Any, *, loaded: bool | None = None) -> None:
+    """Refuse a tokenizer path that does not exist with that said, not with what Hugging Face says of it ("Repo id
+    must be in the form ..."). A name that could be a model id (``org/name``) may still load from the local Hugging
+    Face cache, so it is refused only once loading it failed (``loaded=False``)."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return
+    path = os.fspath(tokenizer)
+    if os.path.exists(path):
+        return
+    could_be_id = _MODEL_ID.fullmatch(path) is not None and ".." not in path
+    if not could_be_id:
+        raise FileNotFoundError(f"tokenizer {path}: the folder does not exist; pass a folder holding tokenizer.json "
+                                "and tokenizer_config.json")
+    if loaded is False:
+        raise FileNotFoundError(f"tokenizer {path}: the folder does not exist, and no model of that id is in the local "
+                                "Hugging Face cache (tokenizers load offline); pass a folder holding tokenizer.json "
+                                "and tokenizer_config.json")
 
 
 def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, input_ids_column: str = "input_ids",
