@@ -325,7 +325,7 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
     without ``last_turn_only``."""
     (classes, big_ids, big_classes, n_quiet, n_classes, max_anchor, goto, outputs, close_offsets, close_lengths,
      mask_length) = auto
-    group_offsets, group_kinds, group_anchors, group_lengths, group_starts, group_ids = groups
+    group_offsets, group_kinds, group_anchors, group_lengths, group_starts, group_ids, slot_groups = groups
     last = np.uint64(classes.shape[0] - 1)
     a0, a1, a2, a3, zero = prefilter[0], prefilter[1], prefilter[2], prefilter[3], prefilter[4]
     one = np.uint64(1)
@@ -433,11 +433,14 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
             if mode == _CANDIDATE:
                 w = values[np.uint64(t)]
                 sign |= w
-                c = np.int64(classes[min(np.uint64(w), last)])
-                if c == n_classes:
-                    c = _big_class(w, big_ids, big_classes)
-                if c < n_quiet:
-                    continue  # a negative id, or an id the prefilter shares with an anchor only by dtype
+                # Its group of patterns, by which prefilter id it is (selects, not branches: the anchors of
+                # one template alternate); none for a negative id.
+                g = slot_groups[3] if w == a3 else -1
+                g = slot_groups[2] if w == a2 else g
+                g = slot_groups[1] if w == a1 else g
+                g = slot_groups[0] if w == a0 else g
+                if g < 0:
+                    continue
                 # Events wait for the next clean block (or the row's end) to be written, in one stretch;
                 # only a list about to overflow writes what it may now: positions before t - max_anchor.
                 final = t - max_anchor if n_ev + staged > capacity else p
@@ -489,7 +492,6 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
             # The matches anchored here, as events staged in any order: a small group's patterns are each
             # compared where the anchor puts them; a large one's (dozens of whitespace variants sharing their
             # anchor) are found by stepping the automaton over the tokens any of them can span.
-            g = c - n_quiet
             n_stage = 0
             if group_offsets[g + 1] - group_offsets[g] <= _DIRECT_GROUP:
                 for k in range(group_offsets[g], group_offsets[g + 1]):
@@ -655,9 +657,10 @@ def direct_args(a) -> tuple:
             a.close_offsets, a.close_lengths, a.mask_length)
 
 
-def direct_groups(automaton, dtype: np.dtype) -> tuple:
-    """``Automaton.group_*`` as ``_direct_block`` reads them, with the ids in ``dtype``; a pattern holding an
-    id that ``dtype`` cannot hold never matches, and gets the length -1."""
+def direct_groups(automaton, dtype: np.dtype, prefilter: np.ndarray) -> tuple:
+    """``Automaton.group_*`` as ``_direct_block`` reads them, with the ids in ``dtype`` (a pattern holding an
+    id that ``dtype`` cannot hold never matches, and gets the length -1), and last the group of each id of
+    the ``prefilter`` (-1 for one that is no anchor)."""
     info = np.iinfo(dtype)
     ids = automaton.group_ids
     fits = (ids >= info.min) & (ids <= info.max)
@@ -665,8 +668,10 @@ def direct_groups(automaton, dtype: np.dtype) -> tuple:
     for k in range(lengths.shape[0]):
         if not fits[automaton.group_starts[k]:automaton.group_starts[k] + lengths[k]].all():
             lengths[k] = -1
+    slot_classes = automaton.class_of(prefilter[:_PREFILTER].astype(np.int64))
+    slot_groups = np.where(slot_classes >= automaton.n_quiet, slot_classes - automaton.n_quiet, -1).astype(np.int64)
     return (automaton.group_offsets, automaton.group_kinds, automaton.group_anchors, lengths,
-            automaton.group_starts, np.where(fits, ids, 0).astype(dtype))
+            automaton.group_starts, np.where(fits, ids, 0).astype(dtype), slot_groups)
 
 
 def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
@@ -678,7 +683,7 @@ def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore
     if use_prefilter and not last_turn_only:  # each pattern checked at its anchor (see _direct_block)
         kernel = _direct_rows_parallel if parallel else _direct_rows_serial
         return kernel(
-            values, starts, ends, direct_args(automaton), direct_groups(automaton, values.dtype), prefilter,
+            values, starts, ends, direct_args(automaton), direct_groups(automaton, values.dtype, prefilter), prefilter,
             out.dtype.type(ignore_index), out, bool(write_mask),
         )
     auto, ring_size = automaton_args(automaton)

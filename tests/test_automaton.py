@@ -101,7 +101,7 @@ def assert_drivers_equal_reference(rows, markers, last_turn_only, dtype=np.int64
                 values, starts, ends, auto, ring_size, last_turn_only, out.dtype.type(0 if wm else -100), out, wm, ids, use)
     if usable and not last_turn_only:  # each pattern checked at its anchor
         direct = numba_kernel.direct_args(automaton)
-        groups = numba_kernel.direct_groups(automaton, values.dtype)
+        groups = numba_kernel.direct_groups(automaton, values.dtype, prefilter)
         for name, driver in DIRECT_DRIVERS.items():
             runs[f"{name} direct driver"] = lambda out, wm, driver=driver: driver(
                 values, starts, ends, direct, groups, prefilter, out.dtype.type(0 if wm else -100), out, wm)
