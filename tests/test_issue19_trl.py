@@ -163,3 +163,21 @@ def test_19_wrapped_packing_keeps_the_labels_tokens_had(qwen, tmp_path, shuffle)
         crossing += got[0] != -100  # a chunk that opens inside a trained turn
     assert crossing >= 2
     assert np.isfinite(trainer.train().training_loss)
+
+
+def test_19_wrapped_padding_free_collator_keeps_the_stream_labels(qwen, tmp_path):
+    """Padding-free with wrapped chunks: the collator uses the chunks' labels instead of labelling each chunk alone."""
+    from lossmask.collator import CompletionCollator
+
+    trainer = _trainer(qwen, datasets.Dataset.from_list(_long_conversations(4)), tmp_path, packing=True,
+                       packing_strategy="wrapped", max_length=24, padding_free=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_on_responses_only(trainer, verbose=False)
+    collator = trainer.data_collator
+    assert isinstance(collator, CompletionCollator) and collator.padding_free and collator.row_labels == "keep"
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    batch = collator(rows)
+    want = [label for row in rows for label in [-100] + list(row["labels"][1:])]  # a chunk start predicts nothing
+    assert batch["labels"][0, : len(want)].tolist() == want
+    assert any(row["labels"][1] != -100 for row in rows)  # some chunk opens inside a trained turn
