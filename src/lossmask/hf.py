@@ -12,7 +12,8 @@ position, so a pad id equal to EOS never masks the real EOS.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -227,6 +228,13 @@ def train_on_responses_only(
     does, so packed documents do not attend to each other; packed rows (``seq_lengths``) are labelled
     document by document, and the report counts documents (those that train nothing stay in their pack,
     counted as kept). ``max_length`` defaults to ``SFTConfig.max_length`` (the length TRL cut rows at).
+    With ``packing_strategy="wrapped"`` the chunks are labelled as the stream they were cut from, so a
+    chunk that opens inside an assistant turn keeps it trained.
+
+    Where a dataset still has its ``messages`` (TRL keeps them unless it packs), those are labelled, as
+    ``mask_dataset`` labels them: message text is data. Rows left as token ids only cannot tell message
+    text from markers; the drop-in then warns once. For that protection with packing, label the dataset
+    with ``mask_dataset`` before building the trainer and leave this drop-in out.
     """
     tok = tokenizer if tokenizer is not None else _trainer_tokenizer(trainer)
     model_name = model_name or _model_name(trainer)
@@ -247,17 +255,21 @@ def train_on_responses_only(
             print(f"lossmask: {message}", file=sys.stderr)
     packed = False
     truncation_mode = getattr(args, "truncation_mode", None) or "keep_start"
+    wrapped = bool(getattr(args, "packing", False)) and getattr(args, "packing_strategy", None) == "wrapped"
+    plan = _Plan(job, truncation_mode, wrapped, limit)
     if getattr(trainer, "train_dataset", None) is not None:
-        trainer.train_dataset, is_packed = _mask_for_trainer(job, trainer.train_dataset, "train", truncation_mode)
+        trainer.train_dataset, is_packed = plan.mask(trainer.train_dataset, "train")
         packed |= is_packed
     eval_dataset = getattr(trainer, "eval_dataset", None)
     if isinstance(eval_dataset, dict):
-        masked = {name: _mask_for_trainer(job, ds, f"eval {name}", truncation_mode) for name, ds in eval_dataset.items()}
+        masked = {name: plan.mask(ds, f"eval {name}") for name, ds in eval_dataset.items()}
         trainer.eval_dataset = {name: ds for name, (ds, _) in masked.items()}
         packed |= any(is_packed for _, is_packed in masked.values())
     elif eval_dataset is not None:
-        trainer.eval_dataset, is_packed = _mask_for_trainer(job, eval_dataset, "eval", truncation_mode)
+        trainer.eval_dataset, is_packed = plan.mask(eval_dataset, "eval")
         packed |= is_packed
+    if plan.from_ids and resolved is not None:
+        warnings.warn(_IDS_ONLY.format(names=", ".join(plan.from_ids)), UserWarning, stacklevel=2)
     padding_free = _padding_free(trainer)
     if resolved is None:
         if not (padding_free or packed):  # no markers: the full sequence trains, TRL's collator already does that
@@ -269,6 +281,7 @@ def train_on_responses_only(
             markers=resolved, tokenizer=chat.tokenizer, padding_free=padding_free, last_turn_only=options.last_turn_only,
             pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
             truncation_mode=truncation_mode,
+            row_labels="keep" if wrapped else "rebuild",  # a chunk's labels come from the stream, not the chunk alone
         )
     else:
         trainer.data_collator = PadByPosition(pad_token_id=_pad_id(chat), padding_side=getattr(chat.tokenizer, "padding_side", "right"))
@@ -292,12 +305,85 @@ def _padding_free(trainer: Any) -> bool:
         bool(getattr(args, "packing", False)) and getattr(args, "packing_strategy", "bfd") in ("bfd", "bfd_split"))
 
 
-def _mask_for_trainer(job: "_Job", dataset: Any, name: str, truncation_mode: str) -> tuple[Any, bool]:
-    """``(dataset, packed)``: labelled rows, or packed rows left as they are with their documents counted."""
-    if "seq_lengths" in (getattr(dataset, "column_names", None) or []):
-        _count_packed_documents(job, dataset, name, truncation_mode)
-        return dataset, True
-    return job.run(_without_labels(dataset), name=name)[0], False
+_IDS_ONLY = (
+    "lossmask: train_on_responses_only labelled {names} from the trainer's token ids: the rows kept no "
+    "'messages' column (packing drops it), so message text cannot be told from the template's markers there. "
+    "A quoted marker or special token in a message ('<|im_end|>' in an answer, a user message that writes a "
+    "whole assistant turn) acts as the marker, and such rows are not dropped as content_dropped. To keep message "
+    "text as data, label the dataset with lossmask.hf.mask_dataset(dataset, tokenizer) before building the trainer "
+    "and pass the result to it (TRL keeps a 'labels' column, through packing too), without calling "
+    "train_on_responses_only; or keep the 'messages' column and do not pack."
+)
+
+
+@dataclass
+class _Plan:
+    """How the drop-in labels each of a trainer's datasets, and which ones it could only label from ids."""
+
+    job: "_Job"
+    truncation_mode: str
+    wrapped: bool  # TRL's packing_strategy="wrapped": chunks of one stream of documents
+    limit: int | None  # the trainer's max_length
+    from_ids: list = field(default_factory=list)  # the datasets labelled from token ids alone
+
+    def mask(self, dataset: Any, name: str) -> tuple[Any, bool]:
+        """``(dataset, packed)``: labelled rows, or packed rows left as they are with their documents counted."""
+        names = getattr(dataset, "column_names", None) or []
+        job = self.job
+        if "seq_lengths" in names:
+            _count_packed_documents(job, dataset, name, self.truncation_mode)
+            self.from_ids.append(name)
+            return dataset, True
+        if self.wrapped and job.options.input_ids_column in names:
+            self.from_ids.append(name)
+            return _label_wrapped_stream(job, dataset, name), False
+        if job.markers is not None and job.options.messages_column in names and self.truncation_mode == "keep_start":
+            # TRL tokenised these messages and kept them: rendering them here keeps message text as data
+            options = job.options if job.options.max_length is not None or self.limit is None else replace(
+                job.options, max_length=self.limit)
+            stale = [c for c in (options.input_ids_column, "labels", "completion_mask", "assistant_masks") if c in names]
+            return replace(job, options=options).run(dataset.remove_columns(stale), name=name)[0], False
+        if job.options.input_ids_column in names:
+            self.from_ids.append(name)
+        return job.run(_without_labels(dataset), name=name)[0], False
+
+
+def _label_wrapped_stream(job: "_Job", dataset: Any, name: str) -> Any:
+    """Label TRL's wrapped chunks as the one stream of documents they were cut from.
+
+    ``packing_strategy="wrapped"`` concatenates the tokenised documents and cuts the stream every
+    ``max_length`` tokens, so a chunk can open inside an assistant turn whose header lies in the chunk
+    before. The dataset's table holds the chunks in stream order (a later shuffle only maps indices over
+    it), so the chunks are joined back, labelled as one row, and each chunk gets its slice of the labels:
+    the labels its tokens had before the cut. Chunks are kept as they are (none is dropped); the trainer
+    reads them in its own order.
+    """
+    import pyarrow.compute as pc
+
+    from .engine.labels import label_batch
+
+    column = job.options.input_ids_column
+    ids = dataset.data.table.column(column).combine_chunks()  # physical order: the stream, whatever the indices
+    lengths = np.asarray(pc.list_value_length(ids).fill_null(0), dtype=np.int64)
+    values = pc.list_flatten(ids)
+    if job.markers is None:
+        labels_values = values.cast(pa.int64())
+    else:
+        stream = pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), values)
+        result = label_batch(stream, job.markers, backend=job.options.backend, ignore_index=job.options.ignore_index)
+        labels_values = pc.list_flatten(result.labels).cast(pa.int64())
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int64())
+    labels = pa.LargeListArray.from_arrays(offsets, labels_values).cast(pa.list_(pa.int64()))
+    indices = getattr(dataset, "_indices", None)
+    if indices is not None:  # the dataset's view order (a shuffle after packing)
+        labels = labels.take(indices.column(0).combine_chunks())
+    out = dataset.remove_columns([c for c in ("labels", "completion_mask", "assistant_masks") if c in dataset.column_names])
+    out = out.add_column("labels", labels)
+    trained = int(np.count_nonzero(np.asarray(labels_values) != job.options.ignore_index))
+    if job.verbose:
+        print(f"lossmask [{name}, wrapped chunks]: {len(lengths)} chunks of one stream of {len(values)} tokens, "
+              f"{trained} trained", file=sys.stderr)
+    return out
 
 
 def _count_packed_documents(job: "_Job", dataset: Any, name: str, truncation_mode: str = "keep_start") -> None:
