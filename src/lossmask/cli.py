@@ -25,7 +25,9 @@ def _mask(args: argparse.Namespace) -> int:
             labels_column=args.labels_column, completion_mask=args.completion_mask, max_length=args.max_length,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
             last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
-            special_tokens_in_content=args.special_tokens_in_content,
+            special_tokens_in_content=args.special_tokens_in_content, consecutive_roles=args.consecutive_roles,
+            leading_assistant=args.leading_assistant, empty_messages=args.empty_messages, role_map=args.role_map,
+            check_roles=args.check_roles,
         )
         report = mask_files(
             args.input, args.output, tokenizer=args.tokenizer, chat_template=args.chat_template,
@@ -118,6 +120,24 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--special-tokens-in-content", choices=("text", "keep", "drop", "error"), default="text",
                       help="special-token strings inside message text: encode as ordinary text (default), keep as "
                            "control tokens, drop the row, or stop with an error naming it")
+    shapes = mask.add_argument_group("conversation shapes (docs/inputs.md; every change is counted in the report)")
+    shapes.add_argument("--consecutive-roles", choices=("merge", "keep"), default="merge",
+                        help="two or more user (or assistant, or system) messages in a row: join them with a blank "
+                             "line (default) or keep them apart")
+    shapes.add_argument("--leading-assistant", choices=("drop", "keep"), default="drop",
+                        help="messages before the first user message, other than system (a chat that opens with an "
+                             "assistant message): drop them (default, as FastChat and LLaMA-Factory do) or keep them")
+    shapes.add_argument("--empty-messages", choices=("drop", "keep"), default="drop",
+                        help="user, assistant or system messages with no text: drop them (default) or keep them. A row "
+                             "left with no user message followed by an assistant message is dropped as no_exchange")
+    shapes.add_argument("--role-map", metavar="FROM=ROLE,...",
+                        help="ShareGPT input (a 'conversations' column of {from, value}): speaker names to roles, over "
+                             "the default human=user, gpt/chatgpt/bing/bard=assistant, system=system, "
+                             "function_call=assistant, observation/tool=tool")
+    shapes.add_argument("--check-roles", choices=("unusual", "all"), default="unusual",
+                        help="rows checked for user, system or tool text that trains and assistant text that does not "
+                             "(dropped as template_breaks_roles): every row of an unusual shape (default), or all rows "
+                             "(slower)")
     mask.add_argument("--keep-dropped", action="store_true", help="keep rows that train nothing (still counted)")
     mask.add_argument("--max-drop-fraction", type=float, default=0.30, metavar="F",
                       help="abort, writing nothing, when more than F of the rows train nothing (default %(default)s)")

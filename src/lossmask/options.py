@@ -15,6 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 SPECIAL_TOKENS_IN_CONTENT = ("text", "keep", "drop", "error")
+CONSECUTIVE_ROLES = ("merge", "keep")
+LEADING_ASSISTANT = ("drop", "keep")
+EMPTY_MESSAGES = ("drop", "keep")
+CHECK_ROLES = ("unusual", "all")
+# ShareGPT's speaker names (``from``) and the roles they become; ``role_map`` adds to this or overrides it
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+    "bard": "assistant", "assistant": "assistant", "system": "system", "function_call": "assistant",
+    "observation": "tool", "tool": "tool",
+}
+SHAREGPT_COLUMN = "conversations"  # read as the chat when the messages column is left at its default and absent
 
 DEFAULT_BATCH_SIZE = 16_384
 DEFAULT_MAX_DROP_FRACTION = 0.30  # the safety net's default: a job stops when more of its rows train nothing
@@ -41,6 +52,17 @@ class MaskOptions:
     # special-token strings in message text: "text" (encode as ordinary text), "keep" (as control
     # tokens), "drop" (the row, counted as special_tokens_in_content) or "error"
     special_tokens_in_content: str = "text"
+    # conversation shapes, normalised before rendering (chat/shapes.py; docs/inputs.md, "Conversation shapes"):
+    # messages of one role in a row joined with a blank line, or kept apart; messages before the first user
+    # message (other than system) dropped or kept; messages with no text dropped or kept
+    consecutive_roles: str = "merge"
+    leading_assistant: str = "drop"
+    empty_messages: str = "drop"
+    # ShareGPT ``{from, value}`` messages: speaker -> role, over SHAREGPT_ROLES (a dict, or "human=user,gpt=assistant")
+    role_map: Any = None
+    # which rows have the role invariant checked with character offsets: "unusual" (every row whose shape the
+    # marker probes did not cover) or "all" (every row; slower: tokenising with offsets)
+    check_roles: str = "unusual"
     # what happens to rows that train nothing
     keep_dropped: bool = False
     max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION
@@ -62,9 +84,29 @@ class MaskOptions:
                 f"special_tokens_in_content={self.special_tokens_in_content!r}; pass one of {SPECIAL_TOKENS_IN_CONTENT} "
                 "('text', the default, encodes special-token strings in message text as ordinary text)"
             )
+        for name, value, allowed in (("consecutive_roles", self.consecutive_roles, CONSECUTIVE_ROLES),
+                                     ("leading_assistant", self.leading_assistant, LEADING_ASSISTANT),
+                                     ("empty_messages", self.empty_messages, EMPTY_MESSAGES),
+                                     ("check_roles", self.check_roles, CHECK_ROLES)):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r}; pass one of {allowed}")
+        # a hashable, checked form: a tuple of (speaker, role) pairs, the user's over the defaults
+        object.__setattr__(self, "role_map", parse_role_map(self.role_map))
         names = [self.labels_column] + ([self.completion_mask_column] if self.completion_mask_column else [])
         if len(set(names)) != len(names):
             raise ValueError(f"labels_column and completion_mask_column must differ, both are {self.labels_column!r}")
+
+    def roles(self) -> dict[str, str]:
+        """The ShareGPT speaker -> role map this job uses."""
+        return dict(self.role_map)
+
+    def chat_column(self, names: Any) -> str:
+        """The column that holds the chat: ``messages_column``, or ShareGPT's ``conversations`` when the messages
+        column is left at its default and the input has none."""
+        names = set(names)
+        if self.messages_column not in names and self.messages_column == "messages" and SHAREGPT_COLUMN in names:
+            return SHAREGPT_COLUMN
+        return self.messages_column
 
     @classmethod
     def resolve(cls, options: "MaskOptions | None" = None, /, **fields: Any) -> "MaskOptions":
@@ -92,6 +134,29 @@ def completion_mask_column(completion_mask: str | bool | None) -> str | None:
     if isinstance(completion_mask, str) and completion_mask:
         return completion_mask
     raise TypeError(f"completion_mask={completion_mask!r}: pass True, False or a column name")
+
+
+def parse_role_map(role_map: Any) -> tuple[tuple[str, str], ...]:
+    """``role_map`` (None, a dict, pairs, or ``"human=user,gpt=assistant"``) over ``SHAREGPT_ROLES``, as sorted pairs."""
+    if isinstance(role_map, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in role_map):
+        given = dict(role_map)
+    elif role_map is None:
+        given = {}
+    elif isinstance(role_map, str):
+        given = {}
+        for item in filter(None, (part.strip() for part in role_map.split(","))):
+            speaker, sep, role = item.partition("=")
+            if not sep or not speaker.strip() or not role.strip():
+                raise ValueError(f"role_map={role_map!r}: {item!r} is not SPEAKER=ROLE; write it as "
+                                 "'human=user,gpt=assistant'")
+            given[speaker.strip()] = role.strip()
+    elif isinstance(role_map, dict):
+        given = dict(role_map)
+    else:
+        raise TypeError(f"role_map={role_map!r}: pass a dict such as {{'human': 'user'}} or 'human=user,gpt=assistant'")
+    if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in given.items()):
+        raise ValueError(f"role_map={role_map!r}: speakers and roles must be non-empty strings")
+    return tuple(sorted({**SHAREGPT_ROLES, **given}.items()))
 
 
 def _positive_int(value: Any) -> bool:

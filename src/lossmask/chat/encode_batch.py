@@ -18,6 +18,7 @@ import pyarrow as pa
 from ..engine.outcomes import SPECIAL_TOKENS
 from .encode_rendered import LocatedRows, encode_located, encode_rendered, locate_rendered, text_can_match
 from .render import plain_arrow_type
+from .shapes import normalise_shapes, takes_content_parts
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class EncodedBatch:
     dropped: list[tuple[int, str, str]] = field(default_factory=list)
     special_rows: int = 0
     special_example: str | None = None
+    shapes: dict[str, int] = field(default_factory=dict)  # rows the shape policy changed, per shape (shapes.py)
+    roles: Any = None  # encode_rendered.RoleTokens of the rows whose role invariant is to be checked
 
 
 def chat_tokenizer(tokenizer: Any):
@@ -64,6 +67,9 @@ class RenderedBatch:
     errors: list[tuple[int, str]]
     seconds: dict[str, float] = field(default_factory=dict)
     located: LocatedRows | None = None  # message text already located (a worker's batch: no chats to send back)
+    dropped: list[tuple[int, str, str]] = field(default_factory=list)  # (row, reason, message): no_exchange
+    shapes: dict[str, int] = field(default_factory=dict)  # rows the shape policy changed, per shape
+    check: list[bool] | None = None  # per text: check the role invariant on it (shapes.normalise_shapes)
 
 
 def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0,
@@ -92,9 +98,10 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     tok = chat_tokenizer(tokenizer)
     started = time.perf_counter()
     if kind == "messages":
-        conversations = messages_from_arrow(table.column(options.messages_column))
-        where = options.messages_column
-        columns = [options.messages_column]
+        column = options.chat_column(table.column_names)
+        conversations = messages_from_arrow(table.column(column))
+        where = column
+        columns = [column]
     else:
         prompts = table.column(options.prompt_column)
         completions = table.column(options.completion_column)
@@ -108,13 +115,21 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     plain = all(plain_arrow_type(table.schema.field(name).type) for name in columns)
     tools = json_values(table.column("tools")) if "tools" in table.column_names else None
     errors: list[tuple[int, str]] = []
-    chats, rows = [], []
-    for r, messages in enumerate(conversations):
+    # the conversation-shape policy (shapes.py), before the template sees a row
+    shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(tok))
+    errors += [(first_row + r, f"column {where!r}: {message}") for r, message in shaped.invalid]
+    dropped = [(first_row + r, reason, message) for r, reason, message in shaped.dropped]
+    refused = {r for r, _ in shaped.invalid} | {r for r, _, _ in shaped.dropped}
+    chats, rows, check = [], [], []
+    for r, messages in enumerate(shaped.conversations):
+        if r in refused:
+            continue
         if not messages:
             errors.append((first_row + r, f"column {where!r} is {'null' if messages is None else 'empty'}"))
             continue
         chats.append(messages if tools is None or not tools[r] else {"messages": messages, "tools": tools[r]})
         rows.append(r)
+        check.append(shaped.unusual[r])
     convert = time.perf_counter()
     texts, failures = tok.direct_render.render(chats) if plain else render_chats(tok, chats)
     rendered = time.perf_counter()
@@ -127,14 +142,18 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     errors.sort()
     texts = [text for text in texts if text is not None]
     chats = [_messages_of(chat) for chat, good in zip(chats, ok) if good]
+    check = [c for c, good in zip(check, ok) if good]
     row_numbers = (first_row + ok_rows).tolist()
     seconds = {"read_messages": convert - started, "render": rendered - convert}
+    shapes = {shape: n for shape, n in shaped.shapes.items() if n}
     if not locate:
-        return RenderedBatch(texts, chats, row_numbers, valid, errors, seconds=seconds)
+        return RenderedBatch(texts, chats, row_numbers, valid, errors, seconds=seconds, dropped=dropped, shapes=shapes,
+                             check=check)
     located = locate_rendered(tok, texts, chats, special_tokens_in_content=options.special_tokens_in_content,
-                              row_numbers=row_numbers)
+                              row_numbers=row_numbers, check=check)
     seconds["locate"] = time.perf_counter() - rendered
-    return RenderedBatch(texts, [], row_numbers, valid, errors, seconds=seconds, located=located)
+    return RenderedBatch(texts, [], row_numbers, valid, errors, seconds=seconds, located=located, dropped=dropped,
+                         shapes=shapes)
 
 
 def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, markers: Any = "unknown") -> EncodedBatch:
@@ -149,7 +168,7 @@ def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, 
         encoded = encode_rendered(
             tok, rendered.texts, rendered.chats,
             special_tokens_in_content=options.special_tokens_in_content, max_length=options.max_length,
-            row_numbers=rendered.rows, positions=positions,
+            row_numbers=rendered.rows, positions=positions, check=rendered.check,
         )
     valid = rendered.valid
     if not encoded.keep.all():
@@ -158,8 +177,9 @@ def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, 
     seconds = {**rendered.seconds, "tokenize_text": time.perf_counter() - started}
     return EncodedBatch(
         _as_list32(encoded.input_ids), valid, rendered.errors, seconds=seconds,
-        in_content=encoded.in_content, dropped=encoded.dropped,
+        in_content=encoded.in_content, dropped=sorted(rendered.dropped + encoded.dropped),
         special_rows=encoded.special_rows, special_example=encoded.special_example,
+        shapes=rendered.shapes, roles=encoded.roles,
     )
 
 

@@ -14,7 +14,9 @@
    those tokens as inert: no marker can match them (``labels.label_batch(data_mask=...)``), so
    nothing a message says can open, close or extend a trained span. A token that straddles the
    edge between template and text stays active, so header variants that merge with a content's
-   leading whitespace still match.
+   leading whitespace still match;
+5. for the rows asked (``check``), marks per token which message's text it lies wholly inside, and that
+   message's role (``RoleTokens``): the batch step checks the role invariant on them after labelling.
 """
 
 from __future__ import annotations
@@ -46,6 +48,21 @@ class EncodedRows:
     dropped: list[tuple[int, str, str]] = field(default_factory=list)
     special_rows: int = 0
     special_example: str | None = None
+    roles: "RoleTokens | None" = None
+
+
+@dataclass
+class RoleTokens:
+    """Per token of ``input_ids`` (back to back), whose text it lies wholly inside, for the role invariant.
+
+    ``role``: 0 outside any checked text, else 1 + an index into ``names`` (the roles seen); ``message``: the
+    message's index in its conversation (-1 outside). Assistant text counts only where its trained part is
+    required (content, tool-call arguments); reasoning and tool names are left out, as templates keep or
+    drop them by their own policy. Rows not checked are all 0."""
+
+    role: np.ndarray
+    message: np.ndarray
+    names: tuple[str, ...]
 
 
 def check_policy(special_tokens_in_content: str) -> str:
@@ -71,6 +88,8 @@ class LocatedRows:
     dropped: list[tuple[int, str, str]] = field(default_factory=list)
     special_rows: int = 0
     special_example: str | None = None
+    # per kept row: None (not checked), or ``(start, end, message index, role)`` of each text to check
+    roles: list[tuple[tuple[int, int, int, str], ...] | None] = field(default_factory=list)
 
 
 def encode_rendered(
@@ -82,6 +101,7 @@ def encode_rendered(
     max_length: int | None = None,
     row_numbers: Sequence[int] | None = None,
     positions: "bool | re.Pattern" = True,
+    check: Sequence[bool] | None = None,
 ) -> EncodedRows:
     """Locate, check and tokenise rendered rows; ``row_numbers`` name the rows in messages (default: 0, 1, ...).
 
@@ -90,7 +110,7 @@ def encode_rendered(
     marker it could match (``text_can_match``); the other rows' tokens are never inside a match.
     """
     located = locate_rendered(ct, texts, conversations, special_tokens_in_content=special_tokens_in_content,
-                              row_numbers=row_numbers)
+                              row_numbers=row_numbers, check=check)
     return encode_located(ct, located, max_length=max_length, positions=positions)
 
 
@@ -101,8 +121,11 @@ def locate_rendered(
     *,
     special_tokens_in_content: str = "text",
     row_numbers: Sequence[int] | None = None,
+    check: Sequence[bool] | None = None,
 ) -> LocatedRows:
-    """Steps 1 and 2: where each row's message text lies, rows dropped, the special-token policy applied."""
+    """Steps 1 and 2: where each row's message text lies, rows dropped, the special-token policy applied.
+
+    ``check``: a bool per row, the rows whose message text is kept by role for the invariant (step 5)."""
     check_policy(special_tokens_in_content)
     tokens = ct.content_tokens
     n = len(texts)
@@ -111,6 +134,7 @@ def locate_rendered(
     dropped: list[tuple[int, str, str]] = []
     spans: list[tuple[tuple[int, int], ...]] = []
     as_text: list[int] = []  # kept rows (local index among kept) to encode on the text path
+    roles: list[tuple[tuple[int, int, int, str], ...] | None] = []
     special_rows, special_example = 0, None
     for r, (text, messages) in enumerate(zip(texts, conversations)):
         located = locate_messages(text, messages, system_optional=tokens.drops_system)
@@ -139,8 +163,21 @@ def locate_rendered(
             if special_tokens_in_content == "text":
                 as_text.append(len(spans))
         spans.append(located.spans)
+        roles.append(_role_spans(messages, located) if check is not None and check[r] else None)
     return LocatedRows([t for t, k in zip(texts, keep) if k], spans, as_text, keep, dropped, special_rows,
-                       special_example)
+                       special_example, roles)
+
+
+def _role_spans(messages, located) -> tuple[tuple[int, int, int, str], ...]:
+    """The located text to check, by message: every piece of a non-assistant message, the required pieces of an
+    assistant's."""
+    out = []
+    for start, end, index, required in located.pieces:
+        message = messages[index]
+        role = str(message.get("role")) if isinstance(message, dict) else "?"
+        if role != "assistant" or required:
+            out.append((start, end, index, role))
+    return tuple(sorted(out))
 
 
 def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = None,
@@ -148,6 +185,7 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
     """Steps 3 and 4: one batch call into the tokeniser, and ``in_content`` where ``positions`` asks for it."""
     kept_texts, spans, as_text, keep = located.texts, located.spans, located.as_text, located.keep
     dropped, special_rows, special_example = located.dropped, located.special_rows, located.special_example
+    checked = [r for r, row_roles in enumerate(located.roles) if row_roles is not None]
     if positions is True:
         need = list(range(len(kept_texts)))
     elif not positions:
@@ -162,14 +200,16 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
             ids = [row[:max_length] for row in ids]
             offsets = [row[:max_length] for row in offsets]
         in_content = content_mask(ids, offsets, [len(t) for t in kept_texts], spans)
-        return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example)
+        lengths = np.fromiter((len(row) for row in ids), dtype=np.int64, count=len(ids))
+        roles = _role_tokens(lengths, {r: (ids[r], offsets[r]) for r in checked}, kept_texts, located.roles)
+        return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example, roles)
     # the batch call without offsets; the rows that need them are encoded again, in one more call
     batch = ct.encode_texts(kept_texts, max_length=max_length)
     in_content = None
-    if not need and not as_text:
+    if not need and not as_text and not checked:
         return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example)
     rows = np.split(batch.values.to_numpy(), batch.offsets.to_numpy()[1:-1]) if kept_texts else []
-    again = sorted(set(need) | set(as_text))
+    again = sorted(set(need) | set(as_text) | set(checked))
     sub_ids, sub_offsets = ct.encode_texts_with_offsets([kept_texts[r] for r in again])
     local = {r: k for k, r in enumerate(again)}
     _as_text(ct, [kept_texts[r] for r in again], sub_ids, sub_offsets, [spans[r] for r in again],
@@ -185,7 +225,43 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
         in_content = np.zeros(int(lengths.sum()), dtype=bool)
         position = np.concatenate([np.arange(starts[r], starts[r] + lengths[r]) for r in need])
         in_content[position] = mask
-    return EncodedRows(_large_list(rows), in_content, keep, dropped, special_rows, special_example)
+    lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+    roles = _role_tokens(lengths, {r: (rows[r], sub_offsets[local[r]]) for r in checked}, kept_texts, located.roles)
+    return EncodedRows(_large_list(rows), in_content, keep, dropped, special_rows, special_example, roles)
+
+
+def _role_tokens(lengths: np.ndarray, encoded: dict, texts: Sequence[str], roles: Sequence[Any]) -> RoleTokens | None:
+    """Step 5: ``RoleTokens`` for the rows in ``encoded`` (row -> its ids and offsets), or None when there are none."""
+    if not encoded:
+        return None
+    total = int(lengths.sum())
+    role = np.zeros(total, dtype=np.int16)
+    message = np.full(total, -1, dtype=np.int32)
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:]) if len(lengths) > 1 else None
+    names: list[str] = []
+    order = sorted(encoded)
+    row_spans = [[(s, e) for s, e, _, _ in roles[r]] for r in order]
+    inside = span_index([encoded[r][0] for r in order], [encoded[r][1] for r in order],
+                        [len(texts[r]) for r in order], row_spans)
+    at = 0
+    for r in order:
+        n = int(lengths[r])
+        which = inside[at:at + n]
+        at += n
+        hit = which >= 0
+        if not hit.any():
+            continue
+        codes = []
+        for _, _, index, name in roles[r]:
+            if name not in names:
+                names.append(name)
+            codes.append((names.index(name) + 1, index))
+        table = np.asarray(codes, dtype=np.int64).reshape(-1, 2)
+        position = starts[r] + np.flatnonzero(hit)
+        role[position] = table[which[hit], 0]
+        message[position] = table[which[hit], 1]
+    return RoleTokens(role, message, tuple(names))
 
 
 def _as_text(ct, texts, ids, offsets, spans, rows) -> None:
@@ -257,10 +333,17 @@ def content_mask(ids: Sequence[np.ndarray], offsets: Sequence[np.ndarray], lengt
     A token covers the characters from the end of the previous token (byte-level offsets may leave a
     merged leading space out) to its own end; zero-width tokens (a normaliser's prefix) are never inside.
     """
+    return span_index(ids, offsets, lengths, spans) >= 0
+
+
+def span_index(ids: Sequence[np.ndarray], offsets: Sequence[np.ndarray], lengths: Sequence[int],
+               spans: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
+    """Per token (rows back to back), the index within its row's ``spans`` (sorted by start) of the span it lies
+    wholly inside, or -1; a token is placed as in ``content_mask``."""
     counts = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
     total = int(counts.sum())
     if total == 0:
-        return np.zeros(0, dtype=bool)
+        return np.zeros(0, dtype=np.int64)
     off = np.concatenate([np.asarray(o, dtype=np.int64).reshape(-1, 2) for o in offsets])
     base = np.zeros(len(ids), dtype=np.int64)
     np.cumsum(np.asarray(lengths[:-1], dtype=np.int64), out=base[1:]) if len(ids) > 1 else None
@@ -276,12 +359,15 @@ def content_mask(ids: Sequence[np.ndarray], offsets: Sequence[np.ndarray], lengt
     end = off[:, 1] + base[row_of]
     flat = [(s + base[r], e + base[r]) for r, row_spans in enumerate(spans) for s, e in row_spans]
     if not flat:
-        return np.zeros(total, dtype=bool)
+        return np.full(total, -1, dtype=np.int64)
     span_arr = np.asarray(flat, dtype=np.int64)
+    first_span = np.zeros(len(spans), dtype=np.int64)  # each row's first index in span_arr
+    np.cumsum([len(row_spans) for row_spans in spans[:-1]], out=first_span[1:]) if len(spans) > 1 else None
     k = np.searchsorted(span_arr[:, 0], start, side="right") - 1
     valid = k >= 0
     kk = np.maximum(k, 0)
-    return valid & (start >= span_arr[kk, 0]) & (end <= span_arr[kk, 1]) & (off[:, 1] > off[:, 0])
+    inside = valid & (start >= span_arr[kk, 0]) & (end <= span_arr[kk, 1]) & (off[:, 1] > off[:, 0])
+    return np.where(inside, kk - first_span[row_of], -1)
 
 
 def _large_list(rows: Sequence[np.ndarray]) -> pa.LargeListArray:

@@ -42,6 +42,9 @@ class Located:
 
     spans: tuple[tuple[int, int], ...]
     missing: tuple[int, str, str] | None
+    # ``(start, end, message index, required)`` of every piece found, unmerged: which message each span is
+    # text of, for the role invariant (text of a user, system or tool message never trains, an assistant's does)
+    pieces: tuple[tuple[int, int, int, bool], ...] = ()
 
 
 def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
@@ -101,8 +104,9 @@ def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool
     # its first characters and one compare (a quarter of the time of the general walk below, which gives
     # the same spans for them).
     spans: list[tuple[int, int]] = []
+    pieces: list[tuple[int, int, int, bool]] = []
     cursor = 0
-    for message in messages:
+    for index, message in enumerate(messages):
         content = message.get("content") if type(message) is dict and len(message) <= 2 else None
         if type(content) is not str or THINK_CLOSE in content:
             break
@@ -115,13 +119,15 @@ def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool
             break
         cursor = at + len(content)
         spans.append(_core(text, (at, cursor)))
+        pieces.append((*spans[-1], index, True))
     else:
-        return Located(_merge(spans), None)
+        return Located(_merge(spans), None, tuple(pieces))
     return _locate_pieces(text, messages, system_optional)
 
 
 def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool) -> Located:
     spans: list[tuple[int, int]] = []
+    pieces: list[tuple[int, int, int, bool]] = []
     missing = None
     cursor = 0
     for index, message in enumerate(messages):
@@ -136,9 +142,10 @@ def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool) ->
                     missing = (index, role, what)
                 continue
             spans.append(_core(text, found))
+            pieces.append((*spans[-1], index, required))
             after = found[1]
         cursor = max(cursor, after)
-    return Located(_merge(spans), missing)
+    return Located(_merge(spans), missing, tuple(pieces))
 
 
 class _ObjectText(str):

@@ -1,7 +1,7 @@
 """What a row ends as, and the counts a batch or a whole job reports (SPEC.md, "What a row can end as").
 
 Also the names of what happens to rows that never reach the kernel (``invalid``, ``content_dropped``,
-``special_tokens_in_content``), and what a dropped row shows (``CAUSES``, ``classify_drops``): the
+``special_tokens_in_content``, ``no_exchange``) or are refused after it (``template_breaks_roles``), and what a dropped row shows (``CAUSES``, ``classify_drops``): the
 stages above report these, and they are named here once.
 """
 
@@ -32,7 +32,11 @@ DROP_REASONS = tuple(o.reason for o in Outcome if o is not Outcome.TRAINED)
 INVALID = "invalid"
 CONTENT_DROPPED = "content_dropped"  # the template dropped or rewrote a message: never labelled
 SPECIAL_TOKENS = "special_tokens_in_content"  # dropped under special_tokens_in_content="drop"
+NO_EXCHANGE = "no_exchange"  # the shape policy left no user message followed by an assistant message
+TEMPLATE_BREAKS_ROLES = "template_breaks_roles"  # user/system/tool text trains, or assistant text does not
 REJECTED_REASONS = (CONTENT_DROPPED, SPECIAL_TOKENS)
+# reasons a report lists only when some row has them (older reports, and code comparing them, keep their keys)
+SHAPE_REASONS = (NO_EXCHANGE, TEMPLATE_BREAKS_ROLES)
 MAX_EXAMPLES = 5  # invalid rows quoted in a report (the count is always exact)
 
 # What the dropped rows themselves show, in the order they are checked (one cause per row).

@@ -31,6 +31,7 @@ class Tally:
     tokens_dropped: int = 0  # tokens of the rows that train nothing
     drop_causes: dict[str, int] = field(default_factory=dict)  # dropped rows by what they show (outcomes.CAUSES)
     drop_examples: dict[str, tuple[int, list[int], list[int]]] = field(default_factory=dict)  # cause -> (row, ids, labels)
+    shapes: dict[str, int] = field(default_factory=dict)  # rows the conversation-shape policy changed, per shape
 
     def __add__(self, other: "Tally") -> "Tally":
         seconds = dict(self.seconds)
@@ -51,6 +52,7 @@ class Tally:
             drop_causes={c: self.drop_causes.get(c, 0) + other.drop_causes.get(c, 0)
                          for c in self.drop_causes | other.drop_causes},
             drop_examples={**other.drop_examples, **self.drop_examples},
+            shapes={k: self.shapes.get(k, 0) + other.shapes.get(k, 0) for k in self.shapes | other.shapes},
         )
 
     def add_invalid(self, row: int, message: str) -> None:
@@ -63,6 +65,10 @@ class Tally:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         if len(self.rejected_examples) < MAX_EXAMPLES:
             self.rejected_examples.append(f"{reason}: row {row}: {message}")
+
+    def add_shapes(self, shapes: dict[str, int]) -> None:
+        for shape, rows in shapes.items():
+            self.shapes[shape] = self.shapes.get(shape, 0) + rows
 
     def add_special(self, rows: int, example: str | None) -> None:
         self.special_rows += rows
@@ -92,6 +98,7 @@ class Tally:
             "tokens_dropped": self.tokens_dropped,
             "drop_causes": dict(self.drop_causes),
             "drop_examples": {c: list(e) for c, e in self.drop_examples.items()},
+            "shapes": dict(self.shapes),
         }
 
     @classmethod
@@ -110,4 +117,5 @@ class Tally:
             tokens_dropped=data.get("tokens_dropped", 0),
             drop_causes=dict(data.get("drop_causes", {})),
             drop_examples={c: tuple(e) for c, e in data.get("drop_examples", {}).items()},
+            shapes=dict(data.get("shapes", {})),
         )

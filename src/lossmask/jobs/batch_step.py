@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..chat.encode_batch import encode_table
 from ..engine.buffers import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
 from ..engine.labels import label_batch
-from ..engine.outcomes import CAUSES, Outcome, OutcomeCounts, classify_drops
+from ..engine.outcomes import CAUSES, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts, classify_drops
 from ..engine.patterns import Markers
 from ..engine.tally import Tally
 from ..options import MaskOptions
@@ -50,12 +51,14 @@ def input_kind(schema: pa.Schema, options: MaskOptions, *, source: str = "input"
                 f"cast it to list<int32>, or pass the column that holds token ids (--input-ids-column / input_ids_column=)"
             )
         return "input_ids"
-    if options.messages_column in names:
-        field = schema.field(options.messages_column)
+    chat_column = options.chat_column(names)
+    if chat_column in names:
+        field = schema.field(chat_column)
         if _text_or_chat(field.type) != "chat":
             raise TypeError(
-                f"{source}: column {options.messages_column!r} has type {field.type}, not a list of messages "
-                "({role, content} structs or JSON objects); pass the chat column (--messages-column / messages_column=)"
+                f"{source}: column {chat_column!r} has type {field.type}, not a list of messages "
+                "({role, content} or ShareGPT {from, value} structs or JSON objects); pass the chat column "
+                "(--messages-column / messages_column=)"
             )
         return "messages"
     if options.prompt_column in names and options.completion_column in names:
@@ -69,7 +72,8 @@ def input_kind(schema: pa.Schema, options: MaskOptions, *, source: str = "input"
         return "prompt_completion"
     raise ValueError(
         f"{source}: no input column found: expected {options.input_ids_column!r} (token ids), "
-        f"{options.messages_column!r} (chat messages) or {options.prompt_column!r} + {options.completion_column!r}; "
+        f"{options.messages_column!r} (chat messages; ShareGPT's 'conversations' too) or {options.prompt_column!r} + "
+        f"{options.completion_column!r}; "
         f"the columns are {schema.names}. Name yours with --input-ids-column / --messages-column / --prompt-column "
         "(input_ids_column= ... in the API)"
     )
@@ -153,7 +157,7 @@ def mask_batch(
     else:
         if tokenizer is None and encoded is None:
             raise ValueError(
-                f"{source}: column {options.messages_column if kind == 'messages' else options.prompt_column!r} "
+                f"{source}: column {options.chat_column(table.column_names) if kind == 'messages' else options.prompt_column!r} "
                 "needs a tokenizer to render and tokenise it; pass tokenizer= (--tokenizer DIR), or give pre-tokenised "
                 f"{options.input_ids_column!r} with markers"
             )
@@ -165,6 +169,7 @@ def mask_batch(
         for row, reason, message in encoded.dropped:
             tally.add_rejected(row, reason, message)
         tally.add_special(encoded.special_rows, encoded.special_example)
+        tally.add_shapes(getattr(encoded, "shapes", None) or {})
         tally.time("tokenize", time.perf_counter() - started)
         for stage, seconds in encoded.seconds.items():
             tally.time(stage, seconds)
@@ -197,6 +202,18 @@ def mask_batch(
             raise type(exc)(f"{source}: column {options.input_ids_column!r}: {_renumber(str(exc), first_row, keep_valid)}") from None
         labels, trained, outcomes, counts = result.labels, result.trained_tokens, result.outcomes, result.counts
         tally.time("engine", time.perf_counter() - engine_started)
+        roles = getattr(encoded, "roles", None) if kind != "input_ids" else None
+        if roles is not None:
+            broken = _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid)
+            if broken.any():  # these rows leave the batch before anything is counted or written
+                whole = ~broken
+                table, input_ids, labels = table.filter(pa.array(whole)), input_ids.filter(pa.array(whole)), \
+                    labels.filter(pa.array(whole))
+                outcomes, trained = outcomes[whole], trained[whole]
+                lengths = pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False)
+                counts = OutcomeCounts.from_rows(outcomes, trained, lengths)
+                keep_valid = keep_valid.copy()
+                keep_valid[np.flatnonzero(keep_valid)[broken]] = False
     tally.counts = tally.counts + counts
     if tally.dropped_example is None and counts.rows_dropped:
         r = int(np.flatnonzero(outcomes != Outcome.TRAINED)[0])
@@ -224,6 +241,43 @@ def mask_batch(
 _ROW = re.compile(r"\brow (\d+)\b")
 
 
+def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid) -> np.ndarray:
+    """The role invariant (docs/masking-rule.md): per row, does a token of user, system or tool text train, or a
+    token of an assistant's content or tool-call arguments not? One pass over the batch's tokens; the rows that
+    break it are counted as ``template_breaks_roles``, with the first token that does, and returned (a bool per row).
+
+    With ``last_turn_only`` earlier assistant turns are meant to stay untrained, so only the first half is checked.
+    """
+    lengths = pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
+    if flat.shape[0] != roles.role.shape[0]:  # never: both come from the same ids
+        raise AssertionError(f"lossmask: {flat.shape[0]} labels but {roles.role.shape[0]} role marks; please report this")
+    trained = flat != options.ignore_index
+    assistant = roles.names.index("assistant") + 1 if "assistant" in roles.names else -1
+    other = (roles.role > 0) & (roles.role != assistant)
+    bad = other & trained
+    if not options.last_turn_only:
+        bad |= (roles.role == assistant) & ~trained
+    broken = np.zeros(lengths.shape[0], dtype=bool)
+    if not bad.any():
+        return broken
+    row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
+    broken[row_of[bad]] = True
+    index = np.flatnonzero(keep_valid) if keep_valid is not None else None
+    firsts = np.flatnonzero(bad)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    for r in np.flatnonzero(broken):
+        at = int(firsts[np.searchsorted(firsts, starts[r])])
+        role = roles.names[int(roles.role[at]) - 1]
+        what = "trains" if role != "assistant" else "does not train"
+        row = first_row + (int(index[r]) if index is not None and r < index.size else int(r))
+        tally.add_rejected(row, TEMPLATE_BREAKS_ROLES,
+                           f"token {at - int(starts[r])} lies in the text of message {int(roles.message[at])} ({role}) and "
+                           f"{what} under the markers: the chat template writes this conversation's turns so that the "
+                           "markers cannot tell them apart (see docs/masking-rule.md, the role invariant)")
+    return broken
+
+
 def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid) -> None:
     """Count the dropped rows of a batch by what they show (``engine.outcomes.classify_drops``), one example each."""
     import pyarrow.compute as pc
@@ -231,8 +285,9 @@ def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit,
 
     lengths = pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False)
     has_assistant = None
-    if kind == "messages" and options.messages_column in table.column_names:
-        chats = table.column(options.messages_column).combine_chunks()
+    chat_column = options.chat_column(table.column_names)
+    if kind == "messages" and chat_column in table.column_names:
+        chats = table.column(chat_column).combine_chunks()
         turns = pc.list_flatten(chats)
         if isinstance(turns, pa.ExtensionArray):  # arrow.json: each message is its JSON text
             turns = turns.storage

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..engine.outcomes import DROP_REASONS, INVALID, REJECTED_REASONS
+from ..engine.outcomes import DROP_REASONS, INVALID, REJECTED_REASONS, SHAPE_REASONS
 from ..engine.patterns import Markers
 from ..engine.tally import Tally
 
@@ -44,6 +44,7 @@ class MaskReport:
     dropped_examples: tuple[str, ...] = ()  # rows dropped before labelling (content_dropped, ...)
     tokens_dropped: int = 0  # tokens of the removed rows (0 with keep_dropped): tokens_in - tokens_dropped were written
     marker_texts: dict[str, list[str]] | None = None  # each marker pattern decoded, when a tokenizer was at hand
+    shapes: dict[str, int] = field(default_factory=dict)  # rows the conversation-shape policy changed, per shape
 
     @classmethod
     def build(
@@ -63,6 +64,9 @@ class MaskReport:
         dropped[INVALID] = tally.invalid
         for reason in REJECTED_REASONS:
             dropped[reason] = tally.rejected.get(reason, 0)
+        for reason in SHAPE_REASONS:  # listed when they happened, so that reports of plain rows keep their keys
+            if tally.rejected.get(reason):
+                dropped[reason] = tally.rejected[reason]
         report = cls(
             rows_in=tally.rows_in,
             rows_out=tally.rows_out,
@@ -82,6 +86,7 @@ class MaskReport:
             dropped_examples=tuple(tally.rejected_examples),
             tokens_dropped=0 if keep_dropped else tally.tokens_dropped,
             marker_texts=None if markers is None or decode is None else marker_texts(markers.to_dict(), decode),
+            shapes={shape: rows for shape, rows in tally.shapes.items() if rows},
         )
         if report.rows_in != report.rows_out + report.rows_dropped:
             raise AssertionError(  # a bug in lossmask, never the user's data
@@ -119,6 +124,7 @@ class MaskReport:
             "special_tokens_in_content": self.special_tokens_in_content,
             "special_tokens_example": self.special_tokens_example,
             "dropped_examples": list(self.dropped_examples),
+            "shapes": dict(self.shapes),
         }
 
     def to_json(self, path: str | os.PathLike | None = None, *, indent: int | None = 2) -> str:
@@ -155,6 +161,9 @@ class MaskReport:
             lines.append(f"  invalid {example} (rows counted from 0)")
         for example in self.dropped_examples:
             lines.append(f"  {example}")
+        if self.shapes:
+            changed = ", ".join(f"{shape} {n:,}" for shape, n in self.shapes.items())
+            lines.append(f"conversation shapes changed before rendering (rows): {changed}; see docs/inputs.md")
         if self.special_tokens_in_content:
             lines.append(
                 f"special tokens in message text: {self.special_tokens_in_content:,} rows "

@@ -1,0 +1,217 @@
+"""Conversation shapes as a policy: what real chat dumps hold, made renderable before the template sees it.
+
+Public dumps hold conversations that open with an assistant message (a ShareGPT page scraped mid-chat),
+repeat a role (a user who sent two messages), hold an empty message, or store messages as ShareGPT's
+``{from, value}`` and content as a list of OpenAI text parts. Many templates raise on these ("roles must
+alternate"), and some render them in a way that trains user text (Phi-3 writes ``<|assistant|>`` after
+every user message). So each row is normalised here, by ``MaskOptions``, and every change is counted by
+shape; nothing is left to the template's exception:
+
+- ShareGPT messages become ``{role, content}`` through ``MaskOptions.role_map``; a speaker the map does not
+  name makes the row ``invalid``, naming the key, the speaker and the map;
+- content given as text parts is joined into one string ("\\n" between parts, as vLLM does) when the
+  template takes strings only; a part that is not text (an image) makes the row ``invalid``;
+- ``empty_messages="drop"``: a user, assistant or system message with no text and nothing else is dropped;
+- ``leading_assistant="drop"``: messages before the first user message, other than system, are dropped
+  (FastChat and LLaMA-Factory do the same);
+- ``consecutive_roles="merge"``: consecutive plain messages of one role are joined with a blank line;
+- a row that the policy left without a user message followed by an assistant message is dropped as
+  ``no_exchange`` (a row that came without one is labelled as before and shows why it trains nothing).
+
+``unusual`` marks the rows whose shape the marker probes did not cover (anything but an optional system
+message, then user and assistant messages alternating, each a non-empty string); the role invariant is
+checked on those (``encode_rendered``), or on every row with ``check_roles="all"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..engine.outcomes import NO_EXCHANGE
+
+ROLES_MERGED = "roles_merged"
+LEADING_ASSISTANT_DROPPED = "leading_assistant_dropped"
+EMPTY_MESSAGES_DROPPED = "empty_messages_dropped"
+CONTENT_PARTS_JOINED = "content_parts_joined"
+SHAREGPT_READ = "sharegpt_messages_read"
+SHAPES = (LEADING_ASSISTANT_DROPPED, ROLES_MERGED, EMPTY_MESSAGES_DROPPED, CONTENT_PARTS_JOINED, SHAREGPT_READ)
+MERGE_SEPARATOR = "\n\n"
+PART_SEPARATOR = "\n"
+_MERGEABLE = ("user", "assistant", "system")
+_PLAIN_KEYS = frozenset(("role", "content"))
+
+
+@dataclass
+class Shaped:
+    """The conversations after the policy (None where the row left the batch), and what happened.
+
+    ``invalid`` and ``dropped``: ``(index, message)`` of the rows refused (``invalid``) or dropped as
+    ``no_exchange``; ``shapes``: rows changed, per shape; ``unusual``: a bool per conversation."""
+
+    conversations: list[Any]
+    invalid: list[tuple[int, str]] = field(default_factory=list)
+    dropped: list[tuple[int, str, str]] = field(default_factory=list)
+    shapes: dict[str, int] = field(default_factory=dict)
+    unusual: list[bool] = field(default_factory=list)
+
+
+def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts: bool = True) -> Shaped:
+    """Apply the shape policy of ``options`` to each conversation (a list of messages; None or empty left as is)."""
+    roles = options.roles()
+    every_row = options.check_roles == "all"
+    out = Shaped(list(conversations), shapes={shape: 0 for shape in SHAPES})
+    for r, messages in enumerate(out.conversations):
+        if not messages or not isinstance(messages, list):
+            out.unusual.append(every_row)
+            continue
+        if _plain_alternating(messages):  # most rows: nothing to do
+            out.unusual.append(every_row)
+            continue
+        changed: set[str] = set()
+        try:
+            messages = _read_messages(messages, roles, takes_parts, changed)
+        except ValueError as exc:
+            out.invalid.append((r, str(exc)))
+            out.conversations[r] = None
+            out.unusual.append(every_row)
+            continue
+        dropped_any = False
+        if options.empty_messages == "drop":
+            kept = [m for m in messages if not _empty(m)]
+            if len(kept) != len(messages):
+                changed.add(EMPTY_MESSAGES_DROPPED)
+                dropped_any = True
+            messages = kept
+        if options.leading_assistant == "drop":
+            first_user = next((i for i, m in enumerate(messages) if _role(m) == "user"), len(messages))
+            kept = [m for m in messages[:first_user] if _role(m) == "system"] + messages[first_user:]
+            if len(kept) != len(messages):
+                changed.add(LEADING_ASSISTANT_DROPPED)
+                dropped_any = True
+            messages = kept
+        if options.consecutive_roles == "merge":
+            merged = _merge_consecutive(messages)
+            if len(merged) != len(messages):
+                changed.add(ROLES_MERGED)
+            messages = merged
+        for shape in changed:
+            out.shapes[shape] += 1
+        if dropped_any and not _has_exchange(messages):
+            done = ", ".join(sorted(changed - {SHAREGPT_READ, CONTENT_PARTS_JOINED}))
+            out.dropped.append((r, NO_EXCHANGE, f"no user message followed by an assistant message is left ({done})"))
+            out.conversations[r] = None
+            out.unusual.append(every_row)
+            continue
+        out.conversations[r] = messages
+        out.unusual.append(every_row or not _plain_alternating(messages))
+    return out
+
+
+def _plain_alternating(messages: list) -> bool:
+    """An optional system message, then user and assistant alternating, each ``{role, content}`` with text."""
+    start = 1 if messages and type(messages[0]) is dict and messages[0].get("role") == "system" else 0
+    if (len(messages) - start) % 2 or len(messages) == start:
+        return False
+    for i, message in enumerate(messages):
+        if type(message) is not dict or message.keys() != _PLAIN_KEYS:
+            return False
+        content = message["content"]
+        if type(content) is not str or not content.strip():
+            return False
+        expected = "system" if i < start else ("user" if (i - start) % 2 == 0 else "assistant")
+        if message["role"] != expected:
+            return False
+    return True
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None
+
+
+def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, changed: set[str]) -> list:
+    """ShareGPT messages as ``{role, content}``, and text parts joined where the template takes strings only."""
+    out = []
+    for index, message in enumerate(messages):
+        if isinstance(message, dict) and "role" not in message and "from" in message:
+            speaker = message["from"]
+            if speaker not in roles:
+                shown = ", ".join(f"{k}={v}" for k, v in roles.items())
+                raise ValueError(
+                    f"message {index} has 'from': {speaker!r}, a speaker the role map does not name (ShareGPT messages "
+                    f"are read as 'from' -> role and 'value' -> content; the map is {shown}); add it with "
+                    f"--role-map {speaker}=ROLE (role_map={{{speaker!r}: ROLE}})"
+                )
+            message = {"role": roles[speaker], "content": message.get("value"),
+                       **{k: v for k, v in message.items() if k not in ("from", "value")}}
+            changed.add(SHAREGPT_READ)
+        if isinstance(message, dict) and isinstance(message.get("content"), list) and not takes_parts:
+            texts = []
+            for part in message["content"]:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if not isinstance(part, dict) or kind not in (None, "text") or not isinstance(part.get("text"), str):
+                    raise ValueError(
+                        f"message {index} ({message.get('role')}) holds a content part of type {kind!r}; this chat "
+                        "template takes text only, so the row cannot be rendered without losing it"
+                    )
+                texts.append(part["text"])
+            message = {**message, "content": PART_SEPARATOR.join(texts)}
+            changed.add(CONTENT_PARTS_JOINED)
+        out.append(message)
+    return out
+
+
+def _empty(message: Any) -> bool:
+    """A user, assistant or system message with no text and nothing else (no tool calls, no reasoning)."""
+    if not isinstance(message, dict) or message.get("role") not in _MERGEABLE or not set(message) <= _PLAIN_KEYS | {"name"}:
+        return False
+    content = message.get("content", 0)  # a message without content is left to the template
+    return (isinstance(content, str) and not content.strip()) or (isinstance(content, list) and not content)
+
+
+def _merge_consecutive(messages: list) -> list:
+    out: list = []
+    for message in messages:
+        previous = out[-1] if out else None
+        if (previous is not None and _mergeable(previous) and _mergeable(message)
+                and previous["role"] == message["role"]):
+            out[-1] = {**previous, "content": previous["content"] + MERGE_SEPARATOR + message["content"]}
+        else:
+            out.append(message)
+    return out
+
+
+def _mergeable(message: Any) -> bool:
+    # only {role, content}: a name, tool calls or reasoning would be lost or misplaced by joining
+    return (isinstance(message, dict) and message.get("role") in _MERGEABLE and message.keys() == _PLAIN_KEYS
+            and isinstance(message.get("content"), str))
+
+
+def _has_exchange(messages: list) -> bool:
+    seen_user = False
+    for message in messages:
+        role = _role(message)
+        if role == "user":
+            seen_user = True
+        elif role == "assistant" and seen_user:
+            return True
+    return False
+
+
+def takes_content_parts(tok: Any) -> bool:
+    """Does the chat template render a list of text parts as its text (and not as a Python repr)?"""
+    cached = getattr(tok, "_takes_content_parts", None)
+    if cached is not None:
+        return cached
+    probe = [{"role": "user", "content": [{"type": "text", "text": "Qz7p1"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "Qz7p2"}]}]
+    try:
+        text = tok.render(probe)
+        result = "Qz7p1" in text and "Qz7p2" in text and "'type'" not in text and '"type"' not in text
+    except Exception:  # noqa: BLE001 - a template that raises on parts does not take them
+        result = False
+    try:
+        tok._takes_content_parts = result
+    except AttributeError:
+        pass
+    return result

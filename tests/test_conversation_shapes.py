@@ -1,0 +1,291 @@
+"""Issue 19, items 1-5, 14 and 16: the conversation shapes real dumps hold, and the role invariant.
+
+Each test is named after its item. The shapes are those of a public ShareGPT dump (a chat that opens with
+an assistant message, a role repeated, an empty message, ShareGPT's ``{from, value}``, OpenAI text parts),
+run through ``mask_files`` (and the CLI) on real tokenizers with their real chat templates. Kept rows are
+checked with an oracle that reads the trained tokens back as text: no user text in them, every assistant
+reply in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+import warnings
+
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import chat_tokenizer
+from lossmask import MaskOptions, mask_files
+from lossmask.chat.encode_batch import messages_from_arrow
+from lossmask.cli import main
+
+U = lambda text: {"role": "user", "content": text}  # noqa: E731
+A = lambda text: {"role": "assistant", "content": text}  # noqa: E731
+S = lambda text: {"role": "system", "content": text}  # noqa: E731
+
+PHI3_REPEATED_USER = [U("666"), U("what does this number mean?"), A("666 is called the number of the beast.")]
+LEADING_ASSISTANT = [A("Sure, here is the rest."), U("Thanks."), A("It reads the file.")]
+ASSISTANT_TWICE = [U("Read the file."), A("It opens the file."), A("Then it reads every line.")]
+EMPTY_ASSISTANT = [U("Hello there."), A(""), U("Are you still there?"), A("Yes, I am here.")]
+
+
+def _mask(tmp_path, family, chats, name="in.jsonl", column="messages", **options):
+    path = tmp_path / name
+    with open(path, "w", encoding="utf-8") as fh:
+        for chat in chats:
+            fh.write(json.dumps({column: chat}) + "\n")
+    out = tmp_path / (name + ".parquet")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Falcon's no-stop-token warning
+        report = mask_files(path, out, tokenizer=chat_tokenizer(family), max_drop_fraction=1.0, **options)
+    assert report.rows_in == report.rows_out + sum(report.dropped.values())
+    return report, pq.read_table(out)
+
+
+def _trained_text(family, table, row=0) -> str:
+    ids, labels = table.column("input_ids")[row].as_py(), table.column("labels")[row].as_py()
+    return chat_tokenizer(family).decode([t for t, label in zip(ids, labels) if label != -100])
+
+
+def _assert_roles_kept(family, table, chats_out) -> None:
+    """The oracle: in every kept row no user or system text trains, and every assistant reply does (compared with
+    whitespace runs made one space: Falcon rewrites blank lines)."""
+    for row, chat in enumerate(chats_out):
+        trained = _flat(_trained_text(family, table, row))
+        for message in chat:
+            if message["role"] in ("user", "system"):
+                assert _flat(message["content"]) not in trained, (family, row, message, trained)
+            elif message["role"] == "assistant" and message["content"]:
+                assert _flat(message["content"]) in trained, (family, row, message, trained)
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+# -- item 1: shapes as a policy, counted by shape -----------------------------------------------------------
+
+MESSY = [PHI3_REPEATED_USER, LEADING_ASSISTANT, ASSISTANT_TWICE, EMPTY_ASSISTANT, [A("Only a greeting.")],
+         [S("Be brief."), A("Hi."), U("What is 2 + 2?"), A("4.")]]
+NORMALISED = [
+    [U("666\n\nwhat does this number mean?"), A("666 is called the number of the beast.")],
+    [U("Thanks."), A("It reads the file.")],
+    [U("Read the file."), A("It opens the file.\n\nThen it reads every line.")],
+    [U("Hello there.\n\nAre you still there?"), A("Yes, I am here.")],
+    [S("Be brief."), U("What is 2 + 2?"), A("4.")],
+]
+
+
+@pytest.mark.parametrize("family", ["falcon", "gemma-3", "mistral-v3", "llama-2", "phi-3", "chatml"])
+def test_item1_messy_shapes_are_normalised_kept_and_counted(tmp_path, family):
+    report, table = _mask(tmp_path, family, MESSY)
+    # every conversation holding a user and an assistant message is kept; the one without is no_exchange
+    assert report.rows_out == 5 and report.dropped["invalid"] == 0, report.summary()
+    assert report.dropped["no_exchange"] == 1 and "no_exchange: row 4: " in "\n".join(report.dropped_examples)
+    assert report.shapes == {"leading_assistant_dropped": 3, "roles_merged": 3, "empty_messages_dropped": 1}
+    assert report.to_dict()["shapes"] == report.shapes
+    assert "conversation shapes changed before rendering (rows): leading_assistant_dropped 3" in report.summary()
+    assert messages_from_arrow(table.column("messages"))[0][1]["content"] == "what does this number mean?"  # as it was
+    _assert_roles_kept(family, table, NORMALISED)
+
+
+def test_item1_the_policy_can_be_turned_off_and_the_template_decides(tmp_path):
+    report, _ = _mask(tmp_path, "falcon", MESSY[:4], consecutive_roles="keep", leading_assistant="keep",
+                      empty_messages="keep")
+    assert report.shapes == {} and report.rows_out == 0
+    # Falcon refuses the repeated roles; the empty assistant message it renders, but then user text trains
+    assert report.dropped["invalid"] == 3 and report.dropped["template_breaks_roles"] == 1
+    with pytest.raises(ValueError, match="consecutive_roles='join'; pass one of"):
+        MaskOptions(consecutive_roles="join")
+
+
+def test_item1_cli_flags_are_documented_and_reach_the_job(tmp_path):
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+        main(["mask", "--help"])
+    for flag in ("--consecutive-roles", "--leading-assistant", "--empty-messages", "--role-map", "--check-roles"):
+        assert flag in help_text.getvalue()
+    with open(tmp_path / "in.jsonl", "w") as fh:
+        for chat in MESSY:
+            fh.write(json.dumps({"messages": chat}) + "\n")
+    from conftest import tokenizer_path
+
+    for extra in ([], ["--consecutive-roles", "keep", "--leading-assistant", "keep"]):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            code = main(["mask", str(tmp_path / "in.jsonl"), str(tmp_path / "out.parquet"), "--tokenizer",
+                         str(tokenizer_path("mistral-v1")), "--max-drop-fraction", "1", "--no-progress",
+                         "--report", str(tmp_path / "r.json"), *extra])
+        assert code == 0, err.getvalue()
+        report = json.loads((tmp_path / "r.json").read_text())
+        assert (report["dropped"]["invalid"] > 0) == bool(extra)  # Mistral refuses repeated roles
+        assert "conversation shapes changed before rendering (rows): " in out.getvalue()
+        assert ("roles_merged" in report["shapes"]) == (not extra)
+
+
+# -- items 2, 3, 14, 16: the role invariant ---------------------------------------------------------------
+
+def test_item2_phi3_two_user_messages_are_merged_or_the_row_is_dropped(tmp_path):
+    report, table = _mask(tmp_path, "phi-3", [PHI3_REPEATED_USER])
+    assert report.rows_out == 1 and report.shapes == {"roles_merged": 1}
+    trained = _trained_text("phi-3", table)
+    assert "what does this number mean?" not in trained and "666 is called the number of the beast." in trained
+    # with merging off, the template writes <|assistant|> after the first user message: the row breaks the roles
+    report, table = _mask(tmp_path, "phi-3", [PHI3_REPEATED_USER], name="keep.jsonl", consecutive_roles="keep")
+    assert report.rows_out == 0 and report.dropped["template_breaks_roles"] == 1
+    assert report.dropped_examples[0].startswith("template_breaks_roles: row 0: token ")
+    assert "message 1 (user) and trains" in report.dropped_examples[0]
+    assert "template_breaks_roles 1" in report.summary()
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3.1", "phi-3"])
+def test_item3_an_assistant_message_without_a_header_is_counted_not_silent(tmp_path, family):
+    kept = dict(consecutive_roles="keep", leading_assistant="keep")
+    report, _ = _mask(tmp_path, family, [ASSISTANT_TWICE, LEADING_ASSISTANT], **kept)
+    assert report.rows_out == 0 and report.dropped["template_breaks_roles"] == 2, report.summary()
+    assert all("(assistant) and does not train" in e for e in report.dropped_examples)
+    # under the default policy both rows train every reply
+    report, table = _mask(tmp_path, family, [ASSISTANT_TWICE, LEADING_ASSISTANT], name="default.jsonl")
+    assert report.rows_out == 2 and "template_breaks_roles" not in report.dropped
+    _assert_roles_kept(family, table, [NORMALISED[2], NORMALISED[1]])
+
+
+def test_item14_falcon_empty_assistant_message_never_trains_the_user_text_after_it(tmp_path):
+    report, table = _mask(tmp_path, "falcon", [EMPTY_ASSISTANT])
+    assert report.rows_out == 1 and report.shapes == {"empty_messages_dropped": 1, "roles_merged": 1}
+    _assert_roles_kept("falcon", table, [NORMALISED[3]])
+    report, _ = _mask(tmp_path, "falcon", [EMPTY_ASSISTANT], name="keep.jsonl", empty_messages="keep")
+    assert report.rows_out == 0 and report.dropped["template_breaks_roles"] == 1
+    assert "message 2 (user) and trains" in report.dropped_examples[0]
+
+
+def _call(i: int, city: str) -> dict:
+    return {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+
+
+TOOL_AFTER_TOOL = [
+    U("Weather in Paris, then Rome?"),
+    {"role": "assistant", "content": "", "tool_calls": [_call(1, "Paris")]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+    {"role": "assistant", "content": "", "tool_calls": [_call(2, "Rome")]},
+    {"role": "tool", "tool_call_id": "call_2", "content": "Cloudy, 18 C"},
+    A("Paris is sunny and Rome is cloudy."),
+]
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3.1", "qwen2.5", "llama-3.1"])
+def test_item16_a_tool_call_right_after_a_tool_result_trains_or_is_counted(tmp_path, family):
+    report, table = _mask(tmp_path, family, [TOOL_AFTER_TOOL])
+    if report.rows_out == 0:  # DeepSeek-V3 writes no header before the second call: counted, with the message
+        assert report.dropped["template_breaks_roles"] == 1, report.summary()
+        assert "message 3 (assistant) and does not train" in report.dropped_examples[0]
+        return
+    trained = _trained_text(family, table)
+    assert "Rome" in trained and "Paris is sunny and Rome is cloudy." in trained
+    assert "Sunny, 21 C" not in trained and "Weather in Paris" not in trained
+
+
+def test_item16_deepseek_v3_is_the_template_that_breaks_it(tmp_path):
+    report, _ = _mask(tmp_path, "deepseek-v3", [TOOL_AFTER_TOOL])
+    assert report.dropped["template_breaks_roles"] == 1
+
+
+def test_item2_the_invariant_on_every_row_finds_nothing_on_plain_rows(tmp_path):
+    rows = [[U("What is 2 + 2?"), A("4.")], [S("Be brief."), U("Hi"), A("Hello."), U("Bye"), A("Goodbye.")]]
+    for family in ("qwen2.5", "llama-3.1", "gemma-3"):
+        report, table = _mask(tmp_path, family, rows, name=f"{family}.jsonl", check_roles="all")
+        assert report.rows_out == 2 and report.shapes == {}
+        _assert_roles_kept(family, table, rows)
+
+
+# -- item 4: ShareGPT --------------------------------------------------------------------------------------
+
+SHAREGPT = [
+    [{"from": "system", "value": "You are terse."}, {"from": "human", "value": "Name a prime."},
+     {"from": "gpt", "value": "Seven."}],
+    [{"from": "bing", "value": "Welcome back."}, {"from": "human", "value": "And an even one?"},
+     {"from": "chatgpt", "value": "Two."}],
+    [{"from": "human", "value": "Hi"}, {"from": "narrator", "value": "(a pause)"}, {"from": "bard", "value": "Hello."}],
+]
+
+
+def test_item4_sharegpt_conversations_are_read_with_a_role_map(tmp_path):
+    report, table = _mask(tmp_path, "qwen2.5", SHAREGPT, column="conversations")
+    assert report.rows_out == 2 and report.dropped["invalid"] == 1
+    error = report.invalid_examples[0]
+    assert "column 'conversations': message 1 has 'from': 'narrator'" in error
+    assert "human=user" in error and "--role-map narrator=ROLE" in error
+    assert report.shapes["sharegpt_messages_read"] == 2 and report.shapes["leading_assistant_dropped"] == 1
+    _assert_roles_kept("qwen2.5", table, [[S("You are terse."), U("Name a prime."), A("Seven.")],
+                                          [U("And an even one?"), A("Two.")]])
+    # the user's map goes over the default: the narrator speaks as the user (and is merged with the user before)
+    report, table = _mask(tmp_path, "qwen2.5", SHAREGPT[2:], name="mapped.jsonl", column="conversations",
+                          role_map="narrator=user")
+    assert report.rows_out == 1
+    _assert_roles_kept("qwen2.5", table, [[U("Hi\n\n(a pause)"), A("Hello.")]])
+    assert MaskOptions(role_map={"narrator": "user"}) == MaskOptions(role_map="narrator=user")
+    with pytest.raises(ValueError, match="'narrator' is not SPEAKER=ROLE"):
+        MaskOptions(role_map="narrator")
+
+
+# -- item 5: text parts on a template that takes strings ------------------------------------------------------
+
+def test_item5_text_parts_are_joined_never_rendered_as_a_python_repr(tmp_path):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Describe"}, {"type": "text", "text": "this file."}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "It is a CSV file."}]}]
+    image = [{"role": "user", "content": [{"type": "image", "url": "x.png"}, {"type": "text", "text": "What is it?"}]},
+             A("A cat.")]
+    report, table = _mask(tmp_path, "llama-3.1", [parts, image])
+    assert report.rows_out == 1 and report.shapes["content_parts_joined"] == 1
+    rendered = chat_tokenizer("llama-3.1").decode(table.column("input_ids")[0].as_py())
+    assert "'type'" not in rendered and "Describe\nthis file." in rendered
+    assert _trained_text("llama-3.1", table).startswith("It is a CSV file.")
+    assert report.dropped["invalid"] == 1 and "holds a content part of type 'image'" in report.invalid_examples[0]
+
+
+# -- the CLI property: messy shapes either train with the roles kept, or are counted --------------------------
+
+MESSAGES = st.sampled_from([U("Hi there."), U("Tell me more."), A("Sure thing."), A("Here it is."), A(""), U(""),
+                            S("Be kind.")])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(chats=st.lists(st.lists(MESSAGES, min_size=1, max_size=6), min_size=1, max_size=6),
+       merge=st.sampled_from(["merge", "keep"]), leading=st.sampled_from(["drop", "keep"]),
+       empty=st.sampled_from(["drop", "keep"]), family=st.sampled_from(["phi-3", "falcon", "deepseek-v3.1"]))
+def test_item1_cli_property_every_messy_run_adds_up_and_keeps_the_roles(chats, merge, leading, empty, family):
+    from conftest import tokenizer_path
+
+    chat_tokenizer(family)  # loaded once per session; the CLI loads its own
+    with tempfile.TemporaryDirectory() as base:
+        source, output, report_path = (os.path.join(base, n) for n in ("in.jsonl", "out.parquet", "r.json"))
+        with open(source, "w") as fh:
+            for chat in chats:
+                fh.write(json.dumps({"messages": chat}) + "\n")
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            code = main(["mask", source, output, "--tokenizer", str(tokenizer_path(family)), "--no-progress",
+                         "--max-drop-fraction", "1", "--report", report_path, "--consecutive-roles", merge,
+                         "--leading-assistant", leading, "--empty-messages", empty])
+        assert code == 0 and "Traceback" not in err.getvalue(), err.getvalue()
+        report = json.loads(open(report_path).read())
+        assert report["rows_in"] == report["rows_out"] + sum(report["dropped"].values()) == len(chats)
+        table = pq.read_table(output)
+        assert table.num_rows == report["rows_out"]
+        tok = chat_tokenizer(family)
+        for row in range(table.num_rows):
+            ids, labels = table.column("input_ids")[row].as_py(), table.column("labels")[row].as_py()
+            trained = tok.decode([t for t, label in zip(ids, labels) if label != -100])
+            for message in messages_from_arrow(table.column("messages"))[row]:
+                if message["role"] != "assistant" and message["content"].strip():
+                    assert message["content"] not in trained, (family, message, trained)
