@@ -215,3 +215,52 @@ def test_item20_gemma_newlines_in_message_text_are_not_special_token_strings(fam
     as_token = encode_rendered(ct, [ct.render(quoted[0])], quoted, special_tokens_in_content="keep")
     assert as_text.special_rows == 1 and "'<end_of_turn>'" in as_text.special_example
     assert as_text.input_ids.values.to_pylist().count(end) == as_token.input_ids.values.to_pylist().count(end) - 1
+
+
+# -- item 10: rendering one row is bounded in time and memory ---------------------------------------------
+
+# Each grows with the row (``n`` is its message count), as data-driven loops do: an expression of constants
+# alone is folded by transformers' own compiler before any row renders (see docs/masking-rule.md).
+HOSTILE = {
+    "loop": "{% for i in range(100000) %}{% for j in range(n * 50000) %}{% endfor %}{% endfor %}",
+    "repeat": "{{ 'x' * (n * 5 * 10**8) }}",
+    "doubling": "{% set ns = namespace(s='x') %}{% for i in range(n * 20) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "filter": "{{ 'x' | center(n * 5 * 10**8) }}",
+    "method": "{{ 'x'.ljust(n * 5 * 10**8) }}",
+    "output": "{% for i in range(100000) %}{{ 'y' * (n * 500) }}{% endfor %}",
+    "recursion": "{% macro f(k) %}{% if k %}{{ f(k - 1) }}{{ f(k - 1) }}{% endif %}{% endmacro %}{{ f(n * 30) }}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_item10_a_hostile_template_row_is_invalid_with_the_limit_named(kind, monkeypatch):
+    import tracemalloc
+
+    import pyarrow as pa
+
+    from lossmask import MaskOptions
+    from lossmask.chat import render
+    from lossmask.chat.encode_batch import render_table
+    from lossmask.chat.tokenizer import ChatTokenizer
+
+    monkeypatch.setattr(render, "MAX_RENDER_SECONDS", 1.0)  # the nested loop would take 10 s otherwise
+    base = chat_tokenizer("qwen2.5")
+    template = ("{% set n = messages | length %}{% if 'boom' in messages[0].content %}" + HOSTILE[kind]
+                + "{% endif %}" + base.template_for())
+    ct = ChatTokenizer(base.tokenizer, chat_template=template, name="hostile")
+    rows = [[{"role": "user", "content": f"row {k}" + (" boom" if k == 3 else "")},
+             {"role": "assistant", "content": "ok"}] for k in range(6)]
+    table = pa.table({"messages": rows})
+    tracemalloc.start()
+    try:
+        rendered = render_table(ct, table, "messages", MaskOptions())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rendered.valid.tolist() == [True, True, True, False, True, True]
+    (row, why), = rendered.errors
+    assert row == 3 and ("MAX_RENDER_SECONDS" in why or "MAX_RENDER_CHARS" in why), why
+    if kind != "output":  # 100 MB of output: whichever bound it meets first
+        assert ("over 1 seconds" in why) == (kind in ("loop", "recursion")), why
+    assert peak < 2**30, peak  # bytes: the 1 GB string is never built
+    assert rendered.texts[0] == base.render(rows[0])
