@@ -126,13 +126,16 @@ def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool
     return _locate_pieces(text, messages, system_optional)
 
 
-def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool) -> Located:
+def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, skip: frozenset = frozenset()) -> Located:
     spans: list[tuple[int, int]] = []
     missing = None
     cursor = 0
     found_at: list[tuple[int, list[tuple[int, int]]]] = []  # per message: the cursor before it, its pieces' spans
     for index, message in enumerate(messages):
         role = str(message.get("role")) if isinstance(message, (dict, Mapping)) else "?"
+        if index in skip:
+            found_at.append((cursor, []))
+            continue
         after = cursor
         own: list[tuple[int, int]] = []  # this message's required pieces: they never share characters
         mine: list[tuple[int, int]] = []
@@ -142,7 +145,12 @@ def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool) ->
                 found = _find_clear(text, piece, cursor, own if required else ())
             if found is None:
                 if required and missing is None and not (system_optional and role == "system"):
-                    missing = _blame(text, piece, found_at, messages) or (index, role, what)
+                    blamed = _blame(text, piece, found_at, messages)
+                    if blamed is not None and system_optional and blamed[1] == "system":
+                        # a system prompt the template leaves out, quoted by a later message (Mistral v3
+                        # writes it only when the chat ends with a user turn): it is absent, not there
+                        return _locate_pieces(text, messages, system_optional, skip | {blamed[0]})
+                    missing = blamed or (index, role, what)
                 continue
             if required:
                 own.append(found)
@@ -164,8 +172,8 @@ def _find_clear(text: str, piece: str, start: int, taken: Sequence[tuple[int, in
 
 def _blame(text: str, piece: str, found_at, messages) -> tuple[int, str, str] | None:
     """The message the template dropped, when it is not the one whose ``piece`` is missing: the first earlier
-    message whose pieces were all found inside where ``piece`` occurs when searched from before it (a
-    dropped tool result quoted by the reply after it took the reply's place). Arguments found value by value
+    message found past where ``piece`` occurs when searched from before it (a dropped tool result quoted by
+    the reply after it took the reply's place; a dropped system prompt quoted by a later user turn). Arguments found value by value
     spread over the row, so that their span says nothing about which message holds them: None."""
     if isinstance(piece, _Arguments):
         return None
@@ -173,7 +181,7 @@ def _blame(text: str, piece: str, found_at, messages) -> tuple[int, str, str] | 
         if not mine:
             continue
         occurs = _find(text, piece, before)
-        if occurs is not None and all(occurs[0] <= s and e <= occurs[1] for s, e in mine):
+        if occurs is not None and occurs[0] < max(e for _, e in mine):
             role = str(messages[index].get("role")) if isinstance(messages[index], Mapping) else "?"
             what = next((w for _, required, w in message_pieces(messages[index]) if required), "content")
             return index, role, what
@@ -200,6 +208,9 @@ class _Arguments(str):
         self.forms = tuple(dict.fromkeys(forms))
         self.leaves = [_leaf_pattern(v) for v in _leaves(value)] if isinstance(value, (Mapping, list)) else []
         self.leaves = [p for p in self.leaves if p is not None]
+        # the string values, which templates copy verbatim (the raw text when it is not a JSON object or list)
+        self.strings = ([v for v in _leaves(value) if isinstance(v, str) and v.strip()]
+                        if isinstance(value, (Mapping, list)) else [first])
         return self
 
 
@@ -223,6 +234,11 @@ def _leaf_pattern(value: Any) -> re.Pattern | None:
         number = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
         return re.compile(r"(?<![\w.])(?:" + number + r")(?![\w]|\.\d)")
     return None
+
+
+def find_piece(text: str, piece: str, start: int = 0) -> tuple[int, int] | None:
+    """Where one piece of ``message_pieces`` occurs in ``text`` from ``start``, found as ``locate_messages`` finds it."""
+    return _find(text, piece, start)
 
 
 def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
