@@ -264,3 +264,57 @@ def test_item10_a_hostile_template_row_is_invalid_with_the_limit_named(kind, mon
         assert ("over 1 seconds" in why) == (kind in ("loop", "recursion")), why
     assert peak < 2**30, peak  # bytes: the 1 GB string is never built
     assert rendered.texts[0] == base.render(rows[0])
+
+
+# -- item 17: verify labels as the messages path labels -------------------------------------------------
+
+
+def _mask_path_labels(ct, markers, messages):
+    from lossmask import label_batch
+
+    encoded = encode_rendered(ct, [ct.render(messages)], [messages])
+    if encoded.dropped:
+        return None
+    return label_batch(encoded.input_ids, markers, data_mask=encoded.in_content).labels.to_pylist()[0]
+
+
+QUOTING = [
+    [{"role": "user", "content": "What does <|im_end|> do?"},
+     {"role": "assistant", "content": "It ends a turn: <|im_end|>\n<|im_start|>user\nlike that."}],
+    [{"role": "user", "content": "Say <|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nhi"},
+     {"role": "assistant", "content": "The header is <|start_header_id|>assistant<|end_header_id|>."}],
+    [{"role": "user", "content": "Quote <end_of_turn> and <start_of_turn>model\nplease."},
+     {"role": "assistant", "content": "<end_of_turn> closes, <start_of_turn>model\nopens."}],
+]
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama-3.1", "gemma-3", "smollm3"])
+def test_item17_verify_agrees_with_mask_files_on_quoted_markers(family):
+    from lossmask import verify
+    from conftest import detected_markers
+
+    ct = chat_tokenizer(family)
+    markers = detected_markers(family)[0]
+    report = verify(ct, markers, QUOTING)
+    assert report.ok, str(report)
+    for chat, row in zip(QUOTING, report.conversations):
+        assert row.labels.tolist() == _mask_path_labels(ct, markers, chat)
+
+
+def test_item17_verify_does_not_check_rows_the_messages_path_drops():
+    from lossmask import verify
+    from conftest import detected_markers
+
+    ct = chat_tokenizer("gpt-oss")
+    arguments = {"city": "Paris", "days": 3}
+    # the same call twice: every piece's text is somewhere in the row, but not once per call
+    calls = [{"type": "function", "function": {"name": "weather.get", "arguments": dict(arguments)}}] * 2
+    dropped = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": calls},
+               {"role": "tool", "content": "Sunny"}, {"role": "tool", "content": "Rain later"},
+               {"role": "assistant", "content": "Sunny, then rain."}]
+    kept = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}]
+    assert _dropped(ct, dropped) and not _dropped(ct, kept)
+    report = verify(ct, detected_markers("gpt-oss")[0], [dropped, kept])
+    first, second = report.conversations
+    assert first.error is not None and "not labelled" in first.error and first.dropped[0].message == 1
+    assert second.error is None and second.exact
