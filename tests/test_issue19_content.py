@@ -318,3 +318,20 @@ def test_item17_verify_does_not_check_rows_the_messages_path_drops():
     first, second = report.conversations
     assert first.error is not None and "not labelled" in first.error and first.dropped[0].message == 1
     assert second.error is None and second.exact
+
+
+def test_item17_a_left_out_system_prompt_quoted_later_is_kept_by_both():
+    """Mistral v3 writes the system prompt only when the chat ends with a user turn; a later message quotes
+    it. The in-order search found it in the quote and then missed the user turn: the messages path dropped
+    the row while verify checked it. Both now keep it."""
+    from lossmask import verify
+    from conftest import detected_markers
+
+    ct = chat_tokenizer("mistral-v3")
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Q1?"}, {"role": "assistant", "content": "A1."},
+            {"role": "user", "content": "Q2: Be brief. Why?"}, {"role": "assistant", "content": "A2."}]
+    assert _dropped(ct, chat) == []
+    markers = detected_markers("mistral-v3")[0]
+    (row,) = verify(ct, markers, [chat]).conversations
+    assert row.exact and row.labels.tolist() == _mask_path_labels(ct, markers, chat)
