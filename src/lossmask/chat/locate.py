@@ -8,10 +8,20 @@ message's pieces in the rendered text, in order:
   close tag (``</think>``, R1-style data) is two pieces, the reasoning before the tag and the answer
   after it, because templates move, reformat or drop the part before the tag;
 - the reasoning fields (``reasoning_content``, ``reasoning``, ``thinking``);
-- each tool call's name and arguments (a JSON string, or an object's string values).
+- each tool call's name and arguments: the JSON text as ``tojson`` writes it, else the arguments' values
+  (every scalar, in the forms templates print it, found in order): GLM-4 and DeepSeek-V4 write
+  arguments as key/value markup (``<arg_key>a</arg_key><arg_value>1.5</arg_value>``), not JSON.
 
 A piece is looked for as written, then stripped (Llama-3 trims contents), then with every
-whitespace run allowed to be any whitespace run (Falcon rewrites blank lines and CRLF).
+whitespace run allowed to be any whitespace run (Falcon rewrites blank lines and CRLF); where a string
+is also written through ``tojson`` (Llama-3.1's tool results), the nearest of its forms wins, so that a
+later reply quoting the raw text does not take the message's place. The required pieces of one message
+never share characters: gpt-oss drops the second of two parallel calls, and the second call's
+arguments, when equal to the first's, must not be found inside the first.
+
+When a message is missing, the blame goes to the message the template dropped: an earlier message whose
+text was only found inside the missing message's text (a dropped tool result quoted by the reply after
+it) is the one named.
 
 **Required pieces** are the content's answer part, text parts and tool-call arguments. A message
 counts as present when each of its required pieces is found. Reasoning, the reasoning part of
@@ -80,22 +90,18 @@ def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
         if isinstance(function.get("name"), str) and function["name"].strip():
             pieces.append((function["name"], False, "tool call name"))
         arguments = function.get("arguments")
-        if isinstance(arguments, Mapping):  # as the template's tojson writes it, else each string value
-            pieces.append((_ObjectText(arguments), True, "tool call arguments"))
-        elif isinstance(arguments, str) and arguments.strip():
-            pieces.append((arguments, True, "tool call arguments"))
+        if isinstance(arguments, Mapping) or (isinstance(arguments, str) and arguments.strip()):
+            pieces.append((_Arguments(arguments), True, "tool call arguments"))
     return pieces
 
 
-def _strings(value: Any) -> list[str]:
-    """The string leaves of a JSON value (an object's keys are the template's business, not data)."""
-    if isinstance(value, str):
-        return [value]
+def _leaves(value: Any) -> list[Any]:
+    """The scalar leaves of a JSON value, in order (an object's keys are the template's business, not data)."""
     if isinstance(value, Mapping):
-        return [s for v in value.values() for s in _strings(v)]
+        return [s for v in value.values() for s in _leaves(v)]
     if isinstance(value, (list, tuple)):
-        return [s for v in value for s in _strings(v)]
-    return []
+        return [s for v in value for s in _leaves(v)]
+    return [value]
 
 
 def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool = False) -> Located:
@@ -125,59 +131,147 @@ def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool
     return _locate_pieces(text, messages, system_optional)
 
 
-def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool) -> Located:
+def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, skip: frozenset = frozenset()) -> Located:
     spans: list[tuple[int, int]] = []
     pieces: list[tuple[int, int, int, bool]] = []
     missing = None
     cursor = 0
+    found_at: list[tuple[int, list[tuple[int, int]]]] = []  # per message: the cursor before it, its pieces' spans
     for index, message in enumerate(messages):
         role = str(message.get("role")) if isinstance(message, (dict, Mapping)) else "?"
+        if index in skip:
+            found_at.append((cursor, []))
+            continue
         after = cursor
+        own: list[tuple[int, int]] = []  # this message's required pieces: they never share characters
+        mine: list[tuple[int, int]] = []
         for piece, required, what in message_pieces(message):
-            found = _find(text, piece, after)
+            found = _find_clear(text, piece, after, own if required else ())
             if found is None and after != cursor:  # pieces out of the usual order
-                found = _find(text, piece, cursor)
+                found = _find_clear(text, piece, cursor, own if required else ())
             if found is None:
                 if required and missing is None and not (system_optional and role == "system"):
-                    missing = (index, role, what)
+                    blamed = _blame(text, piece, found_at, messages)
+                    if blamed is not None and system_optional and blamed[1] == "system":
+                        # a system prompt the template leaves out, quoted by a later message (Mistral v3
+                        # writes it only when the chat ends with a user turn): it is absent, not there
+                        return _locate_pieces(text, messages, system_optional, skip | {blamed[0]})
+                    missing = blamed or (index, role, what)
                 continue
+            if required:
+                own.append(found)
+            mine.append(found)
             spans.append(_core(text, found))
             pieces.append((*spans[-1], index, required))
             after = found[1]
+        found_at.append((cursor, mine))
         cursor = max(cursor, after)
     return Located(_merge(spans), missing, tuple(pieces))
 
 
-class _ObjectText(str):
-    """An object's arguments: its JSON text as tojson writes it (``str`` of this), else its string values."""
+def _find_clear(text: str, piece: str, start: int, taken: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """``_find``, skipping occurrences that overlap a span in ``taken``."""
+    found = _find(text, piece, start)
+    while found is not None and any(found[0] < e and s < found[1] for s, e in taken):
+        found = _find(text, piece, found[0] + 1)
+    return found
 
-    def __new__(cls, value: Mapping):
-        self = super().__new__(cls, json.dumps(value, ensure_ascii=False))
-        self.forms = (json.dumps(value, ensure_ascii=False), json.dumps(value), json.dumps(value, separators=(",", ":")))
-        self.leaves = [v for v in _strings(value) if v.strip()]
+
+def _blame(text: str, piece: str, found_at, messages) -> tuple[int, str, str] | None:
+    """The message the template dropped, when it is not the one whose ``piece`` is missing: the first earlier
+    message found past where ``piece`` occurs when searched from before it (a dropped tool result quoted by
+    the reply after it took the reply's place; a dropped system prompt quoted by a later user turn). Arguments found value by value
+    spread over the row, so that their span says nothing about which message holds them: None."""
+    if isinstance(piece, _Arguments):
+        return None
+    for index, (before, mine) in enumerate(found_at):
+        if not mine:
+            continue
+        occurs = _find(text, piece, before)
+        if occurs is not None and occurs[0] < max(e for _, e in mine):
+            role = str(messages[index].get("role")) if isinstance(messages[index], Mapping) else "?"
+            what = next((w for _, required, w in message_pieces(messages[index]) if required), "content")
+            return index, role, what
+    return None
+
+
+class _Arguments(str):
+    """A tool call's arguments (an object, or its JSON text). ``str`` of it is the text as given (or as
+    ``tojson`` writes an object); ``forms``: the JSON texts a template may write; ``leaves``: for each scalar
+    value, the forms a template prints it in, for templates that write key/value markup instead of JSON."""
+
+    def __new__(cls, arguments: Any):
+        value = arguments
+        if isinstance(arguments, str):
+            try:
+                value = json.loads(arguments)
+            except ValueError:
+                value = None
+        first = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        self = super().__new__(cls, first)
+        forms = [first]
+        if isinstance(value, (Mapping, list)):
+            forms += [json.dumps(value, ensure_ascii=False), json.dumps(value), json.dumps(value, separators=(",", ":"))]
+        self.forms = tuple(dict.fromkeys(forms))
+        self.leaves = [_leaf_pattern(v) for v in _leaves(value)] if isinstance(value, (Mapping, list)) else []
+        self.leaves = [p for p in self.leaves if p is not None]
+        # the string values, which templates copy verbatim (the raw text when it is not a JSON object or list)
+        self.strings = ([v for v in _leaves(value) if isinstance(v, str) and v.strip()]
+                        if isinstance(value, (Mapping, list)) else [first])
         return self
 
 
-def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
-    if isinstance(piece, _ObjectText):
-        for form in piece.forms:
-            at = text.find(form, start)
-            if at >= 0:
-                return at, at + len(form)
-        # each value as a JSON string or an XML-style element (GLM writes <arg_value>v</arg_value>); a bare
-        # value could be any later text that quotes it
-        found = [_find_first(text, (f'"{leaf}"', json.dumps(leaf), f">{leaf}<"), start) for leaf in piece.leaves]
-        if not found or None in found:
+def _leaf_pattern(value: Any) -> re.Pattern | None:
+    """How a template may print one argument value: a string quoted as JSON or between markup (``>v<``),
+    a number as JSON or Python writes it, a boolean or null as JSON or Python; a number or word is
+    matched whole (``1`` is not found inside ``10``). Empty strings print as nothing: None."""
+    if isinstance(value, str):
+        if not value.strip():
             return None
-        return min(f[0] for f in found) + 1, max(f[1] for f in found) - 1
-    at = text.find(piece, start)
-    if at >= 0:
-        return at, at + len(piece)
-    # a string the template wrote through tojson (gpt-oss's tool results, Qwen2.5's string arguments)
-    for escaped in {json.dumps(piece, ensure_ascii=False)[1:-1], json.dumps(piece)[1:-1]} - {piece}:
-        at = text.find(escaped, start)
-        if at >= 0:
-            return at, at + len(escaped)
+        forms = {json.dumps(value, ensure_ascii=False), json.dumps(value), f">{value}<", f">{value.strip()}<",
+                 f"'{value}'"}
+        return re.compile("|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)))
+    if isinstance(value, bool) or value is None:
+        words = {"true", "True"} if value is True else {"false", "False"} if value is False else {"null", "None"}
+        return re.compile(r"(?<!\w)(?:" + "|".join(sorted(words)) + r")(?!\w)")
+    if isinstance(value, (int, float)):
+        forms = {json.dumps(value), repr(value), str(value)}
+        if isinstance(value, float) and value.is_integer():
+            forms.add(str(int(value)))
+        number = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
+        return re.compile(r"(?<![\w.])(?:" + number + r")(?![\w]|\.\d)")
+    return None
+
+
+def find_piece(text: str, piece: str, start: int = 0) -> tuple[int, int] | None:
+    """Where one piece of ``message_pieces`` occurs in ``text`` from ``start``, found as ``locate_messages`` finds it."""
+    return _find(text, piece, start)
+
+
+def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
+    if isinstance(piece, _Arguments):
+        found = _find_first(text, piece.forms, start) or _find_text(text, str(piece), start)
+        if found is not None or not piece.leaves:
+            return found
+        # each value in order, after the last: the call's own text (an earlier look-alike is not the call)
+        at, first = start, None
+        for leaf in piece.leaves:
+            match = leaf.search(text, at)
+            if match is None:
+                return None
+            first = match.start() if first is None else first
+            at = match.end()
+        return first, at
+    return _find_text(text, piece, start)
+
+
+def _find_text(text: str, piece: str, start: int) -> tuple[int, int] | None:
+    # as written, or as tojson writes a string (gpt-oss's tool results, Llama-3.1's ipython turns): the nearest
+    # form, so that a later message quoting the raw text does not stand in for an escaped one here
+    forms = [piece, *({json.dumps(piece, ensure_ascii=False)[1:-1], json.dumps(piece)[1:-1]} - {piece})]
+    found = _find_first(text, forms, start)
+    if found is not None:
+        return found
     stripped = piece.strip()
     at = text.find(stripped, start)
     if at >= 0:

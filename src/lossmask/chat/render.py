@@ -14,20 +14,155 @@ job, like the fast tokeniser: the first ``PROOF_ROWS`` chats of a job are also r
 ``apply_chat_template``, and any difference (or a transformers without the function) switches the job
 back to it, with a warning naming the first differing row. Rows the template rejects are rendered again
 by ``ChatTokenizer.render``, so their error message is the one users see anywhere else.
+
+**Bounds.** A chat template is code from the Hub, and one row must not hang a job or fill memory (a
+nested loop of 10^10 turns, ``'x' * 10**9``). The template is compiled again here, in a copy of
+transformers' sandbox (same filters, globals and extensions) that also keeps count: every loop turn and
+every call ticks a clock (``MAX_RENDER_SECONDS`` per row); every string or list that a ``*``, ``+``, ``%``,
+``~``, call or filter builds, and the rendered text itself, is held to ``MAX_RENDER_CHARS``; an integer
+argument above that size is refused before the call allocates (``'x'.ljust(10**9)``), and so is a power
+whose result would be that large. A row over a bound raises ``RenderLimitError`` naming the limit, and
+the job counts it ``invalid`` with that reason. All of it runs in this process, in the rendering thread:
+no thread or process is killed.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import time
 import warnings
 from typing import Any, Sequence
 
 import pyarrow as pa
 
 PROOF_ROWS = 64
+MAX_RENDER_SECONDS = 10.0  # wall time to render one row (checked at every loop turn and call)
+MAX_RENDER_CHARS = 64 * 2**20  # characters of one rendered row, and items of any string or list built on the way
 
 
 class ChatTemplateError(ValueError):
     """The chat template could not render a conversation (it raised, or there is no template)."""
+
+
+class RenderLimitError(ChatTemplateError):
+    """Rendering one row went over ``MAX_RENDER_SECONDS`` or ``MAX_RENDER_CHARS``."""
+
+
+_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("lossmask_render_deadline", default=float("inf"))
+
+
+def _over_time() -> None:
+    if time.monotonic() > _DEADLINE.get():
+        raise RenderLimitError(f"render time over {MAX_RENDER_SECONDS:g} seconds (MAX_RENDER_SECONDS): the chat "
+                               "template loops too long for one row")
+
+
+def _sized(value: Any) -> Any:
+    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_RENDER_CHARS:
+        raise RenderLimitError(f"a value the chat template built holds {len(value)} items, over "
+                               f"{MAX_RENDER_CHARS // 2**20} MiB of characters (MAX_RENDER_CHARS)")
+    return value
+
+
+def _refuse_huge(args: Sequence[Any]) -> None:
+    for arg in args:
+        if type(arg) is int and arg > MAX_RENDER_CHARS:
+            raise RenderLimitError(f"the chat template passes {arg} to a call, over {MAX_RENDER_CHARS // 2**20} MiB "
+                                   "of characters (MAX_RENDER_CHARS)")
+
+
+def _bounded_filter(function):
+    @functools.wraps(function)  # keeps jinja's pass_context / pass_eval_context marks
+    def bounded(*args, **kwargs):
+        _refuse_huge(args[1:])
+        _refuse_huge(list(kwargs.values()))
+        return _sized(function(*args, **kwargs))
+    return bounded
+
+
+def _ticks(iterable: Any):
+    """A loop's items, with the clock checked every 256 turns."""
+    for k, item in enumerate(iterable):
+        if not k & 255:
+            _over_time()
+        yield item
+
+
+@functools.lru_cache(maxsize=1)
+def _bounded_environment_class():
+    from jinja2 import nodes
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generator(CodeGenerator):
+        def visit_Concat(self, node, frame):  # '~' joins strings without a binop: held to the size too
+            self.write("environment.sized(")
+            super().visit_Concat(node, frame)
+            self.write(")")
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        code_generator_class = Generator
+        intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
+        sized = staticmethod(_sized)
+
+        def _parse(self, source, name, filename):
+            tree = super()._parse(source, name, filename)
+            for loop in tree.find_all(nodes.For):  # every loop turn ticks the clock
+                loop.iter = nodes.Call(nodes.Name("__lossmask_ticks", "load"), [loop.iter], [], None, None)
+            return tree
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+            _over_time()
+            _refuse_huge(args)
+            _refuse_huge(list(kwargs.values()))
+            return _sized(super().call(__context, __obj, *args, **kwargs))
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and type(n) is int and len(seq) * n > MAX_RENDER_CHARS:
+                        raise RenderLimitError(f"the chat template repeats a value to {len(seq) * n} items, over "
+                                               f"{MAX_RENDER_CHARS // 2**20} MiB of characters (MAX_RENDER_CHARS)")
+            if operator == "**" and type(left) is int and type(right) is int and abs(left) > 1 \
+                    and right * abs(left).bit_length() > 8 * MAX_RENDER_CHARS:
+                raise RenderLimitError(f"the chat template computes {left} ** {right}, a number over "
+                                       f"{MAX_RENDER_CHARS // 2**20} MiB (MAX_RENDER_CHARS)")
+            return _sized(super().call_binop(context, operator, left, right))
+
+    return BoundedSandbox
+
+
+@functools.lru_cache(maxsize=16)
+def bounded_template(template: str) -> Any:
+    """``template`` compiled as transformers compiles it, in a sandbox that keeps the bounds above."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    # transformers' environment, from an empty template: compiling the row's template there would fold its
+    # constants unbounded ('x' | center(10**9) is computed while compiling)
+    reference = _compile_jinja_template("").environment
+    env = _bounded_environment_class()(trim_blocks=reference.trim_blocks, lstrip_blocks=reference.lstrip_blocks,
+                                       extensions=[type(e) for e in reference.extensions.values()])
+    env.filters.update({name: _bounded_filter(f) for name, f in reference.filters.items()})
+    env.globals.update(reference.globals)
+    env.globals["__lossmask_ticks"] = _ticks
+    return env.from_string(template)
+
+
+def render_bounded(template: Any, **variables: Any) -> str:
+    """Render a ``bounded_template`` within ``MAX_RENDER_SECONDS`` and ``MAX_RENDER_CHARS``."""
+    token = _DEADLINE.set(time.monotonic() + MAX_RENDER_SECONDS)
+    try:
+        size, parts = 0, []
+        for part in template.generate(**variables):
+            size += len(part)
+            if size > MAX_RENDER_CHARS:
+                raise RenderLimitError(f"rendered text over {MAX_RENDER_CHARS // 2**20} MiB of characters "
+                                       "(MAX_RENDER_CHARS)")
+            parts.append(part)
+        return "".join(parts)
+    finally:
+        _DEADLINE.reset(token)
 
 
 def plain_arrow_type(arrow_type: pa.DataType) -> bool:
@@ -58,7 +193,7 @@ class DirectRenderer:
         except ImportError as exc:
             self.reason = f"this transformers renders otherwise ({exc})"
             return
-        self._compile, self._alias = _compile_jinja_template, _alias_reasoning_fields
+        self._compile, self._alias = bounded_template, _alias_reasoning_fields
         special = _plain_template_data(dict(getattr(ct.tokenizer, "special_tokens_map", {}) or {}))
         self._variables = {**special, **_plain_template_data(dict(ct.template_kwargs))}
 
@@ -78,6 +213,9 @@ class DirectRenderer:
                 try:
                     texts[i] = self._render(compiled, messages)
                     continue
+                except RenderLimitError as exc:  # rendering it again would not end
+                    errors.append((i, f"the chat template of {self.ct.name!r} rejected the conversation: {exc}"))
+                    continue
                 except Exception:  # noqa: BLE001 - rendered again below, for the error users see elsewhere
                     pass
             try:
@@ -87,8 +225,8 @@ class DirectRenderer:
         return texts, errors
 
     def _render(self, compiled: Any, messages: list) -> str:
-        return compiled.render(messages=self._alias(messages), tools=None, documents=None, add_generation_prompt=False,
-                               **self._variables)
+        return render_bounded(compiled, messages=self._alias(messages), tools=None, documents=None,
+                              add_generation_prompt=False, **self._variables)
 
     def _prove(self, compiled: Any, chats: Sequence[Any]) -> None:
         if compiled in self._proved:
@@ -97,14 +235,16 @@ class DirectRenderer:
         for k, messages in enumerate(chats[:PROOF_ROWS]):
             if not (isinstance(messages, list) and all(type(m) is dict for m in messages)):
                 continue
+            try:  # ours first: a row over the bounds is never rendered unbounded
+                ours = self._render(compiled, messages)
+            except RenderLimitError:
+                continue
+            except Exception as exc:  # noqa: BLE001
+                ours = f"<raised {exc}>"
             try:
                 reference = self.ct.render(messages)
             except Exception:  # noqa: BLE001 - a rejected row proves nothing
                 continue
-            try:
-                ours = self._render(compiled, messages)
-            except Exception as exc:  # noqa: BLE001
-                ours = f"<raised {exc}>"
             tried += 1
             if ours != reference:
                 at = next((j for j, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))

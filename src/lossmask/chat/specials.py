@@ -12,7 +12,9 @@ ordinary text by default. Which strings count, decided once per tokenizer from i
   fine-tunes add ``<|im_end|>`` without the special flag). A special token the template never
   writes (LFM2's ``<|tool_call_start|>``, which LFM2 data writes into the reply) can be no marker
   and frames nothing: it stays a token.
-  In message text they are encoded as ordinary text (``special_tokens_in_content="text"``).
+  In message text they are encoded as ordinary text (``special_tokens_in_content="text"``). An added
+  token not flagged special whose string plain text tokenises to anyway (Gemma's newline runs) is not
+  one: encoding it as text changes nothing (``_text_tokenises_to``).
 - **body** tokens: added tokens that the template writes only inside an assistant turn's body, after
   the generation prompt (``<think>``/``</think>`` on Qwen3, ``<tool_call>`` on Qwen2.5,
   ``[TOOL_CALLS]`` on Mistral, ``<|channel|>`` on gpt-oss): what the model generates as tokens at
@@ -89,6 +91,8 @@ class ContentTokens:
         written = (inside | outside | controls) & set(ct.special_ids)
         structural = {i: contents[i] for i in written | framing if i not in body and i in contents}
         structural = {i: s for i, s in structural.items() if s}
+        for i in _text_tokenises_to(ct, {i: s for i, s in structural.items() if i not in set(ct.special_ids)}):
+            del structural[i]
         drops_system = _drops_system(ct)
         return cls(structural, body, drops_system, _alternation(structural.values()))
 
@@ -97,6 +101,26 @@ class ContentTokens:
         if self.pattern is None:
             return None
         return self.pattern.search(text, start, len(text) if end is None else end)
+
+
+def _text_tokenises_to(ct: Any, candidates: dict[int, str]) -> set[int]:
+    """The added tokens (not flagged special) that their own string, encoded as plain text, gives anyway.
+
+    Gemma's vocabulary holds newline runs (``\n``, ``\n\n``...) as added tokens; its template writes ``\n``
+    between turns, so they look like framing. Yet plain text tokenises to the same ids, so encoding them
+    as text changes nothing: counting them would call every newline in a message a special-token string
+    (and re-encode, drop or refuse nearly every row). Such a token is no control token.
+    """
+    if not candidates:
+        return set()
+    from tokenizers import Tokenizer
+
+    data = json.loads(ct.tokenizer.backend_tokenizer.to_str())
+    for entry in data.get("added_tokens", []):
+        entry["special"] = True  # with encode_special_tokens, no added token is split out: the text alone
+    plain = Tokenizer.from_str(json.dumps(data))
+    plain.encode_special_tokens = True
+    return {i for i, s in candidates.items() if plain.encode(s, add_special_tokens=False).ids == [i]}
 
 
 def _alternation(strings) -> re.Pattern | None:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+from ..chat.locate import find_piece, message_pieces
 
 
 @dataclass(frozen=True)
@@ -35,53 +37,22 @@ class MissingText:
         return f"message {self.message} ({self.role}): {self.part} {self.text!r}"
 
 
-def message_pieces(message: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``(part, text)`` for every piece of a message that a template should copy into the row."""
-    pieces: list[tuple[str, str]] = []
-    reasoning = [message[k] for k in ("reasoning_content", "thinking") if isinstance(message.get(k), str) and message[k].strip()]
-    for text in dict.fromkeys(reasoning):
-        pieces.append(("reasoning", text))
-    content = message.get("content")
-    if isinstance(content, str) and "</think>" in content:  # R1-style reasoning written into the content
-        before, _, answer = content.partition("</think>")
-        before = before.replace("<think>", "", 1)
-        if before.strip():
-            pieces.append(("reasoning", before))
-        if answer.strip():
-            pieces.append(("content", answer))
-    elif isinstance(content, str) and content.strip():
-        pieces.append(("content", content))
-    elif isinstance(content, list):  # [{"type": "text", "text": ...}]
-        pieces += [("content", p["text"]) for p in content
-                   if isinstance(p, Mapping) and isinstance(p.get("text"), str) and p["text"].strip()]
-    for call in message.get("tool_calls") or ():
-        function = call.get("function", call) if isinstance(call, Mapping) else {}
-        if isinstance(function.get("name"), str) and function["name"].strip():
-            pieces.append(("tool call name", function["name"]))
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                parsed = json.loads(arguments)
-            except ValueError:
-                parsed = None
-            if isinstance(parsed, Mapping):  # a JSON string: its values, however the template re-serialises it
-                arguments = parsed
-            elif arguments.strip():
-                pieces.append(("tool call arguments", arguments))
-        if isinstance(arguments, Mapping):
-            pieces += [("tool call arguments", v) for v in _string_values(arguments) if v.strip()]
-    return pieces
+def message_parts(message: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(part, piece)`` for every piece of a message that a template should copy into the row.
+
+    The pieces are ``chat.locate.message_pieces``, the one definition the messages path uses too; ``part``
+    names them for reports: "content", "tool call name", "tool call arguments", or "reasoning" for
+    reasoning fields and the reasoning part of R1-style content (which templates may drop on purpose).
+    """
+    return [(what if required or what == "tool call name" else "reasoning", piece)
+            for piece, required, what in message_pieces(message)]
 
 
-def _string_values(obj: Any) -> Iterable[str]:
-    if isinstance(obj, str):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _string_values(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _string_values(value)
+def message_texts(message: Mapping[str, Any]) -> list[str]:
+    """The texts of one message that a template copies verbatim: each piece, and a tool call's string values
+    in place of its arguments (templates re-serialise the rest)."""
+    return [text for _, piece in message_parts(message)
+            for text in (piece.strings if hasattr(piece, "strings") else [piece])]
 
 
 class _Row:
@@ -115,8 +86,8 @@ def missing_message_text(text: str, messages: Sequence[Mapping[str, Any]]) -> li
         role = str(message.get("role", "?")) if isinstance(message, Mapping) else "?"
         if not isinstance(message, Mapping):
             continue
-        for part, piece in message_pieces(message):
-            if not row.holds(piece):
+        for part, piece in message_parts(message):
+            if not (find_piece(text, piece) is not None if hasattr(piece, "strings") else row.holds(piece)):
                 short = piece if len(piece) <= 60 else piece[:57] + "..."
                 out.append(MissingText(index, role, part, short))
     return out
@@ -169,7 +140,7 @@ def find_marker_text(
         for index, message in enumerate(messages or ()):
             if not isinstance(message, Mapping):
                 continue
-            for _, piece in message_pieces(message):
+            for _, piece in message_parts(message):
                 found = next((n for n in needles if n in piece), None)
                 if found is not None:
                     hits.append(MarkerText(row, index, str(message.get("role", "?")), found))

@@ -21,12 +21,16 @@ of SPEC.md, "What must be trained" (written out in docs/masking-rule.md):
   apart (``beyond_markers``) instead of as missing. Everything outside assistant turns (system,
   user, tool results) is not trained;
 * a conversation whose template dropped or rewrote message text (``content.missing_message_text``:
-  Phi-3 drops tool messages, Qwen2.5 a message with an unknown role) has no ground truth: it is
-  reported, with the message's index and role, and not checked. Reasoning dropped from earlier
-  turns (Qwen3, gpt-oss) is reported but checked as rendered.
+  Phi-3 drops tool messages, Qwen2.5 a message with an unknown role), or that the messages path
+  drops as ``content_dropped`` (``chat.locate``: text found in order, gpt-oss's dropped second
+  parallel call), has no ground truth: it is reported, with the message's index and role, and not
+  checked. Reasoning dropped from earlier turns (Qwen3, gpt-oss) is reported but checked as rendered.
 
-A token counts as trained when its first character lies in a trained span. The markers are then
-applied with ``make_labels`` and every token is compared.
+The conversation is tokenised as the messages path tokenises it (``chat.encode_rendered``): special-token
+strings in message text are text, and message text is inert for markers (the data mask). So ``verify``
+and ``mask_files`` label a row that quotes ``<|im_end|>`` the same way. A token counts as trained when
+its first character lies in a trained span. The markers are then applied with ``label_batch`` and the
+data mask, and every token is compared.
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from ..chat.encode_rendered import content_mask
+from ..chat.locate import locate_messages as locate_message_text
 from ..chat.probes import Conversation, renderable_probes
 from ..chat.tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
-from ..engine.labels import make_labels
+from ..engine.labels import label_batch
 from ..engine.patterns import Markers
-from .content import MissingText, message_pieces, missing_message_text
+from .content import MissingText, message_texts, missing_message_text
 
 
 class GroundTruthError(ValueError):
@@ -64,7 +70,7 @@ class ContentDroppedError(GroundTruthError):
 
 def _pieces(message: Mapping[str, Any]) -> list[str]:
     """The texts of one message that a template copies verbatim: reasoning, content, tool calls."""
-    return [text for _, text in message_pieces(message)]
+    return message_texts(message)
 
 
 def locate_messages(
@@ -137,6 +143,8 @@ class GroundTruth:
     # model generates it, but it is token for token the header that opens a turn)
     header_copies: np.ndarray | None = field(default=None, repr=False, compare=False)
     dropped: tuple[MissingText, ...] = ()  # reasoning the template dropped (earlier turns on Qwen3, gpt-oss)
+    # a bool per token: inside message text, inert for markers (as on the messages path)
+    data_mask: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 def _last_located(spans: Sequence[tuple[int, int] | None]) -> int | None:
@@ -162,9 +170,18 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
     text = ct.render(messages, tools=tools)
     missing = missing_message_text(text, messages)
     lost = [m for m in missing if m.part != "reasoning"]
+    located = locate_message_text(text, messages, system_optional=ct.content_tokens.drops_system)
+    if not lost and located.missing is not None:  # what the messages path drops as content_dropped
+        index, role, what = located.missing
+        lost = [MissingText(index, role, "reasoning" if "reasoning" in what else what,
+                            str(messages[index].get("content") or "")[:60])]
     if lost:
         raise ContentDroppedError(conv.name, lost)
+    # tokenised as the messages path tokenises it: special-token strings in message text are text
     ids, offsets = ct.encode_with_offsets(text)
+    if any(ct.content_tokens.find(text, s, e) for s, e in located.spans):
+        ids, offsets = ct.text_encoder.encode(text, ids, offsets, located.spans)
+    data_mask = content_mask([ids], [offsets], [len(text)], [located.spans])
     spans = locate_messages(text, messages)
     stripped_spans = locate_messages(text, messages, stripped=True)
     special = np.fromiter((int(t) in ct.special_ids for t in ids), dtype=bool, count=len(ids))
@@ -231,7 +248,7 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
                 copies |= inside & (starts >= at) & (starts < at + len(turn.header))
                 at = text.find(turn.header, at + len(turn.header))
     return GroundTruth(conv.name, text, ids, offsets, should, tuple(sorted(turns, key=lambda t: t.start)),
-                       header_copies=copies, dropped=tuple(missing))
+                       header_copies=copies, dropped=tuple(missing), data_mask=data_mask)
 
 
 def _shift(span: tuple[int, int] | None, by: int) -> tuple[int, int] | None:
@@ -493,11 +510,18 @@ class Unchecked(NamedTuple):
 
 
 def check(tokenizer: Any, markers: Markers, truths: Sequence[GroundTruth | tuple]) -> VerifyReport:
-    """Compare ``make_labels`` under ``markers`` with ground truths already built (or their errors)."""
+    """Compare the labels of ``markers`` (with each row's data mask, as the messages path labels) with ground
+    truths already built (or their errors)."""
+    import pyarrow as pa
+
     ct = load_tokenizer(tokenizer)
     reports = []
     rows = [t for t in truths if isinstance(t, GroundTruth)]
-    labels = make_labels([t.ids.tolist() for t in rows], markers) if rows else []
+    labels: list = []
+    if rows:
+        masks = [t.data_mask if t.data_mask is not None else np.zeros(len(t.ids), dtype=bool) for t in rows]
+        ids = pa.array([t.ids.tolist() for t in rows], type=pa.large_list(pa.int64()))
+        labels = label_batch(ids, markers, data_mask=np.concatenate(masks) if masks else None).labels.to_pylist()
     by_truth = iter(labels)
     for t in truths:
         if not isinstance(t, GroundTruth):
