@@ -95,15 +95,16 @@ def has_exchange(row: dict) -> bool:
     return {"user", "assistant"} <= roles
 
 
-def write_rows(path: Path, rows: int) -> tuple[int, int]:
+def write_rows(path: Path, rows: int, *, form: str = "sharegpt") -> tuple[int, int]:
     """Write the first ``rows`` conversations as JSON Lines, in ShareGPT's own form (``conversations`` of
-    ``{from, value}``, which ``mask_files`` reads with its role map); returns how many were written, and how
-    many of them hold a user and an assistant message."""
+    ``{from, value}``, which ``mask_files`` reads with its role map) or as ``messages`` (``to_messages``);
+    returns how many were written, and how many of them hold a user and an assistant message."""
     n = exchanges = 0
     with open(path, "w", encoding="utf-8") as out:
         for row in read_sharegpt(rows):
-            out.write(json.dumps({"id": str(row.get("id", "")), "conversations": row.get("conversations") or []},
-                                 ensure_ascii=False) + "\n")
+            record = (to_messages(row) if form == "messages"
+                      else {"id": str(row.get("id", "")), "conversations": row.get("conversations") or []})
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
             n += 1
             exchanges += has_exchange(row)
     return n, exchanges

