@@ -76,6 +76,21 @@ def _big_class(v, big_ids, big_classes):
     return np.int64(0)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _finish_row(r, lo, hi, values, sign, n_trained, saw_response, trained_tokens, outcomes, first_bad):
+    """Row ``r``'s trained tokens, outcome and first negative id (sought only when ``sign``, the OR of
+    its ids, says there is one). Once per row, so the call's cost does not show."""
+    bad_at = -1
+    if sign < 0:  # rare: find the first negative id for the error message
+        for k in range(lo, hi):
+            if values[k] < 0:
+                bad_at = k
+                break
+    trained_tokens[r] = n_trained
+    outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
+    first_bad[r] = bad_at
+
+
 # The class of a token id, written out wherever it is needed (never as a call: see _label_block):
 # ``classes[min(uint64(v), last)]``: every id at or past the table's last slot (negative ids too,
 # as unsigned) reads that slot, branch-free. It holds 0, or the BIG class ``n_classes`` when some
@@ -288,15 +303,7 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                 out[np.uint64(p)] = untrained_value
             p += 1
         ring[np.uint64(hi) & ring_mask] = 0  # events one past the row (a response pattern that ends it)
-        bad_at = -1
-        if sign < 0:  # rare: find the first negative id for the error message
-            for k in range(lo, hi):
-                if values[k] < 0:
-                    bad_at = k
-                    break
-        trained_tokens[r] = n_trained
-        outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
-        first_bad[r] = bad_at
+        _finish_row(r, lo, hi, values, sign, n_trained, saw_response, trained_tokens, outcomes, first_bad)
 
 
 # -- Matching at the anchors ----------------------------------------------------------------------
@@ -571,15 +578,7 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                 ev_kind[m] = ev
                 ev_end[m] = end
                 n_ev += 1
-        bad_at = -1
-        if sign < 0:  # rare: find the first negative id for the error message
-            for k in range(lo, hi):
-                if values[k] < 0:
-                    bad_at = k
-                    break
-        trained_tokens[r] = n_trained
-        outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
-        first_bad[r] = bad_at
+        _finish_row(r, lo, hi, values, sign, n_trained, saw_response, trained_tokens, outcomes, first_bad)
 
 
 @njit(cache=True, parallel=True, nogil=True)
