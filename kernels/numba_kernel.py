@@ -34,6 +34,8 @@ into vector compares; only a block that holds a candidate is looked at token by 
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -325,12 +327,20 @@ _CANDIDATE, _FLUSH, _ROW_END = range(3)
 _DIRECT_GROUP = 4
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _form(trained, keep_copy, keep_none, base_trained, untrained_value):
+    """``(keep, base)`` of a stretch: its labels are ``(id & keep) + base`` (see ``_direct_block``)."""
+    if trained:
+        return keep_copy, base_trained
+    return keep_none, untrained_value
+
+
 @njit(cache=True, nogil=True)
 def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ignore_index, out, write_mask,
                   trained_tokens, outcomes, first_bad):
     """Label rows ``[r_lo, r_hi)`` by matching each pattern at its anchor (see above); as ``_label_block``
     without ``last_turn_only``."""
-    (classes, big_ids, big_classes, n_quiet, n_classes, max_anchor, goto, outputs, close_offsets, close_lengths,
+    (classes, big_ids, big_classes, n_classes, max_anchor, goto, outputs, close_offsets, close_lengths,
      mask_length) = auto
     group_offsets, group_kinds, group_anchors, group_lengths, group_starts, group_ids, slot_groups = groups
     last = np.uint64(classes.shape[0] - 1)
@@ -383,7 +393,6 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
         bits = np.uint64(0)
         at = u_lo
         dirty = False  # candidates of the block before u were looked at: write up to u before going on
-        c = np.int64(0)
         while True:
             # What comes next: a candidate t (a set bit of the current block, or of a later block that has
             # one); a block with none after something left pending (FLUSH: write up to its end); the row's end.
@@ -406,10 +415,8 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                         # Nothing pending, and the positions before this block (from p) already hold the
                         # decision: the block takes it too, and the positions up to its end less max_anchor
                         # (where a match anchored further on could still start) are final.
-                        keep, base = keep_copy, base_trained
-                        if last_open <= last_close:
-                            keep, base = keep_none, untrained_value
-                        else:
+                        keep, base = _form(last_open > last_close, keep_copy, keep_none, base_trained, untrained_value)
+                        if last_open > last_close:
                             n_trained += _BLOCK
                         for k in range(block):
                             out[u + k] = np.int64(values[u + k] & keep) + base
@@ -464,10 +471,8 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                     if split > p:
                         for q in range(np.uint64(p), np.uint64(split)):
                             out[q] = untrained_value
-                    keep, base = keep_copy, base_trained
-                    if last_open <= last_close:
-                        keep, base = keep_none, untrained_value
-                    else:
+                    keep, base = _form(last_open > last_close, keep_copy, keep_none, base_trained, untrained_value)
+                    if last_open > last_close:
                         n_trained += x - split
                     for q in range(np.uint64(split), np.uint64(x)):  # branch-free: the id, or one value
                         out[q] = np.int64(values[q] & keep) + base
@@ -488,9 +493,7 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                 n_ev -= k
             if mode == _FLUSH:
                 if n_ev == 0 and covered_to <= p:  # [p, u) takes the decision now in force, for the next block
-                    keep, base = keep_copy, base_trained
-                    if last_open <= last_close:
-                        keep, base = keep_none, untrained_value
+                    keep, base = _form(last_open > last_close, keep_copy, keep_none, base_trained, untrained_value)
                     for q in range(np.uint64(p), u):
                         out[q] = np.int64(values[q] & keep) + base
                 continue
@@ -652,8 +655,8 @@ def prefilter_ids(anchor_ids: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, 
 
 def direct_args(a) -> tuple:
     """The ``Automaton`` as ``_direct_block`` takes it."""
-    return (a.classes, a.big_ids, a.big_classes, a.n_quiet, a.n_classes, a.max_anchor, a.goto, a.outputs,
-            a.close_offsets, a.close_lengths, a.mask_length)
+    return (a.classes, a.big_ids, a.big_classes, a.n_classes, a.max_anchor, a.goto, a.outputs, a.close_offsets,
+            a.close_lengths, a.mask_length)
 
 
 def direct_groups(automaton, dtype: np.dtype, prefilter: np.ndarray) -> tuple:
@@ -673,17 +676,25 @@ def direct_groups(automaton, dtype: np.dtype, prefilter: np.ndarray) -> tuple:
             automaton.group_starts, np.where(fits, ids, 0).astype(dtype), slot_groups)
 
 
+@functools.lru_cache(maxsize=64)
+def scan_inputs(automaton, dtype: np.dtype) -> tuple:
+    """``(prefilter, usable, groups)`` of a marker set's automaton for values of ``dtype``, built once: on a
+    collator's batch of 16 rows, building them took most of the call."""
+    prefilter, usable = prefilter_ids(automaton.anchor_ids, dtype)
+    return prefilter, usable, direct_groups(automaton, dtype, prefilter) if usable else None
+
+
 def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore_index, out, write_mask):
     """Backend entry point (see ``lossmask.engine.kernels``)."""
     # anchored where these tokens make the engine stop least (CompiledMarkers.automaton_for)
     automaton = markers.compiled().automaton_for(values)
-    prefilter, use_prefilter = prefilter_ids(automaton.anchor_ids, values.dtype)
+    prefilter, use_prefilter, groups = scan_inputs(automaton, values.dtype)
     parallel = values.shape[0] >= PARALLEL_MIN_TOKENS and numba.get_num_threads() > 1
     if use_prefilter and not last_turn_only:  # each pattern checked at its anchor (see _direct_block)
         kernel = _direct_rows_parallel if parallel else _direct_rows_serial
         return kernel(
-            values, starts, ends, direct_args(automaton), direct_groups(automaton, values.dtype, prefilter), prefilter,
-            out.dtype.type(ignore_index), out, bool(write_mask),
+            values, starts, ends, direct_args(automaton), groups, prefilter, out.dtype.type(ignore_index), out,
+            bool(write_mask),
         )
     auto, ring_size = automaton_args(automaton)
     kernel = _label_rows_parallel if parallel else _label_rows_serial

@@ -174,3 +174,15 @@ def detected_markers(family: str):
             warnings.simplefilter("ignore")
             _DETECTED[family] = detect_markers_with_report(chat_tokenizer(family))
     return _DETECTED[family]
+
+
+def load_script(path: Path):
+    """A script of the repository (``benchmarks/``, ``tools/``) imported as a module named after its file, so
+    that tests call its functions; registered in ``sys.modules`` (dataclasses and pickling look there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(path.stem, module)
+    spec.loader.exec_module(module)
+    return module

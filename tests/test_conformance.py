@@ -110,15 +110,11 @@ def test_detected_markers_hold_on_unseen_conversations(family):
 
 
 def test_conformance_script_writes_the_table(tmp_path, monkeypatch):
-    import importlib.util
-
-    from conftest import REPO_ROOT, tokenizer_path
+    from conftest import REPO_ROOT, load_script, tokenizer_path
 
     # skips when the fixtures are absent; the script reads the folder conftest found (shared or built)
     monkeypatch.setenv("LOSSMASK_TOKENIZERS", str(tokenizer_path("chatml").parent))
-    spec = importlib.util.spec_from_file_location("conformance_script", REPO_ROOT / "benchmarks" / "conformance.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(REPO_ROOT / "benchmarks" / "conformance.py")
     out = tmp_path / "conformance.md"
     assert script.main(["--out", str(out), "chatml", "falcon"]) == 0
     text = out.read_text(encoding="utf-8")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import load_script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "dropped_rows.py"
 FAMILIES = ("qwen3", "glm-4")  # tools and reasoning; no end-of-turn token of its own (the next role stops)
@@ -16,15 +16,7 @@ KEYS = {"family", "source", "max_length", "rows", "dropped", "rows_wrong", "toke
         "tokens_wrongly_masked", "stop_token_trained", "seconds"}
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("dropped_rows", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("dropped_rows", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-dropped_rows = _load_script()
+dropped_rows = load_script(SCRIPT)
 
 
 def test_standalone_collator_rule():

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("import_graph", ROOT / "tools" / "import_graph.py")
-import_graph = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(import_graph)
+import_graph = load_script(ROOT / "tools" / "import_graph.py")
 
 # The faces: what users import and run. They may import any stage below and each other (without circles).
 FACES = {"lossmask", "__main__", "cli", "collator", "example", "hf", "lora", "mlx", "ray", "show"}

@@ -11,15 +11,13 @@ which lossmask encodes as text) cannot be judged by offsets and are counted apar
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import tokenizer_path
+from conftest import load_script, tokenizer_path
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
@@ -30,15 +28,7 @@ FAMILIES = ("qwen2.5", "llama-3.1", "gemma-3", "zephyr")  # ChatML, headers, a s
 SHORTEST = 3  # message text shorter than this (after stripping) is not located: it matches template text too easily
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("real_corpus", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("real_corpus", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-real_corpus = _load_script()
+real_corpus = load_script(SCRIPT)
 
 
 def message_spans(text: str, messages: list[dict]) -> list[tuple[str, int, int]]:

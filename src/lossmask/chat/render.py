@@ -188,7 +188,7 @@ class DirectRenderer:
         self._proved: set[Any] = set()  # the compiled templates proved in this job
         try:
             from transformers.utils.chat_template_utils import (
-                _alias_reasoning_fields, _compile_jinja_template, _plain_template_data,
+                _alias_reasoning_fields, _plain_template_data,
             )
         except ImportError as exc:
             self.reason = f"this transformers renders otherwise ({exc})"
