@@ -186,3 +186,25 @@ def load_script(path: Path):
     sys.modules.setdefault(path.stem, module)
     spec.loader.exec_module(module)
     return module
+
+
+# -- vision-language processors (issue 21): a real tokenizer + our image-processor config and template -----
+
+VISION = FIXTURES / "vision"
+VISION_FAMILIES = {"qwen2-vl": "qwen2.5", "gemma-3": "gemma-3"}  # processor fixture -> the tokenizer family it uses
+
+
+def vision_processor_dir(family: str, out: Path) -> Path:
+    """A processor folder for ``family`` in ``out``: the family's real tokenizer (``tokenizer_path``) with the
+    image-processor config (and, where the tokenizer's own template has no image handling, the model's VL chat
+    template) kept in ``tests/fixtures/vision/<family>``. Loads offline; skips like ``tokenizer_path``."""
+    import shutil
+
+    folder = out / family
+    if not (folder / "preprocessor_config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        for source in (tokenizer_path(VISION_FAMILIES[family]), VISION / family):
+            for file in source.iterdir():
+                if file.is_file():
+                    shutil.copy(file, folder / file.name)
+    return folder

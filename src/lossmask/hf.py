@@ -104,7 +104,9 @@ def _resolve(markers, chat, *, model_name, strict, response_part, instruction_pa
                                                                response_part=response_part, instruction_part=instruction_part),
                                  model_name=model_name, strict=strict, response_part=response_part,
                                  instruction_part=instruction_part)
-    return resolution.markers, resolution.source, tuple(resolution.messages)
+    from .markers.media import with_media
+
+    return with_media(resolution.markers, chat), resolution.source, tuple(resolution.messages)
 
 
 @dataclass

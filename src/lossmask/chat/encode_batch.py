@@ -44,6 +44,8 @@ class EncodedBatch:
     special_example: str | None = None
     shapes: dict[str, int] = field(default_factory=dict)  # rows the shape policy changed, per shape (shapes.py)
     roles: Any = None  # encode_rendered.RoleTokens of the rows whose role invariant is to be checked
+    media: Any = None  # rows rendered through a processor: its outputs for their images (chat/media.py)
+    media_ids: tuple[int, ...] = ()  # ... and the ids of the media tokens (never trained)
 
 
 def chat_tokenizer(tokenizer: Any):
@@ -80,6 +82,10 @@ def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     match one of them (``encode_rendered.text_can_match``; always when they are not given).
     """
     tok = chat_tokenizer(tokenizer)
+    if kind == "messages" and tok.processor is not None:  # images: expanded as the processor expands them
+        from .media import encode_media_table
+
+        return encode_media_table(tok, table, options, first_row=first_row, markers=markers)
     if kind != "messages" and is_text_pairs(table, options):
         return _encode_text_pairs(tok, table.column(options.prompt_column), table.column(options.completion_column),
                                   options, first_row=first_row)

@@ -456,7 +456,15 @@ def is_text_pairs(schema: pa.Schema, options: MaskOptions) -> bool:
 
 
 def resolve_job_markers(markers: Any, *, tokenizer: Any, model_name: str | None, strict: bool):
-    """``(Markers or None, where they came from, messages for the user)`` for a job."""
+    """``(Markers or None, where they came from, messages for the user)`` for a job; a processor's media tokens are
+    added to ``mask_out`` (``markers.media``), however the markers came."""
+    from ..markers.media import with_media
+
+    resolved, source, messages = _resolve_job_markers(markers, tokenizer=tokenizer, model_name=model_name, strict=strict)
+    return with_media(resolved, tokenizer), source, messages
+
+
+def _resolve_job_markers(markers: Any, *, tokenizer: Any, model_name: str | None, strict: bool):
     if markers is not None:
         if isinstance(markers, Markers):
             return markers, "given", ()
