@@ -376,6 +376,11 @@ def _struct_messages(column: pa.Array) -> list[list[dict] | None]:
         messages = [{name: value for name, value in zip(names, values) if value is not None} for values in zip(*fields)]
     else:
         messages = [{} for _ in range(len(structs))]
+    for message in messages:  # content parts too: a text part must not carry an ``image: null`` key
+        content = message.get("content")
+        if type(content) is list and content and type(content[0]) is dict:
+            message["content"] = [{k: v for k, v in part.items() if v is not None} if type(part) is dict else part
+                                  for part in content]
     if structs.null_count:  # a null message stays None (the template rejects the row)
         for i in np.flatnonzero(structs.is_null().to_numpy(zero_copy_only=False)):
             messages[i] = None

@@ -318,7 +318,7 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
                 row_numbers: Sequence[int]) -> ExpandedRows:
     """Open each row's images, check their number against the placeholders, and expand the placeholders.
 
-    ``given``: per row, its ``images`` column value (or None). All images of the batch go through the
+    ``given``: per row, its images (the ``images`` column, or None). All images of the batch go through the
     processor in one call."""
     media = media_tokens(tok)
     out = list(texts)
@@ -366,7 +366,8 @@ def count_media(ids: np.ndarray, offsets: np.ndarray, counted: Sequence[int]) ->
 IMAGES_COLUMN = "images"
 
 
-def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0, markers: Any = "unknown"):
+def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0, markers: Any = "unknown",
+                       images: Sequence[Any] | None = None):
     """``encode_batch.encode_table`` for chat rows through a processor: rendered as any chat, each image placeholder
     expanded as the processor expands it, then tokenised as any chat (message text kept as data).
 
@@ -382,9 +383,10 @@ def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0
     rendered = render_table(tok, table, "messages", options, first_row=first_row)
     started = time.perf_counter()
     given = None
-    if IMAGES_COLUMN in table.column_names:
-        values = table.column(IMAGES_COLUMN).to_pylist()
-        given = [values[r - first_row] for r in rendered.rows]
+    if images is None and IMAGES_COLUMN in table.column_names:
+        images = table.column(IMAGES_COLUMN).to_pylist()
+    if images is not None:  # per row of the table: its images (given by a collator, or the column)
+        given = [images[r - first_row] for r in rendered.rows]
     expanded = expand_rows(tok, rendered.texts, rendered.chats, given, rendered.rows)
     errors = list(rendered.errors)
     valid = rendered.valid.copy()

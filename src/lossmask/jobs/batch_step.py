@@ -170,6 +170,9 @@ def mask_batch(
             tally.add_rejected(row, reason, message)
         tally.add_special(encoded.special_rows, encoded.special_example)
         tally.add_shapes(getattr(encoded, "shapes", None) or {})
+        if getattr(encoded, "media_ids", ()):  # chats through a processor: their image tokens, counted apart
+            values = encoded.input_ids.values.to_numpy(zero_copy_only=False)
+            tally.media_tokens += int(np.isin(values, np.asarray(encoded.media_ids, dtype=values.dtype)).sum())
         tally.time("tokenize", time.perf_counter() - started)
         for stage, seconds in encoded.seconds.items():
             tally.time(stage, seconds)
