@@ -82,7 +82,8 @@ class VisionCollator:
         table = pa.Table.from_pylist(chats)
         encoded = encode_media_table(self.chat, table, self.options, images=images)
         if encoded.errors or not encoded.valid.all():
-            detail = encoded.errors[0][1] if encoded.errors else encoded.dropped[0][2] if encoded.dropped else "?"
+            row, detail = encoded.errors[0] if encoded.errors else encoded.dropped[0][::2] if encoded.dropped else (-1, "?")
+            detail = f"row {row}: {detail}"
             raise ValueError(f"VisionCollator: a row of the batch cannot be labelled ({detail}); label the dataset with "
                              "lossmask.hf.mask_dataset first to have such rows counted and removed")
         ids = encoded.input_ids

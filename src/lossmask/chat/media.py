@@ -72,9 +72,13 @@ def load_processor(path: str | os.PathLike) -> Any:
 
     path = os.fspath(path)
     try:
-        return AutoProcessor.from_pretrained(path, local_files_only=True)
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
     except ImportError as exc:
         missing = exc
+    else:  # a folder whose template lives in tokenizer_config.json only: the processor renders with it too
+        if getattr(processor, "chat_template", None) is None and getattr(processor, "tokenizer", None) is not None:
+            processor.chat_template = processor.tokenizer.chat_template
+        return processor
     configs = {}
     for name in ("processor_config.json", "preprocessor_config.json"):
         if os.path.isfile(os.path.join(path, name)):
@@ -150,11 +154,11 @@ def row_images(messages: Sequence[Any], given: Any) -> list[Any]:
     return [part_image(part) for part in image_parts(messages)]
 
 
-def open_image(value: Any, *, row: int, index: int) -> Any:
-    """A PIL image, RGB, from what a row holds; ``MediaError`` naming the row and image when it cannot be opened."""
+def open_image(value: Any, *, index: int) -> Any:
+    """A PIL image, RGB, from what a row holds; ``MediaError`` naming the image when it cannot be opened."""
     from PIL import Image
 
-    where = f"row {row}, image {index}"
+    where = f"image {index}"  # the row is named by whoever reports it
     try:
         if isinstance(value, Image.Image):
             image = value
@@ -162,7 +166,7 @@ def open_image(value: Any, *, row: int, index: int) -> Any:
             data, path = value.get("bytes"), value.get("path")
             if data is None and path is None:
                 raise MediaError(f"{where}: the image struct holds neither bytes nor a path")
-            return open_image(data if data is not None else path, row=row, index=index)
+            return open_image(data if data is not None else path, index=index)
         elif isinstance(value, (bytes, bytearray, memoryview)):
             image = Image.open(io.BytesIO(bytes(value)))
         elif isinstance(value, (str, os.PathLike)):
@@ -333,11 +337,11 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
             continue
         row = row_numbers[k]
         if len(values) != slots:
-            refused.append((k, f"row {row}: {len(values)} image(s) given for {slots} image placeholder(s) "
+            refused.append((k, f"{len(values)} image(s) given for {slots} image placeholder(s) "
                                f"{media.placeholder!r} in the rendered chat; give one image per image part"))
             continue
         try:
-            opened = [open_image(v, row=row, index=i) for i, v in enumerate(values)]
+            opened = [open_image(v, index=i) for i, v in enumerate(values)]
         except MediaError as exc:
             refused.append((k, str(exc)))
             continue

@@ -355,7 +355,8 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
     the next batches render: here (one process), or in ``num_proc - 1`` worker processes and here. The caller takes
     ``.result()``, where an error about a row is named by its file and line."""
     batches = _timed_reads(_batches(dataset, batch_size, source), tally)
-    if num_proc == 1 and (not renders or tokenizer is None):
+    vision = getattr(tokenizer, "processor", None) is not None  # images expand in the batch step, in this process
+    if vision or (num_proc == 1 and (not renders or tokenizer is None)):
         first_row = 0
         for batch in batches:
             yield batch, first_row, None
