@@ -72,7 +72,7 @@ class VisionCollator:
         self.type_ids_name = next((n for n in ("token_type_ids", "mm_token_type_ids") if n in names), None)
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        from .chat.media import encode_media_table
+        from .chat.encode_media import encode_media_table
 
         chats, images = [], []
         for example in examples:

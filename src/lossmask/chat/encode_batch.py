@@ -82,10 +82,6 @@ def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     match one of them (``encode_rendered.text_can_match``; always when they are not given).
     """
     tok = chat_tokenizer(tokenizer)
-    if kind == "messages" and tok.processor is not None:  # images: expanded as the processor expands them
-        from .media import encode_media_table
-
-        return encode_media_table(tok, table, options, first_row=first_row, markers=markers)
     if kind != "messages" and is_text_pairs(table, options):
         return _encode_text_pairs(tok, table.column(options.prompt_column), table.column(options.completion_column),
                                   options, first_row=first_row)

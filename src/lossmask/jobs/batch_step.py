@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..chat.encode_batch import encode_table
+from ..chat.encode_media import encode_rows
 from ..engine.buffers import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
 from ..engine.labels import label_batch
 from ..engine.outcomes import CAUSES, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts, classify_drops
@@ -163,7 +163,7 @@ def mask_batch(
             )
         started = time.perf_counter()
         if encoded is None:
-            encoded = encode_table(tokenizer, table, kind, options, first_row=first_row, markers=markers)
+            encoded = encode_rows(tokenizer, table, kind, options, first_row=first_row, markers=markers)
         for row, message in encoded.errors:
             tally.add_invalid(row, message)
         for row, reason, message in encoded.dropped:
