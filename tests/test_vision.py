@@ -189,6 +189,11 @@ def test_unusable_images_are_invalid_and_named(folders):
     assert "never fetches" in refused.invalid_examples[0]
     given = hf.mask_dataset(datasets.Dataset.from_dict({"messages": [url], "images": [[png(40, 40)]]}), proc, quiet=True)
     assert len(given) == 1
+    video = [{"role": "user", "content": [{"type": "video"}, text("What happens?")]},
+             {"role": "assistant", "content": [text("Nothing.")]}]
+    refused = hf.mask_dataset(datasets.Dataset.from_dict({"messages": [video]}), proc, return_report=True, quiet=True,
+                              max_drop_fraction=1.0)[1]
+    assert "expands images only" in refused.invalid_examples[0]
 
 
 def test_an_image_cut_by_max_length_is_an_error_naming_the_row(folders):
@@ -304,3 +309,15 @@ def test_sft_trainer_runs_with_the_vision_collator(folders, tmp_path):
                              data_collator=VisionCollator(proc))
     result = trainer.train()
     assert np.isfinite(result.training_loss)
+
+
+def test_collator_takes_string_and_part_contents_in_one_batch(folders):
+    from lossmask.vision import VisionCollator
+
+    proc = processor(folders, "qwen2-vl")
+    rows = [{"messages": [{"role": "user", "content": [IMG, text("What is it?")]},
+                          {"role": "assistant", "content": "A square."}], "images": [image(40, 40)]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], "images": []}]
+    batch = VisionCollator(proc)(rows)
+    trained = [proc.tokenizer.decode(batch["input_ids"][r][batch["labels"][r] != -100]) for r in range(2)]
+    assert trained == ["A square.<|im_end|>", "Hello.<|im_end|>"]

@@ -25,6 +25,7 @@ Importing this module imports torch; ``import lossmask`` does not import this mo
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 import numpy as np
@@ -79,7 +80,10 @@ class VisionCollator:
             messages, row_images = _split_images(example["messages"], example.get("images"))
             chats.append({"messages": messages})
             images.append(row_images)
-        table = pa.Table.from_pylist(chats)
+        try:
+            table = pa.Table.from_pylist(chats)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):  # messages of mixed shapes (string and list content): as JSON
+            table = pa.table({"messages": [[json.dumps(m) for m in chat["messages"]] for chat in chats]})
         encoded = encode_media_table(self.chat, table, self.options, images=images)
         if encoded.errors or not encoded.valid.all():
             row, detail = encoded.errors[0] if encoded.errors else encoded.dropped[0][::2] if encoded.dropped else (-1, "?")

@@ -44,7 +44,7 @@ def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0
         images = table.column(IMAGES_COLUMN).to_pylist()
     if images is not None:  # per row of the table: its images (given by a collator, or the column)
         given = [images[r - first_row] for r in rendered.rows]
-    expanded = expand_rows(tok, rendered.texts, rendered.chats, given, rendered.rows)
+    expanded = expand_rows(tok, rendered.texts, rendered.chats, given)
     errors = list(rendered.errors)
     valid = rendered.valid.copy()
     texts, chats, rows, check, expected = expanded.texts, list(rendered.chats), list(rendered.rows), rendered.check, expanded.expected

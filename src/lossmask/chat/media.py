@@ -318,8 +318,7 @@ class ExpandedRows:
     images: int
 
 
-def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Sequence[Any] | None,
-                row_numbers: Sequence[int]) -> ExpandedRows:
+def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Sequence[Any] | None) -> ExpandedRows:
     """Open each row's images, check their number against the placeholders, and expand the placeholders.
 
     ``given``: per row, its images (the ``images`` column, or None). All images of the batch go through the
@@ -331,11 +330,14 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
     flat, owners = [], []
     for k, (text, chat) in enumerate(zip(texts, chats)):
         messages = chat["messages"] if isinstance(chat, dict) else chat
+        unsupported = _other_media(messages)
+        if unsupported:
+            refused.append((k, f"a {unsupported!r} part: lossmask expands images only; drop the part or the row"))
+            continue
         values = row_images(messages, given[k] if given is not None else None)
         slots = text.count(media.placeholder)
         if not values and not slots:
             continue
-        row = row_numbers[k]
         if len(values) != slots:
             refused.append((k, f"{len(values)} image(s) given for {slots} image placeholder(s) "
                                f"{media.placeholder!r} in the rendered chat; give one image per image part"))
@@ -358,6 +360,19 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
             out[k] = pieces[0] + "".join(r + p for r, p in zip(row_replacements, pieces[1:]))
             expected[k] = media.expected(row_replacements)
     return ExpandedRows(out, refused, expected, dict(features), len(flat))
+
+
+OTHER_MEDIA = ("video", "video_url", "audio", "input_audio")
+
+
+def _other_media(messages: Sequence[Any]) -> str | None:
+    """The type of the first video or audio part of a chat (None when it has none)."""
+    for message in messages or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") in OTHER_MEDIA:
+                return part["type"]
+    return None
 
 
 def count_media(ids: np.ndarray, offsets: np.ndarray, counted: Sequence[int]) -> np.ndarray:
