@@ -31,13 +31,16 @@ STOP = {"qwen2-vl": "<|im_end|>", "gemma-3": "<end_of_turn>"}
 MEDIA = {"qwen2-vl": {"<|vision_start|>", "<|image_pad|>", "<|vision_end|>"},
          "gemma-3": {"<start_of_image>", "<image_soft_token>", "<end_of_image>"}}
 
+# LLaVA-1.5's template writes no stop token and renders list content only: its markers are given as strings
+LLAVA_PARTS = {"response": "ASSISTANT:", "instruction": "USER:"}
+
 _PROCESSORS: dict = {}
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     out = tmp_path_factory.mktemp("vision")
-    return {family: vision_processor_dir(family, out) for family in FAMILIES}
+    return {family: vision_processor_dir(family, out) for family in (*FAMILIES, "llava")}
 
 
 def processor(folders, family):
@@ -321,3 +324,60 @@ def test_collator_takes_string_and_part_contents_in_one_batch(folders):
     batch = VisionCollator(proc)(rows)
     trained = [proc.tokenizer.decode(batch["input_ids"][r][batch["labels"][r] != -100]) for r in range(2)]
     assert trained == ["A square.<|im_end|>", "Hello.<|im_end|>"]
+
+
+def llava_reference(ids, tokens, response, instruction):
+    """The marker rule written out for LLaVA-1.5 (no stop token): after each ``ASSISTANT:`` until the next ``USER:``,
+    ``<image>`` tokens excepted."""
+    labels = np.full(len(ids), -100, dtype=np.int64)
+    inside = False
+    k = 0
+    while k < len(ids):
+        if ids[k:k + len(response)] == response:
+            inside, k = True, k + len(response)
+            continue
+        if ids[k:k + len(instruction)] == instruction:
+            inside = False
+        if inside and tokens[k] != "<image>":
+            labels[k] = ids[k]
+        k += 1
+    return labels
+
+
+def test_llava_with_given_markers_masks_every_image_token_and_trains_a_tiny_model(folders):
+    import torch
+    import transformers
+
+    from lossmask import markers_from_strings
+    from lossmask.vision import VisionCollator
+
+    proc = processor(folders, "llava")
+    tok = load_tokenizer(proc)
+    assert set(tok.convert_ids_to_tokens(media_tokens(tok).ids)) == {"<image>"}
+    markers = markers_from_strings(tok, response=LLAVA_PARTS["response"], instruction=LLAVA_PARTS["instruction"])
+    rows = chats()
+    ds = datasets.Dataset.from_list([{"messages": m, "images": i} for m, i in rows])
+    out = hf.mask_dataset(ds, proc, markers=markers, keep_dropped=True, quiet=True)
+    response, instruction = list(markers.response[0]), list(markers.instruction[0])
+    for (messages, images), got in zip(rows, out):
+        ids = processor_ids(proc, messages, images)
+        assert got["input_ids"] == ids
+        assert got["labels"] == llava_reference(ids, proc.tokenizer.convert_ids_to_tokens(ids), response,
+                                                instruction).tolist()
+    batch = VisionCollator(proc, markers=markers)([{"messages": m, "images": i} for m, i in rows])
+    assert (batch["labels"] == 32000).sum() == 0 and (batch["input_ids"] == 32000).sum() == 576 * 5
+    torch.manual_seed(0)
+    config = transformers.LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", image_size=336, patch_size=14, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projection_dim=32),
+        text_config=dict(model_type="llama", vocab_size=32064, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096),
+        image_token_index=32000, vision_feature_layer=-2, vision_feature_select_strategy="default")
+    model = transformers.LlavaForConditionalGeneration(config)
+    model.train()
+    loss = model(**batch)
+    logits = loss.logits.float()[:, :-1]
+    targets = batch["labels"][:, 1:]
+    trained = targets != -100
+    hand = -(torch.log_softmax(logits, dim=-1)[trained].gather(1, targets[trained].unsqueeze(1))).sum() / trained.sum()
+    assert abs(loss.loss.item() - hand.item()) < 1e-5
