@@ -381,3 +381,15 @@ def test_llava_with_given_markers_masks_every_image_token_and_trains_a_tiny_mode
     trained = targets != -100
     hand = -(torch.log_softmax(logits, dim=-1)[trained].gather(1, targets[trained].unsqueeze(1))).sum() / trained.sum()
     assert abs(loss.loss.item() - hand.item()) < 1e-5
+
+
+def test_cli_mask_takes_a_processor_folder_as_tokenizer(folders, tmp_path, capsys):
+    from lossmask.cli import main
+
+    path = tmp_path / "square.png"
+    path.write_bytes(png(50, 50))
+    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": str(path)}, text("What?")]},
+                        {"role": "assistant", "content": [text("A square.")]}]}
+    (tmp_path / "in.jsonl").write_text(json.dumps(row) + "\n")
+    main(["mask", str(tmp_path / "in.jsonl"), str(tmp_path / "out.parquet"), "--tokenizer", str(folders["qwen2-vl"])])
+    assert "media tokens (images, never trained)" in capsys.readouterr().out

@@ -18,7 +18,7 @@ opened here (paths, bytes, ``{"bytes", "path"}`` structs, PIL images, ``data:`` 
 never fetched.
 
 Which tokens train is the marker rule's business (``markers``); the media ids found here are never
-trained (``markers.policy.with_media``: each is a one-token ``mask_out`` pattern).
+trained (``markers.media.with_media``: each is a one-token ``mask_out`` pattern).
 """
 
 from __future__ import annotations
