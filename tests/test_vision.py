@@ -393,3 +393,11 @@ def test_cli_mask_takes_a_processor_folder_as_tokenizer(folders, tmp_path, capsy
     (tmp_path / "in.jsonl").write_text(json.dumps(row) + "\n")
     main(["mask", str(tmp_path / "in.jsonl"), str(tmp_path / "out.parquet"), "--tokenizer", str(folders["qwen2-vl"])])
     assert "media tokens (images, never trained)" in capsys.readouterr().out
+
+
+def test_train_on_responses_only_points_a_vision_trainer_to_the_vision_collator(folders):
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(processing_class=processor(folders, "qwen2-vl"), args=None)
+    with pytest.raises(ValueError, match="VisionCollator"):
+        hf.train_on_responses_only(trainer)
