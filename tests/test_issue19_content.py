@@ -324,6 +324,27 @@ def test_item10_every_render_path_is_bounded(path, kind, monkeypatch):
     assert peak < 2**30, peak  # bytes: the 1 GB string is never built
 
 
+@pytest.mark.parametrize("constant", ["{{ 'x' * 10**9 }}", "{{ 'x' | center(10**9) }}",
+                                      "{% for i in range(10**10) %}{% endfor %}"])
+def test_item10_constant_expressions_are_bounded_too(constant):
+    """Written as constants, these are folded when a template compiles: ours compiles without folding them."""
+    import tracemalloc
+
+    from lossmask.chat.render import RenderLimitError
+    from lossmask.chat.tokenizer import ChatTokenizer
+
+    base = chat_tokenizer("qwen2.5")
+    ct = ChatTokenizer(base.tokenizer, chat_template=constant + base.template_for(), name="hostile")
+    tracemalloc.start()
+    try:
+        with pytest.raises(RenderLimitError, match="MAX_RENDER_CHARS"):
+            ct.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**28, peak
+
+
 # -- item 17: verify labels as the messages path labels -------------------------------------------------
 
 
