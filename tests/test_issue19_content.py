@@ -414,3 +414,21 @@ def test_item17_a_left_out_system_prompt_quoted_later_is_kept_by_both():
     markers = detected_markers("mistral-v3")[0]
     (row,) = verify(ct, markers, [chat]).conversations
     assert row.exact and row.labels.tolist() == _mask_path_labels(ct, markers, chat)
+
+
+def test_item17_falcon_rewritten_blank_lines_are_checked_like_the_messages_path():
+    """Falcon writes a message's blank lines as single newlines: the messages path finds the text with any
+    whitespace between its words, and verify refused the row (123 of 149 real ShareGPT rows). Both now label it."""
+    from lossmask import verify
+    from conftest import detected_markers
+
+    ct = chat_tokenizer("falcon")
+    chat = [{"role": "user", "content": "Two paragraphs, please.\n\nThanks."},
+            {"role": "assistant", "content": "First paragraph.\n\nSecond paragraph.\r\nThird line."},
+            {"role": "user", "content": "And again?"},
+            {"role": "assistant", "content": "Once more.\n\n\nDone."}]
+    assert "First paragraph.\n\nSecond" not in ct.render(chat)  # the template does rewrite it
+    markers = detected_markers("falcon")[0]
+    (row,) = verify(ct, markers, [chat]).conversations
+    assert row.error is None and row.exact, row
+    assert row.labels.tolist() == _mask_path_labels(ct, markers, chat)
