@@ -278,3 +278,20 @@ def pa_table(ids, labels):
     import pyarrow as pa
 
     return pa.table({"input_ids": pa.array(ids, pa.large_list(pa.int32())), "labels": pa.array(labels, pa.large_list(pa.int64()))})
+
+
+def test_the_shape_policy_applies_to_the_feed_too(tmp_path):
+    """Issue 19, items 2-3 on the mlx-lm path: Phi-3 would train the second of two user messages; a leading
+    assistant message is dropped, as ``lossmask mask`` drops it."""
+    phi = lossmask.load_tokenizer(str(tokenizer_path("phi-3")))
+    rows = [{"messages": [{"role": "user", "content": "666"}, {"role": "user", "content": "what does this number mean?"},
+                          {"role": "assistant", "content": "666 is called the number of the beast."}]},
+            {"messages": [{"role": "assistant", "content": "Sure, here is the rest."}, {"role": "user", "content": "Thanks."},
+                          {"role": "assistant", "content": "It reads the file."}]}]
+    train, _, _ = lm.load_dataset(write(tmp_path / "p", "train", rows), phi)
+    spans = zip(train.offsets[:-1], train.offsets[1:])
+    decoded = [phi.tokenizer.decode(train.values[a:b][train.trained_values[a:b]].tolist()) for a, b in spans]
+    assert "number mean" not in decoded[0] and "number of the beast" in decoded[0]
+    assert "here is the rest" not in decoded[1] and "reads the file" in decoded[1]
+    with pytest.raises(ValueError, match=r"row 0: no user message"):
+        lm.load_dataset(write(tmp_path / "q", "train", [{"messages": [{"role": "assistant", "content": "Only me."}]}]), phi)

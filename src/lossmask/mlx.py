@@ -249,7 +249,8 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
             for row in rows
         ]
     else:
-        conversations = [{"messages": row[features.chat], "tools": row.get(features.tools)} for row in rows]
+        conversations = [{"messages": messages, "tools": row.get(features.tools)}
+                         for row, messages in zip(rows, _shaped(rows, ct, features, name))]
     encoded = ct.encode_chats(conversations, special_tokens_in_content=special_tokens_in_content)
     if encoded.errors:
         row, message = encoded.errors[0]
@@ -261,6 +262,22 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
             "Fix or remove them (a message the chat template does not render would leave its turn mislabelled)"
         )
     return encoded.input_ids, first, encoded.in_content
+
+
+def _shaped(rows, ct, features, name) -> list:
+    """The chats after the default conversation-shape policy of ``lossmask mask`` (docs/inputs.md): repeated roles
+    merged, a leading assistant message and empty messages dropped. Phi-3 trains the second of two user messages
+    and DeepSeek-V3.1 leaves an opening assistant message untrained when the template sees them as they are."""
+    from .chat.shapes import normalise_shapes, takes_content_parts
+    from .options import MaskOptions
+
+    shaped = normalise_shapes([row[features.chat] for row in rows], MaskOptions(), takes_parts=takes_content_parts(ct))
+    refused = [(r, message) for r, message in shaped.invalid] + [(r, message) for r, _, message in shaped.dropped]
+    if refused:
+        row, message = min(refused)
+        raise ValueError(f"{name}: {len(refused)} rows hold no conversation to train on; first: row {row}: {message}. "
+                         "Fix or remove them (lossmask mask drops and counts such rows)")
+    return shaped.conversations
 
 
 def load_dataset(
