@@ -334,3 +334,121 @@ def test_sft_trainer_with_the_mixin_and_gradient_accumulation(tmp_path, tok):
         pair = [by_id[tuple(ids)] for ids in batch_rows]
         share = sum(int((np.asarray(r["labels"][1:]) != -100).sum()) for r in pair) / n_items
         assert value == pytest.approx(share * _hand_model_loss(initial, pair), rel=1e-6)
+
+
+# -- the drop-in train_on_responses_only ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def weighted_chats(tok):
+    """``mask_dataset`` output of a few chats with a hand-made ``loss_weights`` column (labels follow it)."""
+    from datasets import Dataset
+
+    from lossmask.hf import mask_dataset
+
+    convs = [[{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": f"It is {a + b}."},
+              {"role": "user", "content": "And doubled?"}, {"role": "assistant", "content": f"{2 * (a + b)}."}]
+             for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    masked = mask_dataset(Dataset.from_dict({"messages": convs}), tok, verbose=False)
+    weights = [hand_weights(labels, prompt=0.2, seed=i).tolist() for i, labels in enumerate(masked["labels"])]
+    labels = [[t if w > 0 else -100 for t, w in zip(ids, ws)] for ids, ws in zip(masked["input_ids"], weights)]
+    return masked.remove_columns("labels").add_column("labels", labels).add_column("loss_weights", weights)
+
+
+@pytest.mark.parametrize("setup", ["padded", "truncated", "padding_free", "mixin"])
+def test_drop_in_keeps_loss_weights(tmp_path, tok, weighted_chats, setup):
+    from trl import SFTTrainer
+
+    from lossmask.hf import PadByPosition, train_on_responses_only
+
+    extra = {"max_length": 30} if setup == "truncated" else {"padding_free": True, "max_length": None} if setup == "padding_free" else {}
+    seen = []
+
+    bases = (WeightedLossMixin, SFTTrainer) if setup == "mixin" else (SFTTrainer,)
+
+    class Base(*bases):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    model = _tiny_llama(len(tok))
+    initial = copy.deepcopy(model).eval()
+    trainer = Base(model=model, args=_sft_args(tmp_path, max_steps=1, **extra), train_dataset=weighted_chats,
+                   processing_class=tok)
+    with _no_warning():  # rows kept as they are: no "labelled from ids" warning
+        train_on_responses_only(trainer, verbose=False)
+    assert "loss_weights" in trainer.train_dataset.column_names
+    if setup == "padding_free":
+        assert isinstance(trainer.data_collator, CompletionCollator)
+    else:
+        assert isinstance(trainer.data_collator, PadByPosition)
+    if setup == "mixin":
+        assert trainer.compute_loss_func is None
+    else:
+        assert isinstance(trainer.compute_loss_func, WeightedLoss)
+    recorded = []
+    if setup != "mixin":
+        compute = trainer.compute_loss_func
+
+        def recording(outputs, labels, num_items_in_batch=None):
+            value = compute(outputs, labels, num_items_in_batch=num_items_in_batch)
+            recorded.append(float(value.detach()))
+            return value
+
+        trainer.compute_loss_func = recording
+    trainer.train()
+    batch = seen[0]
+    assert "loss_weights" in batch  # kept through remove_unused_columns and the collator
+    # the batch's rows: the dataset's rows, cut to the trainer's max_length with their weights
+    cut = 30 if setup == "truncated" else None
+    rows = [{"input_ids": r["input_ids"][:cut], "loss_weights": r["loss_weights"][:cut]} for r in weighted_chats]
+    by_id = {tuple(r["input_ids"]): r for r in rows}
+    if setup == "padding_free":
+        starts = np.flatnonzero(batch["position_ids"][0].numpy() == 0).tolist() + [batch["input_ids"].shape[1]]
+        pieces = [batch["input_ids"][0, a:b].tolist() for a, b in zip(starts, starts[1:])]
+    else:
+        lengths = batch["attention_mask"].sum(1).tolist()
+        pieces = [batch["input_ids"][r, :n].tolist() for r, n in enumerate(lengths)]
+    in_batch = [by_id[tuple(p)] for p in pieces if tuple(p) in by_id]
+    assert len(in_batch) == 4  # per_device_train_batch_size
+    for r in in_batch:
+        w = np.asarray(r["loss_weights"], np.float32)
+        labels = np.where(w > 0, r["input_ids"], -100)
+        assert np.isin(np.asarray(r["input_ids"]), batch["input_ids"].numpy()).all() and len(labels) == len(w)
+    want = _hand_model_loss(initial, in_batch)
+    if setup == "padding_free":  # the flat row attends across sequences without flash attention: no hand value
+        assert np.isfinite(recorded[0])
+    elif setup == "mixin":
+        with torch.no_grad():
+            logits = initial(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = weighted_cross_entropy(logits, batch["input_ids"], batch["loss_weights"])
+        assert float(got) == pytest.approx(want, rel=1e-6)
+    else:
+        assert recorded[0] == pytest.approx(want, rel=1e-6)
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("error", UserWarning)
+
+    def __exit__(self, *exc):
+        return self._catch.__exit__(*exc)
+
+
+def test_pad_by_position_carries_weights():
+    from lossmask.hf import PadByPosition
+
+    rows = [{"input_ids": [1, 2, 3, 4], "loss_weights": [0.5, 0.0, 2.0, 1.0, 9.0]},  # one weight more: cut (keep_start)
+            {"input_ids": [5, 6], "labels": [-100, 6]}]  # no weights: 1 on its labelled tokens
+    out = PadByPosition(pad_token_id=0, padding_side="left")(rows)
+    np.testing.assert_array_equal(out["loss_weights"].numpy(), [[0.0, 0.0, 2.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+    np.testing.assert_array_equal(out["labels"].numpy(), [[-100, -100, 3, 4], [-100, -100, -100, 6]])
+    end = PadByPosition(pad_token_id=0, truncation_mode="keep_end")(rows[:1])
+    np.testing.assert_array_equal(end["loss_weights"].numpy(), [[0.0, 2.0, 1.0, 9.0]])
+    with pytest.raises(ValueError, match="row 0 has 2 loss_weights for 4 input_ids"):
+        PadByPosition(pad_token_id=0)([{"input_ids": [1, 2, 3, 4], "loss_weights": [1.0, 1.0]}])
+    assert "loss_weights" not in PadByPosition(pad_token_id=0)([rows[1]])
