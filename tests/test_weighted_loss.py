@@ -452,3 +452,23 @@ def test_pad_by_position_carries_weights():
     with pytest.raises(ValueError, match="row 0 has 2 loss_weights for 4 input_ids"):
         PadByPosition(pad_token_id=0)([{"input_ids": [1, 2, 3, 4], "loss_weights": [1.0, 1.0]}])
     assert "loss_weights" not in PadByPosition(pad_token_id=0)([rows[1]])
+
+
+def test_transformers_trainer_with_compute_loss_func(tmp_path, tok):
+    """transformers' own Trainer: remove_unused_columns keeps loss_weights once the loss is attached."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    rows, markers = _labelled_chats(tok, 4)
+    model = _tiny_llama(len(tok))
+    initial = copy.deepcopy(model).eval()
+    loss = Recording()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
+                             disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                      data_collator=CompletionCollator(markers=markers, tokenizer=tok), compute_loss_func=loss)
+    loss.attach(trainer)
+    trainer.train()
+    assert len(loss.losses) == 2
+    assert loss.losses[0] == pytest.approx(_hand_model_loss(initial, rows), rel=1e-6)
