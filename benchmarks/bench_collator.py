@@ -92,3 +92,30 @@ def test_collator_vs_python_loop(benchmark, examples, threads):
     print(f"\n[torch threads: {threads}] collator on {BATCH} rows / {n_tokens:,} tokens: {seconds * 1e3:.1f} ms; TRL pad + per-token Python "
           f"labels {baseline * 1e3:.1f} ms; speedup {baseline / seconds:.0f}x "
           f"(TRL pad only, labels precomputed: {pad_only * 1e3:.1f} ms)")
+
+
+@pytest.mark.parametrize("share", ["all", "half"], ids=["all-rows-weighted", "half-the-rows-weighted"])
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding-free"])
+def test_collator_with_loss_weights_vs_without(benchmark, examples, padding_free, share):
+    """Issue 20: rows that carry ``loss_weights`` (Python float lists, as a datasets row gives them) against
+    the same rows without them, same collator settings, same run; ``ratio`` = with / without.
+
+    When every row brings its weights the labels follow them and the markers are not run; when only
+    some do, the batch is labelled by the markers and the weighted rows' labels and weights replace theirs."""
+    import lossmask
+    from lossmask.collator import CompletionCollator
+
+    labels = lossmask.make_labels([e["input_ids"] for e in examples], CHATML)
+    weighted = [{"input_ids": e["input_ids"], "loss_weights": [0.5 if x != -100 else 0.0 for x in row]}
+                if share == "all" or i % 2 == 0 else e for i, (e, row) in enumerate(zip(examples, labels))]
+    collate = CompletionCollator(markers=CHATML, pad_token_id=0, padding_free=padding_free)
+    assert "loss_weights" in collate(weighted) and "loss_weights" not in collate(examples)
+    assert torch.equal(collate(weighted)["labels"], collate(examples)["labels"])  # weights > 0 exactly on trained tokens
+    n_tokens = sum(len(e["input_ids"]) for e in examples)
+    without = best_seconds(lambda: collate(examples), repeat=10)
+    benchmark.pedantic(collate, args=(weighted,), rounds=10, warmup_rounds=1)
+    seconds = benchmark.stats.stats.min
+    benchmark.extra_info.update(ratio=seconds / without, ms=seconds * 1e3, without_ms=without * 1e3)
+    print(f"\n[{'padding-free' if padding_free else 'padded'}, {share} rows weighted] collator on {BATCH} rows / "
+          f"{n_tokens:,} tokens: with loss_weights {seconds * 1e3:.2f} ms, without {without * 1e3:.2f} ms; "
+          f"ratio {seconds / without:.2f}x")

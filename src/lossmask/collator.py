@@ -128,33 +128,36 @@ class CompletionCollator:
         seg_np[layout.flatpos] = np.repeat(np.arange(n_seqs, dtype=np.int64), layout.seq_ends - layout.seq_starts)
         seq_first_np = layout.seq_starts[layout.seq_ends > layout.seq_starts]
         ids = torch.from_numpy(ids_np).to(device)
-        result = torch_kernel.label_flat(ids, torch.from_numpy(seg_np).to(device), n_seqs, self.markers,
-                                         last_turn_only=self.last_turn_only)
-        trained = result.trained
-        if self.row_labels == "keep":
-            given = _row_labels(examples, layout)
-            if given is not None:
-                kept = np.full(size, self.ignore_index, dtype=np.int64)
-                kept[layout.flatpos] = given
-                labels = torch.from_numpy(kept).to(device)
-            else:
-                labels = torch.where(trained, ids, self.ignore_index)
-        else:
-            labels = torch.where(trained, ids, self.ignore_index)
         given = _row_weights(examples, layout, self.truncation_mode)
-        if given is not None:  # rows with their own weights: labels follow the weights (the contract of the column)
-            row_weights_np = np.zeros(size, dtype=np.float32)
-            row_weights_np[layout.flatpos] = given.values
-            has_np = np.zeros(size, dtype=bool)
-            has_np[layout.flatpos] = given.has
-            row_weights, has = torch.from_numpy(row_weights_np).to(device), torch.from_numpy(has_np).to(device)
-            labels = torch.where(has, torch.where(row_weights > 0, ids, self.ignore_index), labels)
-        seq_first = torch.from_numpy(seq_first_np).to(device)
-        labels[seq_first] = self.ignore_index  # nothing before a sequence start predicts it (TRL does the same)
+        if given is not None and given.has.all():
+            # every row brings its weights, and labels follow them: no marker labelling to do
+            weights_np = np.zeros(size, dtype=np.float32)
+            weights_np[layout.flatpos] = given.values
+            weights_np[seq_first_np] = 0.0  # nothing before a sequence start predicts it
+            real_np = np.zeros(size, dtype=bool)
+            real_np[layout.flatpos] = True
+            labels = torch.from_numpy(np.where(weights_np > 0, ids_np, self.ignore_index)).to(device)
+            weights, real = torch.from_numpy(weights_np).to(device), torch.from_numpy(real_np).to(device)
+        else:
+            labels, real = self._marker_labels(examples, layout, ids, seg_np, n_seqs, size, device)
+            weights = None
+            if given is not None:  # some rows bring weights: theirs, and labels following them
+                row_weights_np = np.zeros(size, dtype=np.float32)
+                row_weights_np[layout.flatpos] = given.values
+                has_np = np.zeros(size, dtype=bool)
+                has_np[layout.flatpos] = given.has
+                row_weights, has = torch.from_numpy(row_weights_np).to(device), torch.from_numpy(has_np).to(device)
+                labels = torch.where(has, torch.where(row_weights > 0, ids, self.ignore_index), labels)
+            seq_first = torch.from_numpy(seq_first_np).to(device)
+            labels[seq_first] = self.ignore_index  # nothing before a sequence start predicts it (TRL does the same)
+            if self.prompt_loss_weight > 0 or given is not None:
+                weights = torch.where(labels != self.ignore_index, 1.0, torch.where(real, float(self.prompt_loss_weight), 0.0))
+                if given is not None:
+                    weights = torch.where(has, row_weights, weights)
+                weights[seq_first] = 0.0
 
         shape = (layout.n_rows, layout.width)
         out: dict[str, Any] = {"input_ids": ids.reshape(shape), "labels": labels.reshape(shape)}
-        real = result.inside
         if self.padding_free or self.return_position_ids:
             position_ids = np.zeros(size, dtype=np.int64)
             position_ids[layout.flatpos] = layout.position_in_seq
@@ -169,13 +172,22 @@ class CompletionCollator:
             out["seq_idx"] = torch.from_numpy(seq_idx).to(device)[None]
         else:
             out["attention_mask"] = real.to(torch.int64).reshape(shape)
-        if self.prompt_loss_weight > 0 or given is not None:
-            weights = torch.where(labels != self.ignore_index, 1.0, torch.where(real, float(self.prompt_loss_weight), 0.0))
-            if given is not None:
-                weights = torch.where(has, row_weights, weights)
-            weights[seq_first] = 0.0
+        if weights is not None:
             out["loss_weights"] = weights.to(torch.float32).reshape(shape)
         return out
+
+    def _marker_labels(self, examples, layout: "_Layout", ids, seg_np, n_seqs: int, size: int, device):
+        """Labels from the markers (or the rows' own, with ``row_labels="keep"``) and the real-token mask."""
+        result = torch_kernel.label_flat(ids, torch.from_numpy(seg_np).to(device), n_seqs, self.markers,
+                                         last_turn_only=self.last_turn_only)
+        labels = torch.where(result.trained, ids, self.ignore_index)
+        if self.row_labels == "keep":
+            given = _row_labels(examples, layout)
+            if given is not None:
+                kept = np.full(size, self.ignore_index, dtype=np.int64)
+                kept[layout.flatpos] = given
+                labels = torch.from_numpy(kept).to(device)
+        return labels, result.inside
 
 
 @dataclass(frozen=True)
