@@ -472,3 +472,42 @@ def test_transformers_trainer_with_compute_loss_func(tmp_path, tok):
     trainer.train()
     assert len(loss.losses) == 2
     assert loss.losses[0] == pytest.approx(_hand_model_loss(initial, rows), rel=1e-6)
+
+
+def test_drop_in_with_rows_packed_beforehand(tmp_path, tok, weighted_chats):
+    """trl's pack_dataset packs every list column, loss_weights too (TRL's own packing=True keeps only
+    input_ids and labels): packed rows keep their weights through the drop-in's padding-free collator."""
+    from trl import SFTTrainer
+    from trl.data_utils import pack_dataset
+
+    from lossmask.hf import train_on_responses_only
+
+    packed = pack_dataset(weighted_chats.select_columns(["input_ids", "labels", "loss_weights"]), 128, "bfd")
+    assert "loss_weights" in packed.column_names
+    seen = []
+
+    class Recording(SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    trainer = Recording(model=_tiny_llama(len(tok)), args=_sft_args(tmp_path, max_steps=1, padding_free=True, max_length=None),
+                        train_dataset=packed, processing_class=tok)
+    train_on_responses_only(trainer, verbose=False)
+    assert isinstance(trainer.data_collator, CompletionCollator) and trainer.data_collator.padding_free
+    assert isinstance(trainer.compute_loss_func, WeightedLoss)
+    trainer.train()
+    batch = seen[0]
+    flat_ids = batch["input_ids"][0].tolist()
+    flat_w = batch["loss_weights"][0].numpy()
+    starts = np.flatnonzero(batch["position_ids"][0].numpy() == 0).tolist() + [len(flat_ids)]
+    by_id = {tuple(r["input_ids"]): np.asarray(r["loss_weights"], np.float32) for r in weighted_chats}
+    found = 0
+    for a, b in zip(starts, starts[1:]):
+        want = by_id.get(tuple(flat_ids[a:b]))
+        if want is not None:
+            want = want.copy()
+            want[0] = 0.0
+            np.testing.assert_array_equal(flat_w[a:b], want)
+            found += 1
+    assert found == 4
