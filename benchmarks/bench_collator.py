@@ -133,3 +133,39 @@ def test_collator_with_loss_weights_vs_without(benchmark, examples, padding_free
           f"{n_tokens:,} tokens, 1 torch thread: with loss_weights {seconds * 1e3:.2f} ms, without {without * 1e3:.2f} ms "
           f"(wall, ratio {seconds / without:.2f}x); CPU time {cpu_with * 1e3:.2f} / {cpu_without * 1e3:.2f} ms, "
           f"ratio {cpu_with / cpu_without:.2f}x")
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["per-token", "per-sequence"])
+def test_weighted_loss_vs_cross_entropy(benchmark, per_sequence):
+    """Issue 20: ``weighted_cross_entropy`` against the mean cross-entropy over labels (what the model's own
+    loss computes), forward and backward, same logits, same run; ``ratio`` = weighted / plain."""
+    from lossmask.collator import weighted_cross_entropy
+
+    torch.manual_seed(0)
+    rows, width, vocab = 4, 512, 8192
+    logits = torch.randn(rows, width, vocab, requires_grad=True)
+    ids = torch.randint(0, vocab, (rows, width))
+    weights = torch.where(torch.rand(rows, width) < 0.6, torch.rand(rows, width) * 2, 0.0)
+    labels = torch.where(weights > 0, ids, -100)
+
+    def plain():
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+        loss.backward()
+
+    def weighted():
+        weighted_cross_entropy(logits, ids, weights, per_sequence=per_sequence).backward()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cpu_plain = cpu_weighted = float("inf")
+        for _ in range(5):
+            cpu_plain = min(cpu_plain, best_seconds(plain, repeat=1, clock=time.thread_time))
+            cpu_weighted = min(cpu_weighted, best_seconds(weighted, repeat=1, clock=time.thread_time))
+        benchmark.pedantic(weighted, rounds=3, warmup_rounds=1)
+    finally:
+        torch.set_num_threads(before)
+    benchmark.extra_info.update(cpu_ratio=cpu_weighted / cpu_plain, cpu_ms=cpu_weighted * 1e3, cpu_plain_ms=cpu_plain * 1e3)
+    print(f"\n[{'per sequence' if per_sequence else 'per token'}] loss + backward on [{rows}, {width}, {vocab}] logits, 1 torch "
+          f"thread: weighted {cpu_weighted * 1e3:.1f} ms CPU, plain mean over labels {cpu_plain * 1e3:.1f} ms; "
+          f"ratio {cpu_weighted / cpu_plain:.2f}x")
