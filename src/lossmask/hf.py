@@ -513,9 +513,9 @@ class PadByPosition:
 
     Rows with ``loss_weights`` (a float per token) keep them as a ``loss_weights`` tensor, padded with 0,
     with 0 on each row's first token (nothing predicts it); their labels follow them (the id where the
-    weight is > 0, so never on a row's first token). Weights longer than their row (TRL cuts ``input_ids`` and ``labels``, not other
-    columns) are cut as the row was (``truncation_mode``). In a batch where some rows have none,
-    those get 1 on their labelled tokens.
+    weight is > 0, so never on a row's first token). Weights longer than their row (TRL cuts
+    ``input_ids`` and ``labels``, not other columns) are cut as the row was (``truncation_mode``). In a
+    batch where some rows have none, those get 1 on their labelled tokens.
     """
 
     def __init__(self, *, pad_token_id: int, padding_side: str = "right", ignore_index: int = -100,
