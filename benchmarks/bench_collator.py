@@ -10,6 +10,8 @@ Run: ``pytest benchmarks/bench_collator.py --benchmark-enable -s``.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -92,3 +94,78 @@ def test_collator_vs_python_loop(benchmark, examples, threads):
     print(f"\n[torch threads: {threads}] collator on {BATCH} rows / {n_tokens:,} tokens: {seconds * 1e3:.1f} ms; TRL pad + per-token Python "
           f"labels {baseline * 1e3:.1f} ms; speedup {baseline / seconds:.0f}x "
           f"(TRL pad only, labels precomputed: {pad_only * 1e3:.1f} ms)")
+
+
+@pytest.mark.parametrize("share", ["all", "half"], ids=["all-rows-weighted", "half-the-rows-weighted"])
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding-free"])
+def test_collator_with_loss_weights_vs_without(benchmark, examples, padding_free, share):
+    """Issue 20: rows that carry ``loss_weights`` (Python float lists, as a datasets row gives them) against
+    the same rows without them, same collator settings, same run; ``ratio`` = with / without.
+
+    When every row brings its weights the labels follow them and the markers are not run; when only
+    some do, the batch is labelled by the markers and the weighted rows' labels and weights replace theirs."""
+    import lossmask
+    from lossmask.collator import CompletionCollator
+
+    labels = lossmask.make_labels([e["input_ids"] for e in examples], CHATML)
+    weighted = [{"input_ids": e["input_ids"], "loss_weights": [0.5 if x != -100 else 0.0 for x in row]}
+                if share == "all" or i % 2 == 0 else e for i, (e, row) in enumerate(zip(examples, labels))]
+    collate = CompletionCollator(markers=CHATML, pad_token_id=0, padding_free=padding_free)
+    assert "loss_weights" in collate(weighted) and "loss_weights" not in collate(examples)
+    assert torch.equal(collate(weighted)["labels"], collate(examples)["labels"])  # weights > 0 exactly on trained tokens
+    n_tokens = sum(len(e["input_ids"]) for e in examples)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a DataLoader worker's setting; one thread, so its CPU time is the whole cost
+    try:
+        # CPU time of this thread (best of 30, interleaved): steadier than the wall clock on a shared machine
+        cpu_with = cpu_without = float("inf")
+        for _ in range(30):
+            cpu_without = min(cpu_without, best_seconds(lambda: collate(examples), repeat=1, clock=time.thread_time))
+            cpu_with = min(cpu_with, best_seconds(lambda: collate(weighted), repeat=1, clock=time.thread_time))
+        without = best_seconds(lambda: collate(examples), repeat=10)
+        benchmark.pedantic(collate, args=(weighted,), rounds=10, warmup_rounds=1)
+    finally:
+        torch.set_num_threads(before)
+    seconds = benchmark.stats.stats.min
+    benchmark.extra_info.update(ratio=seconds / without, ms=seconds * 1e3, without_ms=without * 1e3,
+                                cpu_ratio=cpu_with / cpu_without)
+    print(f"\n[{'padding-free' if padding_free else 'padded'}, {share} rows weighted] collator on {BATCH} rows / "
+          f"{n_tokens:,} tokens, 1 torch thread: with loss_weights {seconds * 1e3:.2f} ms, without {without * 1e3:.2f} ms "
+          f"(wall, ratio {seconds / without:.2f}x); CPU time {cpu_with * 1e3:.2f} / {cpu_without * 1e3:.2f} ms, "
+          f"ratio {cpu_with / cpu_without:.2f}x")
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["per-token", "per-sequence"])
+def test_weighted_loss_vs_cross_entropy(benchmark, per_sequence):
+    """Issue 20: ``weighted_cross_entropy`` against the mean cross-entropy over labels (what the model's own
+    loss computes), forward and backward, same logits, same run; ``ratio`` = weighted / plain."""
+    from lossmask.collator import weighted_cross_entropy
+
+    torch.manual_seed(0)
+    rows, width, vocab = 4, 512, 8192
+    logits = torch.randn(rows, width, vocab, requires_grad=True)
+    ids = torch.randint(0, vocab, (rows, width))
+    weights = torch.where(torch.rand(rows, width) < 0.6, torch.rand(rows, width) * 2, 0.0)
+    labels = torch.where(weights > 0, ids, -100)
+
+    def plain():
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+        loss.backward()
+
+    def weighted():
+        weighted_cross_entropy(logits, ids, weights, per_sequence=per_sequence).backward()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cpu_plain = cpu_weighted = float("inf")
+        for _ in range(5):
+            cpu_plain = min(cpu_plain, best_seconds(plain, repeat=1, clock=time.thread_time))
+            cpu_weighted = min(cpu_weighted, best_seconds(weighted, repeat=1, clock=time.thread_time))
+        benchmark.pedantic(weighted, rounds=3, warmup_rounds=1)
+    finally:
+        torch.set_num_threads(before)
+    benchmark.extra_info.update(cpu_ratio=cpu_weighted / cpu_plain, cpu_ms=cpu_weighted * 1e3, cpu_plain_ms=cpu_plain * 1e3)
+    print(f"\n[{'per sequence' if per_sequence else 'per token'}] loss + backward on [{rows}, {width}, {vocab}] logits, 1 torch "
+          f"thread: weighted {cpu_weighted * 1e3:.1f} ms CPU, plain mean over labels {cpu_plain * 1e3:.1f} ms; "
+          f"ratio {cpu_weighted / cpu_plain:.2f}x")

@@ -380,7 +380,8 @@ def hostile_jobs(draw):
         rows = rows + [draw(st.lists(HOSTILE_TOKENS, min_size=1, max_size=6))]
     return {
         "rows": rows,
-        "format": draw(st.sampled_from(["parquet", "jsonl", "folder"])),
+        # issue 19's formats too: compressed JSON Lines, a JSON array file
+        "format": draw(st.sampled_from(["parquet", "jsonl", "folder", "jsonl.gz", "jsonl.bz2", "json"])),
         "damage": draw(st.sampled_from(["none"] * 6 + ["truncate", "empty", "bad_line", "latin1", "wrong_type",
                                         "no_column", "second_file_messages", "second_file_extra_column"])),
         "output": draw(st.sampled_from(["new"] * 8 + ["folder", "missing_folder", "input", "in_input_folder"])),
@@ -395,10 +396,16 @@ def _write_job_input(base: str, job: dict) -> str:
     rows = job["rows"]
     folder = os.path.join(base, "data")
     os.mkdir(folder)
-    suffix = ".jsonl" if job["format"] == "jsonl" else ".parquet"
+    suffix = {"parquet": ".parquet", "folder": ".parquet"}.get(job["format"], "." + job["format"])
     path = os.path.join(folder, "part-0" + suffix)
     column = "tokens" if job["damage"] == "no_column" else "input_ids"
-    if suffix == ".jsonl":
+    if suffix == ".json":  # one JSON array (to_json(lines=False)); line damage does not apply
+        records = [{"id": i, column: row} for i, row in enumerate(rows)]
+        if job["damage"] == "wrong_type" and records:
+            records[-1] = {"id": 0, column: ["1", "2"]}
+        with open(path, "w") as fh:
+            json.dump(records, fh)
+    elif suffix.startswith(".jsonl"):
         lines = [json.dumps({"id": i, column: row}).encode() for i, row in enumerate(rows)]
         if job["damage"] == "wrong_type" and lines:
             lines[-1] = json.dumps({"id": 0, column: ["1", "2"]}).encode()
@@ -406,8 +413,14 @@ def _write_job_input(base: str, job: dict) -> str:
             lines.append(b'{"id": 1, "input_ids": [1, 2')
         if job["damage"] == "latin1":
             lines.append('{"id": 1, "input_ids": [1], "note": "\u00e9"}'.encode("latin-1"))
+        data = b"".join(line + b"\n" for line in lines)
+        if suffix != ".jsonl":
+            import bz2
+            import gzip
+
+            data = (gzip.compress if suffix.endswith(".gz") else bz2.compress)(data)
         with open(path, "wb") as fh:
-            fh.write(b"".join(line + b"\n" for line in lines))
+            fh.write(data)
     else:
         ids = pa.array(rows, pa.list_(pa.int64())) if job["damage"] != "wrong_type" else pa.array(
             [None if r is None else [str(t) for t in r] for r in rows], pa.list_(pa.string()))
@@ -425,7 +438,7 @@ def _write_job_input(base: str, job: dict) -> str:
         else:
             pq.write_table(pa.table({"id": pa.array([7], pa.int64()), "input_ids": pa.array([CHAT], pa.list_(pa.int64())),
                                      "extra": ["x"]}), second)
-        if suffix == ".jsonl":  # one format per folder
+        if suffix != ".parquet":  # one format per folder
             os.remove(second)
         return folder
     return path

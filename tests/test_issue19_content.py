@@ -266,6 +266,85 @@ def test_item10_a_hostile_template_row_is_invalid_with_the_limit_named(kind, mon
     assert rendered.texts[0] == base.render(rows[0])
 
 
+def _hostile_tokenizer(kind):
+    from lossmask.chat.tokenizer import ChatTokenizer
+
+    base = chat_tokenizer("qwen2.5")
+    template = ("{% set n = messages | length %}{% if 'boom' in messages[0].content %}" + HOSTILE[kind]
+                + "{% endif %}" + base.template_for())
+    return base, ChatTokenizer(base.tokenizer, chat_template=template, name="hostile")
+
+
+@pytest.mark.parametrize("path", ["rows with tools", "encode_chats", "render", "verify"])
+@pytest.mark.parametrize("kind", ["loop", "repeat", "output"])
+def test_item10_every_render_path_is_bounded(path, kind, monkeypatch):
+    """Not only the direct renderer: rows with tools, Python chats, one render, verify's renders."""
+    import tracemalloc
+
+    import pyarrow as pa
+
+    from lossmask import MaskOptions
+    from lossmask.chat import render
+    from lossmask.chat.encode_batch import render_table
+    from lossmask.chat.render import RenderLimitError
+
+    monkeypatch.setattr(render, "MAX_RENDER_SECONDS", 1.0)
+    base, ct = _hostile_tokenizer(kind)
+    rows = [[{"role": "user", "content": f"row {k}" + (" boom" if k == 1 else "")},
+             {"role": "assistant", "content": "ok"}] for k in range(3)]
+    tracemalloc.start()
+    try:
+        if path == "rows with tools":
+            tools = [{"type": "function", "function": {"name": "f", "description": "d",
+                                                       "parameters": {"type": "object", "properties": {}}}}]
+            table = pa.table({"messages": rows, "tools": [tools] * 3})
+            rendered = render_table(ct, table, "messages", MaskOptions())
+            assert rendered.valid.tolist() == [True, False, True]
+            (row, why), = rendered.errors
+            assert rendered.texts[0] == base.render(rows[0], tools=tools)
+        elif path == "encode_chats":
+            encoded = ct.encode_chats(rows)
+            (row, why), = encoded.errors
+            assert encoded.input_ids[0].as_py() == base.encode(base.render(rows[0]))
+        elif path == "render":
+            with pytest.raises(RenderLimitError) as raised:
+                ct.render(rows[1])
+            row, why = 1, str(raised.value)
+        else:
+            from lossmask import verify
+            from lossmask.markers.detect import detect_markers
+
+            report = verify(ct, detect_markers(base), [rows[0], rows[1]])
+            assert report.conversations[0].error is None
+            row, why = 1, report.conversations[1].error
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert row == 1 and ("MAX_RENDER_SECONDS" in why or "MAX_RENDER_CHARS" in why), why
+    assert peak < 2**30, peak  # bytes: the 1 GB string is never built
+
+
+@pytest.mark.parametrize("constant", ["{{ 'x' * 10**9 }}", "{{ 'x' | center(10**9) }}",
+                                      "{% for i in range(10**10) %}{% endfor %}"])
+def test_item10_constant_expressions_are_bounded_too(constant):
+    """Written as constants, these are folded when a template compiles: ours compiles without folding them."""
+    import tracemalloc
+
+    from lossmask.chat.render import RenderLimitError
+    from lossmask.chat.tokenizer import ChatTokenizer
+
+    base = chat_tokenizer("qwen2.5")
+    ct = ChatTokenizer(base.tokenizer, chat_template=constant + base.template_for(), name="hostile")
+    tracemalloc.start()
+    try:
+        with pytest.raises(RenderLimitError, match="MAX_RENDER_CHARS"):
+            ct.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**28, peak
+
+
 # -- item 17: verify labels as the messages path labels -------------------------------------------------
 
 
@@ -335,3 +414,21 @@ def test_item17_a_left_out_system_prompt_quoted_later_is_kept_by_both():
     markers = detected_markers("mistral-v3")[0]
     (row,) = verify(ct, markers, [chat]).conversations
     assert row.exact and row.labels.tolist() == _mask_path_labels(ct, markers, chat)
+
+
+def test_item17_falcon_rewritten_blank_lines_are_checked_like_the_messages_path():
+    """Falcon writes a message's blank lines as single newlines: the messages path finds the text with any
+    whitespace between its words, and verify refused the row (123 of 149 real ShareGPT rows). Both now label it."""
+    from lossmask import verify
+    from conftest import detected_markers
+
+    ct = chat_tokenizer("falcon")
+    chat = [{"role": "user", "content": "Two paragraphs, please.\n\nThanks."},
+            {"role": "assistant", "content": "First paragraph.\n\nSecond paragraph.\r\nThird line."},
+            {"role": "user", "content": "And again?"},
+            {"role": "assistant", "content": "Once more.\n\n\nDone."}]
+    assert "First paragraph.\n\nSecond" not in ct.render(chat)  # the template does rewrite it
+    markers = detected_markers("falcon")[0]
+    (row,) = verify(ct, markers, [chat]).conversations
+    assert row.error is None and row.exact, row
+    assert row.labels.tolist() == _mask_path_labels(ct, markers, chat)

@@ -166,3 +166,28 @@ def test_parser_is_mlx_lm_s_own():
     assert theirs <= ours
     args = lora.parse_args(["--model", "m", "--data", "d", "--train"])
     assert args.batch_size == mlx_lora.CONFIG_DEFAULTS["batch_size"] and args.max_drop_fraction == 0.3
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_loss_weights_column_weights_the_loss(tmp_path, model_dir, data_dir, tok, capsys, per_sequence):
+    """A split with loss_weights (issue 20): step 1's loss is the hand-computed weighted cross-entropy."""
+    from mlx_lm.utils import load
+
+    from test_mlx_feed import hand_weighted_ce, weighted_split
+
+    markers = lossmask.detect_markers(tok)
+    masked = tmp_path / "weighted"
+    masked.mkdir()
+    ids, weights = weighted_split(tok, markers, data_dir / "train.jsonl", masked / "train.parquet")
+    val_ids, val_weights = weighted_split(tok, markers, data_dir / "valid.jsonl", masked / "valid.parquet")
+    recorder = Recorder()
+    path = config_file(tmp_path, model_dir, data_dir)
+    argv = ["-c", str(path), "--data", str(masked), "--iters", "1"] + (["--per-sequence-loss"] if per_sequence else [])
+    assert lora.main(argv, training_callback=recorder) == 0
+    assert "the loss is sum(w * nll) / sum(w)" in capsys.readouterr().out
+    model, _ = load(str(model_dir))
+    want, n = hand_weighted_ce(model, ids, weights, per_sequence=per_sequence)
+    assert recorder.train[0]["train_loss"] == pytest.approx(want, rel=1e-6)
+    assert recorder.train[0]["trained_tokens"] == pytest.approx(n, rel=1e-6)  # the weight sum (rows, per sequence)
+    want_val, _ = hand_weighted_ce(model, val_ids, val_weights, per_sequence=per_sequence)
+    assert recorder.val[0]["val_loss"] == pytest.approx(want_val, rel=1e-6)

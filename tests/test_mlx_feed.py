@@ -278,3 +278,132 @@ def pa_table(ids, labels):
     import pyarrow as pa
 
     return pa.table({"input_ids": pa.array(ids, pa.large_list(pa.int32())), "labels": pa.array(labels, pa.large_list(pa.int64()))})
+
+
+def test_the_shape_policy_applies_to_the_feed_too(tmp_path):
+    """Issue 19, items 2-3 on the mlx-lm path: Phi-3 would train the second of two user messages; a leading
+    assistant message is dropped, as ``lossmask mask`` drops it."""
+    phi = lossmask.load_tokenizer(str(tokenizer_path("phi-3")))
+    rows = [{"messages": [{"role": "user", "content": "666"}, {"role": "user", "content": "what does this number mean?"},
+                          {"role": "assistant", "content": "666 is called the number of the beast."}]},
+            {"messages": [{"role": "assistant", "content": "Sure, here is the rest."}, {"role": "user", "content": "Thanks."},
+                          {"role": "assistant", "content": "It reads the file."}]}]
+    train, _, _ = lm.load_dataset(write(tmp_path / "p", "train", rows), phi)
+    spans = zip(train.offsets[:-1], train.offsets[1:])
+    decoded = [phi.tokenizer.decode(train.values[a:b][train.trained_values[a:b]].tolist()) for a, b in spans]
+    assert "number mean" not in decoded[0] and "number of the beast" in decoded[0]
+    assert "here is the rest" not in decoded[1] and "reads the file" in decoded[1]
+    with pytest.raises(ValueError, match=r"row 0: no user message"):
+        lm.load_dataset(write(tmp_path / "q", "train", [{"messages": [{"role": "assistant", "content": "Only me."}]}]), phi)
+
+
+# -- per-token loss weights (issue 20) --------------------------------------------------------------
+
+
+def hand_weights(labels, seed=0):
+    """Hand-chosen weights for a labelled row: trained tokens 0, 0.5, 1 or 2.5, the other tokens 0.1 or 0."""
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    trained = rng.choice([0.0, 0.5, 1.0, 2.5], size=len(labels), p=[0.2, 0.3, 0.3, 0.2])
+    return np.where(labels != -100, trained, rng.choice([0.0, 0.1], size=len(labels))).astype(np.float32)
+
+
+def weighted_split(tok, markers, src, dest):
+    """`lossmask mask` output of ``src`` with a hand-made ``loss_weights`` column (labels follow the weights)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lossmask.mask_files(src, dest, tokenizer=tok, markers=markers)
+    table = pq.read_table(dest)
+    ids = table.column("input_ids").to_pylist()
+    weights = [hand_weights(labels, seed=i) for i, labels in enumerate(table.column("labels").to_pylist())]
+    labels = [[t if w > 0 else -100 for t, w in zip(row, ws)] for row, ws in zip(ids, weights)]
+    out = pa.table({"input_ids": pa.array(ids, pa.large_list(pa.int32())), "labels": pa.array(labels, pa.large_list(pa.int64())),
+                    "loss_weights": pa.array([w.tolist() for w in weights], pa.large_list(pa.float32()))})
+    pq.write_table(out, dest)
+    return ids, weights
+
+
+def hand_weighted_ce(model, ids_rows, weight_rows, *, per_sequence=False):
+    """sum(w * nll) / sum(w) over next-token targets, row by row (no batch, no padding), in NumPy float64."""
+    totals, masses = [], []
+    for ids, w in zip(ids_rows, weight_rows):
+        logits = np.array(model(mx.array([ids[:-1]]))[0].astype(mx.float32), dtype=np.float64)
+        top = logits.max(-1, keepdims=True)
+        nll = top[:, 0] + np.log(np.exp(logits - top).sum(-1)) - logits[np.arange(len(ids) - 1), ids[1:]]
+        totals.append(float((nll * np.asarray(w[1:], np.float64)).sum()))
+        masses.append(float(np.asarray(w[1:], np.float64).sum()))
+    if per_sequence:
+        means = [t / m for t, m in zip(totals, masses) if m > 0]
+        return sum(means) / len(means), len(means)
+    return sum(totals) / sum(masses), sum(masses)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_weighted_split_loss_equals_hand_weighted_ce(tmp_path, tok, markers, per_sequence):
+    folder = write(tmp_path / "jsonl", "train", chat_rows(4))
+    (tmp_path / "masked").mkdir()
+    ids, weights = weighted_split(tok, markers, folder / "train.jsonl", tmp_path / "masked" / "train.parquet")
+    train, _, _ = lm.load_dataset(tmp_path / "masked", tok, markers=markers)
+    assert train.weight_values is not None and len(train) == 4
+    batch = next(lm.iterate_batches(train, 4, 2048, seed=0))
+    tokens, trained, lengths, w = batch
+    assert w.dtype == mx.float32 and w.shape == tokens.shape
+    real = np.arange(tokens.shape[1])[None, :] < np.array(lengths)[:, None]
+    assert (np.array(w)[~real] == 0).all()  # padding: weight 0
+    np.testing.assert_array_equal(np.array(trained)[real], np.array(w)[real] > 0)
+    model = _tiny_model(len(tok))
+    loss, n = lm.make_loss(per_sequence=per_sequence)(model, *batch)
+    want, mass = hand_weighted_ce(model, ids, weights, per_sequence=per_sequence)
+    assert float(loss) == pytest.approx(want, rel=1e-6)
+    assert float(n) == pytest.approx(mass, rel=1e-6)
+    # the same rows as JSON lines (input_ids, labels, loss_weights) load and batch alike
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(tmp_path / "masked" / "train.parquet").to_pylist()
+    as_jsonl = write(tmp_path / "tokens", "train", rows)
+    again, _, _ = lm.load_dataset(as_jsonl, tok, markers=markers)
+    for x, y in zip(batch, next(lm.iterate_batches(again, 4, 2048, seed=0))):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
+def test_weights_drop_rows_that_train_nothing_and_bad_weights_are_named(tmp_path, tok, markers):
+    import pyarrow as pa
+
+    ids = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    weights = [[0.0, 0.5, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 2.0]]
+    ds = lm.MaskedDataset(ids, markers, loss_weights=weights, max_drop_fraction=0.5)
+    assert len(ds) == 2 and ds.counts.dropped["no_response"] + ds.counts.dropped["empty_response"] == 1
+    np.testing.assert_array_equal(ds.weight_values, np.array([0.0, 0.5, 1.0, 0.0, 0.0, 2.0], np.float32))
+    tokens, trained, lengths, w = next(lm.iterate_batches(ds, 2, 2048, seed=0))
+    assert sorted(np.array(w).sum(1).tolist()) == [1.5, 2.0]
+    with pytest.raises(ValueError, match="row 1 has 2 loss_weights for 3 input_ids"):
+        lm.MaskedDataset(ids, markers, loss_weights=[weights[0], [0.0, 1.0], weights[2]])
+    with pytest.raises(ValueError, match="row 2 holds the loss weight -1.0"):
+        lm.MaskedDataset(ids, markers, loss_weights=[weights[0], weights[1], [0.0, -1.0]], max_drop_fraction=1.0)
+    column = pa.array(weights, pa.list_(pa.float64()))  # any float list type is read
+    assert len(lm.MaskedDataset(ids, markers, loss_weights=column, max_drop_fraction=0.5)) == 2
+    with pytest.raises(ValueError, match="row 1 has keys"):
+        lm.load_dataset(write(tmp_path / "t", "train", [{"input_ids": [1, 2], "loss_weights": [0, 1]}, {"input_ids": [3, 4]}]),
+                        tok, markers=markers)
+
+
+def test_mlx_lm_trainer_runs_on_weighted_rows(tmp_path, tok, markers):
+    import mlx.optimizers as optim
+    from mlx_lm.tuner.trainer import TrainingArgs, evaluate, train
+
+    folder = write(tmp_path / "d", "train", chat_rows(8, vary=False))
+    write(folder, "valid", chat_rows(4, vary=False))
+    masked = tmp_path / "masked"
+    masked.mkdir()
+    for split in ("train", "valid"):
+        weighted_split(tok, markers, folder / f"{split}.jsonl", masked / f"{split}.parquet")
+    train_set, valid_set, _ = lm.load_dataset(masked, tok, markers=markers)
+    model = _tiny_model(len(tok))
+    loss = lm.make_loss()
+    before = evaluate(model, valid_set, batch_size=2, num_batches=-1, loss=loss, iterate_batches=lm.iterate_batches)
+    args = TrainingArgs(batch_size=2, iters=4, val_batches=2, steps_per_report=2, steps_per_eval=100,
+                        steps_per_save=100, adapter_file=str(tmp_path / "adapters.safetensors"))
+    train(model, optim.Adam(learning_rate=1e-2), train_set, valid_set, args=args, loss=loss, iterate_batches=lm.iterate_batches)
+    after = evaluate(model, valid_set, batch_size=2, num_batches=-1, loss=loss, iterate_batches=lm.iterate_batches)
+    assert np.isfinite(before) and np.isfinite(after) and after < before

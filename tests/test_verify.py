@@ -178,16 +178,18 @@ def test_dropped_system_prompt_whose_text_reappears_later():
     assert trained_spans(truth) == [" A1.</s>", " A2.</s>"]
 
 
-def test_a_reply_the_template_rewrites_is_not_checkable_rather_than_judged():
-    """Falcon's template turns blank lines into single newlines: no truth can be read off that turn."""
+def test_a_reply_whose_whitespace_the_template_rewrites_is_judged_by_its_words():
+    """Falcon's template turns blank lines into single newlines: the reply is found with any whitespace
+    between its words, as the messages path finds it, and its truth is read off that (issue 19, item 17)."""
     ct = chat_tokenizer("falcon")
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "One.\n\nTwo."}]
-    from lossmask.markers.verify import GroundTruthError
+    truth = ground_truth(ct, conv)
+    assert truth.text.endswith("Assistant: One.\nTwo.")
+    assert trained_spans(truth) == [" One.\nTwo."]
+    from conftest import detected_markers
 
-    with pytest.raises(GroundTruthError, match="assistant message 1 does not occur"):
-        ground_truth(ct, conv)
-    report = verify(ct, Markers(response=[[ct.encode("Assistant:")[-1]]]), [conv])
-    assert not report.ok and report.errors == 1 and report.extra == 0
+    report = verify(ct, detected_markers("falcon")[0], [conv])
+    assert report.ok and report.errors == 0, str(report)
 
 
 # -- what a template drops, and messages that quote markers (issue 9) -----------------------------

@@ -6,9 +6,13 @@ the batch's device. Padding is told by position, never by the pad id (a pad id e
 real EOS trained). Padding-free batches are one flattened row with ``position_ids`` and
 ``cu_seq_lens_*`` as TRL builds them, labels masked at every sequence start.
 
-``prompt_loss_weight`` > 0 adds a ``loss_weights`` tensor (1 on trained tokens, the weight on the
-other real tokens, 0 on padding); ``prompt_weighted_loss`` computes the matching loss, and
-``PromptWeightedLossMixin`` plugs it into a trainer (``class T(PromptWeightedLossMixin, SFTTrainer)``).
+Rows may carry their own ``loss_weights`` (a float per token, as ``lossmask mask`` writes them with
+weights); the collator pads them with 0 and lays them out as ``input_ids`` (padding-free included).
+``prompt_loss_weight`` > 0 gives rows without them 1 on trained tokens and the weight on the other
+real tokens. Either way the batch gets a ``loss_weights`` tensor; ``weighted_cross_entropy`` is the
+matching loss (sum(w * nll) / sum(w), or per sequence), ``WeightedLoss`` passes it as a trainer's
+``compute_loss_func`` and ``WeightedLossMixin`` builds it into a trainer
+(``class T(WeightedLossMixin, SFTTrainer)``). docs/weighted-loss.md has the account.
 
 Importing this module imports torch; ``import lossmask`` does not import this module.
 """
@@ -37,7 +41,14 @@ class CompletionCollator:
     - ``row_labels``: ``"rebuild"`` (default) labels every row here, ignoring a ``labels`` field (TRL's
       dataset preparation fills one with a copy of ``input_ids``); ``"keep"`` uses the rows' own labels.
     - ``prompt_loss_weight``: 0 drops prompt tokens from the loss; > 0 adds ``loss_weights`` for
-      ``prompt_weighted_loss`` / ``PromptWeightedLossMixin``.
+      ``weighted_cross_entropy`` / ``WeightedLoss`` / ``WeightedLossMixin`` (rows without their own).
+
+    Rows that carry ``loss_weights`` (one float >= 0 per token of ``input_ids``) keep them: padded with
+    0, laid out as the tokens (padding-free too), cut as TRL cut ``input_ids`` when they are longer
+    (``truncation_mode``), and their labels follow them (the id where the weight is > 0, ``ignore_index``
+    where it is 0), whatever ``row_labels`` says. In a batch mixing rows with and without them, the
+    others get 1 on trained tokens and ``prompt_loss_weight`` on their other real tokens. Every
+    sequence's first token has weight 0 (nothing predicts it).
     - ``device``: where to build the batch and its labels (``"cuda"``); ``None`` keeps it on the CPU and
       lets the trainer move it. With ``"cuda"`` use ``dataloader_num_workers=0`` and
       ``dataloader_pin_memory=False`` (only CPU tensors can be pinned).
@@ -117,25 +128,36 @@ class CompletionCollator:
         seg_np[layout.flatpos] = np.repeat(np.arange(n_seqs, dtype=np.int64), layout.seq_ends - layout.seq_starts)
         seq_first_np = layout.seq_starts[layout.seq_ends > layout.seq_starts]
         ids = torch.from_numpy(ids_np).to(device)
-        result = torch_kernel.label_flat(ids, torch.from_numpy(seg_np).to(device), n_seqs, self.markers,
-                                         last_turn_only=self.last_turn_only)
-        trained = result.trained
-        if self.row_labels == "keep":
-            given = _row_labels(examples, layout)
-            if given is not None:
-                kept = np.full(size, self.ignore_index, dtype=np.int64)
-                kept[layout.flatpos] = given
-                labels = torch.from_numpy(kept).to(device)
-            else:
-                labels = torch.where(trained, ids, self.ignore_index)
+        given = _row_weights(examples, layout, self.truncation_mode)
+        if given is not None and given.has.all():
+            # every row brings its weights, and labels follow them: no marker labelling to do
+            weights_np = np.zeros(size, dtype=np.float32)
+            weights_np[layout.flatpos] = given.values
+            weights_np[seq_first_np] = 0.0  # nothing before a sequence start predicts it
+            real_np = np.zeros(size, dtype=bool)
+            real_np[layout.flatpos] = True
+            labels = torch.from_numpy(np.where(weights_np > 0, ids_np, self.ignore_index)).to(device)
+            weights, real = torch.from_numpy(weights_np).to(device), torch.from_numpy(real_np).to(device)
         else:
-            labels = torch.where(trained, ids, self.ignore_index)
-        seq_first = torch.from_numpy(seq_first_np).to(device)
-        labels[seq_first] = self.ignore_index  # nothing before a sequence start predicts it (TRL does the same)
+            labels, real = self._marker_labels(examples, layout, ids, seg_np, n_seqs, size, device)
+            weights = None
+            if given is not None:  # some rows bring weights: theirs, and labels following them
+                row_weights_np = np.zeros(size, dtype=np.float32)
+                row_weights_np[layout.flatpos] = given.values
+                has_np = np.zeros(size, dtype=bool)
+                has_np[layout.flatpos] = given.has
+                row_weights, has = torch.from_numpy(row_weights_np).to(device), torch.from_numpy(has_np).to(device)
+                labels = torch.where(has, torch.where(row_weights > 0, ids, self.ignore_index), labels)
+            seq_first = torch.from_numpy(seq_first_np).to(device)
+            labels[seq_first] = self.ignore_index  # nothing before a sequence start predicts it (TRL does the same)
+            if self.prompt_loss_weight > 0 or given is not None:
+                weights = torch.where(labels != self.ignore_index, 1.0, torch.where(real, float(self.prompt_loss_weight), 0.0))
+                if given is not None:
+                    weights = torch.where(has, row_weights, weights)
+                weights[seq_first] = 0.0
 
         shape = (layout.n_rows, layout.width)
         out: dict[str, Any] = {"input_ids": ids.reshape(shape), "labels": labels.reshape(shape)}
-        real = result.inside
         if self.padding_free or self.return_position_ids:
             position_ids = np.zeros(size, dtype=np.int64)
             position_ids[layout.flatpos] = layout.position_in_seq
@@ -150,11 +172,22 @@ class CompletionCollator:
             out["seq_idx"] = torch.from_numpy(seq_idx).to(device)[None]
         else:
             out["attention_mask"] = real.to(torch.int64).reshape(shape)
-        if self.prompt_loss_weight > 0:
-            weights = torch.where(labels != self.ignore_index, 1.0, torch.where(real, float(self.prompt_loss_weight), 0.0))
-            weights[seq_first] = 0.0
+        if weights is not None:
             out["loss_weights"] = weights.to(torch.float32).reshape(shape)
         return out
+
+    def _marker_labels(self, examples, layout: "_Layout", ids, seg_np, n_seqs: int, size: int, device):
+        """Labels from the markers (or the rows' own, with ``row_labels="keep"``) and the real-token mask."""
+        result = torch_kernel.label_flat(ids, torch.from_numpy(seg_np).to(device), n_seqs, self.markers,
+                                         last_turn_only=self.last_turn_only)
+        labels = torch.where(result.trained, ids, self.ignore_index)
+        if self.row_labels == "keep":
+            given = _row_labels(examples, layout)
+            if given is not None:
+                kept = np.full(size, self.ignore_index, dtype=np.int64)
+                kept[layout.flatpos] = given
+                labels = torch.from_numpy(kept).to(device)
+        return labels, result.inside
 
 
 @dataclass(frozen=True)
@@ -270,6 +303,56 @@ def pad_id_of(tokenizer: Any) -> int:
     return 0
 
 
+WEIGHTS_COLUMN = "loss_weights"
+
+
+@dataclass(frozen=True)
+class _RowWeights:
+    """The rows' own weights, token by token in ``_Layout.values`` order; ``has`` marks rows that carry them."""
+
+    values: np.ndarray  # float32 [total]; 0 where a row carries none
+    has: np.ndarray  # bool [total]
+
+
+def _row_weights(examples, layout: _Layout, truncation_mode: str) -> _RowWeights | None:
+    """Each row's ``loss_weights``, checked (finite, >= 0, one per token) and cut as TRL cut its ``input_ids``.
+
+    TRL truncates ``input_ids`` and ``labels`` but leaves other columns whole, so weights longer than
+    their row are cut the same way (``keep_start``: the first tokens' weights; ``keep_end``: the last).
+    """
+    found = [example.get(WEIGHTS_COLUMN) if isinstance(example, dict) else None for example in examples]
+    if all(w is None for w in found):
+        return None
+    found = [w.detach().cpu().numpy() if isinstance(w, torch.Tensor) else w for w in found]
+    import pyarrow as pa
+
+    try:
+        array = pa.array(found, type=pa.large_list(pa.float32()))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+        raise TypeError(f"loss_weights must be lists of floats, one per token of input_ids ({exc})") from None
+    has_row = np.asarray(array.is_valid(), dtype=bool)
+    offsets = np.asarray(array.offsets, dtype=np.int64)
+    given = np.diff(offsets)
+    n = np.diff(layout.row_offsets)
+    short = np.flatnonzero(has_row & (given < n))
+    if short.size:
+        r = int(short[0])
+        raise ValueError(f"row {r} has {int(given[r])} loss_weights for {int(n[r])} input_ids; "
+                         "pass one weight per token (as `lossmask mask` writes them)")
+    skip = np.where(has_row & (truncation_mode == "keep_end"), given - n, 0)
+    total = int(layout.row_offsets[-1])
+    has = np.repeat(has_row, n)
+    source = np.repeat(offsets[:-1] + skip, n) + (np.arange(total, dtype=np.int64) - np.repeat(layout.row_offsets[:-1], n))
+    flat = np.asarray(array.values.to_numpy(zero_copy_only=False), dtype=np.float32) if len(array.values) else np.zeros(1, np.float32)
+    values = np.where(has, flat[np.where(has, source, 0)], np.float32(0.0)).astype(np.float32)
+    bad = np.flatnonzero(has & ~(np.isfinite(values) & (values >= 0)))
+    if bad.size:
+        r = int(np.searchsorted(layout.row_offsets, bad[0], side="right") - 1)
+        raise ValueError(f"row {r} holds the loss weight {float(values[bad[0]])} at position "
+                         f"{int(bad[0] - layout.row_offsets[r])}; weights must be finite and >= 0 (0 drops the token)")
+    return _RowWeights(values=values, has=has)
+
+
 def _row_labels(examples, layout: _Layout) -> np.ndarray | None:
     has = ["labels" in example for example in examples]
     if not any(has):
@@ -287,34 +370,163 @@ def _row_labels(examples, layout: _Layout) -> np.ndarray | None:
 # -- loss -----------------------------------------------------------------------------------------
 
 
+def weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_weights: torch.Tensor, *,
+                           per_sequence: bool = False, position_ids: torch.Tensor | None = None,
+                           ignore_index: int = -100) -> torch.Tensor:
+    """Next-token cross-entropy, each target weighted by its own weight: sum(w * nll) / sum(w).
+
+    ``targets`` are the batch's ``input_ids`` (or its ``labels``: a target at ``ignore_index`` counts 0);
+    the target at position ``t + 1`` is predicted from the logits at ``t`` and weighted by
+    ``loss_weights[t + 1]`` (the weight of the token predicted). With weight 1 on trained tokens and 0
+    elsewhere this is the usual mean over trained tokens.
+
+    ``per_sequence=True``: the mean over sequences of each sequence's weighted mean, so a long answer
+    counts as much as a short one; sequences are the rows, or, with ``position_ids`` (packed or
+    padding-free batches), the runs that start at each position 0. Sequences with no weight are left out.
+    A batch with no weight at all gives 0.
+    """
+    target = targets[..., 1:]
+    weights = loss_weights[..., 1:].to(torch.float32)
+    ignored = target == ignore_index
+    weights = torch.where(ignored, 0.0, weights)
+    flat_logits = logits[..., :-1, :].reshape(-1, logits.shape[-1]).float()
+    nll = torch.nn.functional.cross_entropy(flat_logits, torch.where(ignored, 0, target).reshape(-1), reduction="none")
+    weighted = nll * weights.reshape(-1)
+    tiny = torch.finfo(torch.float32).tiny
+    if not per_sequence:
+        return weighted.sum() / weights.sum().clamp(min=tiny)
+    sequence = _target_sequences(target, position_ids).reshape(-1)
+    slots = sequence.numel() + 1  # an upper bound on the sequences: no host sync to count them
+    mass = torch.zeros(slots, device=weights.device).index_add_(0, sequence, weights.reshape(-1))
+    total = torch.zeros(slots, device=weights.device).index_add_(0, sequence, weighted)
+    live = mass > 0
+    return torch.where(live, total / mass.clamp(min=tiny), 0.0).sum() / live.sum().clamp(min=1)
+
+
+def _target_sequences(target: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """The sequence each shifted target belongs to: its row, or its run of ``position_ids`` (a new one at each 0)."""
+    if position_ids is None:
+        rows = target.shape[0] if target.dim() > 1 else 1
+        return torch.arange(rows, device=target.device).reshape(-1, *([1] * (target.dim() - 1))).expand_as(target)
+    starts = (position_ids.reshape(-1) == 0).to(torch.int64)
+    return (torch.cumsum(starts, 0) - 1).clamp(min=0).reshape(position_ids.shape)[..., 1:]
+
+
+def share_of_accumulated_batch(labels: torch.Tensor, num_items_in_batch: Any, ignore_index: int = -100) -> torch.Tensor:
+    """This micro-batch's trained targets over ``num_items_in_batch`` (what the Trainer counted over the
+    accumulated batch, on every device when ``average_tokens_across_devices``): the factor that turns a
+    micro-batch's weighted mean into its part of the accumulated batch's loss."""
+    mine = (labels[..., 1:] != ignore_index).sum().to(torch.float32)
+    total = torch.as_tensor(num_items_in_batch, device=mine.device).to(torch.float32).reshape(-1)[0]
+    return mine / total.clamp(min=1)
+
+
 def prompt_weighted_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_weights: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy, each target weighted by ``loss_weights`` (the collator's), over their sum.
+    """``weighted_cross_entropy(logits, input_ids, loss_weights)``: the loss that matches the collator's
+    ``loss_weights`` (from ``prompt_loss_weight`` or the rows' own weights), over their sum."""
+    return weighted_cross_entropy(logits, input_ids, loss_weights)
 
-    With weight 1 on trained tokens and 0 elsewhere this is the usual mean over trained tokens;
-    prompt tokens at weight ``w`` count ``w`` times as much as a trained token.
+
+@dataclass
+class WeightedLoss:
+    """The weighted loss as a ``Trainer`` / ``SFTTrainer`` ``compute_loss_func``.
+
+        loss = WeightedLoss(per_sequence=False)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=ds, data_collator=collator, compute_loss_func=loss)
+        loss.attach(trainer)
+
+    transformers calls ``compute_loss_func(outputs, labels, num_items_in_batch=...)``: the batch's other
+    inputs never reach it, and the model is called with all of them, ``loss_weights`` included.
+    ``attach`` hooks the trainer's model (a forward pre-hook, torch's own API) so that each forward
+    hands ``loss_weights``, ``input_ids`` and ``position_ids`` to this loss and the model never sees
+    ``loss_weights``; it also keeps the ``loss_weights`` column through ``remove_unused_columns``.
+    A batch without ``loss_weights`` gets the usual mean over its labels.
+
+    Gradient accumulation: with ``num_items_in_batch`` (the trained targets of the accumulated batch,
+    as the Trainer counts them), each micro-batch's weighted mean counts in proportion to its trained
+    targets; with 0/1 weights this is exactly the Trainer's own loss.
     """
-    targets = input_ids[..., 1:].reshape(-1)
-    weights = loss_weights[..., 1:].reshape(-1).to(torch.float32)
-    logits = logits[..., :-1, :].reshape(targets.shape[0], -1).float()
-    ce = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-    return (ce * weights).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
+
+    per_sequence: bool = False
+    ignore_index: int = -100
+    _batch: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def attach(self, trainer_or_model: Any) -> "WeightedLoss":
+        """Hook the model (a trainer's ``model``, or a model) so that it hands this loss its batch; returns self."""
+        model = getattr(trainer_or_model, "model", None) if not isinstance(trainer_or_model, torch.nn.Module) else trainer_or_model
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"attach takes a transformers Trainer or a torch model, got {type(trainer_or_model).__name__}")
+        if getattr(model, "_lossmask_weighted_loss_hook", None) is not None:
+            model._lossmask_weighted_loss_hook.remove()
+        model._lossmask_weighted_loss_hook = model.register_forward_pre_hook(self._take_batch, with_kwargs=True)
+        if model is not trainer_or_model:
+            keep_weight_columns(trainer_or_model)
+        return self
+
+    def _take_batch(self, module, args, kwargs):
+        self._batch = {"loss_weights": kwargs.pop(WEIGHTS_COLUMN, None), "input_ids": kwargs.get("input_ids"),
+                       "position_ids": kwargs.get("position_ids")}
+        return args, kwargs
+
+    def __call__(self, outputs: Any, labels: torch.Tensor | None, num_items_in_batch: Any = None) -> torch.Tensor:
+        if labels is None:
+            raise ValueError("WeightedLoss got labels=None; the batches need 'labels' (CompletionCollator writes them)")
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+        batch, self._batch = self._batch, {}
+        weights, input_ids = batch.get("loss_weights"), batch.get("input_ids")
+        if weights is None:
+            weights, targets = (labels != self.ignore_index).to(torch.float32), labels
+        else:
+            targets = input_ids if input_ids is not None and input_ids.shape == labels.shape else labels
+        loss = weighted_cross_entropy(logits, targets, weights, per_sequence=self.per_sequence,
+                                      position_ids=batch.get("position_ids"), ignore_index=self.ignore_index)
+        if num_items_in_batch is not None:
+            loss = loss * share_of_accumulated_batch(labels, num_items_in_batch, self.ignore_index)
+        return loss
 
 
-class PromptWeightedLossMixin:
-    """Trainer mixin: when the batch has ``loss_weights`` (``CompletionCollator(prompt_loss_weight=...)``),
-    the loss is ``prompt_weighted_loss``; otherwise the trainer's own. ``class T(PromptWeightedLossMixin, SFTTrainer)``.
+def keep_weight_columns(trainer: Any) -> None:
+    """Keep ``labels`` and ``loss_weights`` through the Trainer's ``remove_unused_columns`` (it keeps only the
+    model's forward arguments, and TRL's ``SFTTrainer`` only ``input_ids``, ``labels`` and ``seq_lengths``)."""
+    setup = getattr(trainer, "_set_signature_columns_if_needed", None)
+    if callable(setup):
+        setup()
+    columns = getattr(trainer, "_signature_columns", None)
+    if isinstance(columns, list):
+        columns.extend(c for c in ("labels", WEIGHTS_COLUMN) if c not in columns)
 
-    Each micro-batch is normalised by its own weight sum (not by the accumulated batch's).
+
+class WeightedLossMixin:
+    """Trainer mixin: when the batch has ``loss_weights`` (the rows' own, or ``CompletionCollator(prompt_loss_weight=...)``),
+    the loss is ``weighted_cross_entropy``; otherwise the trainer's own. ``class T(WeightedLossMixin, SFTTrainer)``;
+    set ``loss_per_sequence = True`` on the class for the per-sequence mean.
+
+    Gradient accumulation as ``WeightedLoss``: with ``num_items_in_batch``, each micro-batch counts in
+    proportion to its trained targets; without it, the Trainer averages the micro-batches.
     """
+
+    loss_per_sequence: bool = False
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        columns = getattr(self, "_signature_columns", None)
+        if isinstance(columns, list) and WEIGHTS_COLUMN not in columns:
+            columns.append(WEIGHTS_COLUMN)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        weights = inputs.pop("loss_weights", None)
+        weights = inputs.pop(WEIGHTS_COLUMN, None)
         if weights is None:
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         forward = {k: v for k, v in inputs.items() if k != "labels"}
         outputs = model(**forward, use_cache=False)
-        loss = prompt_weighted_loss(outputs.logits, inputs["input_ids"], weights)
-        # transformers divides by the accumulation steps only when it thinks the loss is not yet scaled
-        if getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None:
-            loss = loss / getattr(self, "current_gradient_accumulation_steps", 1)
+        loss = weighted_cross_entropy(outputs.logits, inputs["input_ids"], weights, per_sequence=self.loss_per_sequence,
+                                      position_ids=inputs.get("position_ids"))
+        if num_items_in_batch is not None and "labels" in inputs:
+            loss = loss * share_of_accumulated_batch(inputs["labels"], num_items_in_batch)
+            args = getattr(self, "args", None)
+            if getattr(args, "average_tokens_across_devices", False):  # as Trainer.compute_loss: DDP averages ranks
+                loss = loss * getattr(getattr(self, "accelerator", None), "num_processes", 1)
         return (loss, outputs) if return_outputs else loss
+
+
+PromptWeightedLossMixin = WeightedLossMixin  # the name before per-token weights (prompt_loss_weight only)

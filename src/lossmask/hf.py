@@ -25,6 +25,7 @@ from .jobs.report import MaskReport, Tally
 from .options import MaskOptions
 
 MIN_ROWS_FOR_STREAMING_CHECK = 1_000  # an IterableDataset is checked once this many rows have gone by
+WEIGHTS = "loss_weights"  # a float per token beside labels (the collator's WEIGHTS_COLUMN)
 
 
 def mask_dataset(
@@ -237,6 +238,13 @@ def train_on_responses_only(
     ``mask_dataset`` labels them: message text is data. Rows left as token ids only cannot tell message
     text from markers; the drop-in then warns once. For that protection with packing, label the dataset
     with ``mask_dataset`` before building the trainer and leave this drop-in out.
+
+    Rows that carry ``loss_weights`` (``mask_dataset`` output with weights, passed to the trainer) are
+    kept as they are (their weights say what trains; markers cannot say it again), the collators carry
+    the weights (cut as TRL cut the ids), the column survives ``remove_unused_columns``, and unless the
+    trainer is a ``lossmask.collator.WeightedLossMixin`` the weighted loss is installed as its
+    ``compute_loss_func`` (``lossmask.collator.WeightedLoss``). TRL's packing drops the column: pack
+    with ``padding_free=True`` instead (docs/weighted-loss.md).
     """
     tok = tokenizer if tokenizer is not None else _trainer_tokenizer(trainer)
     model_name = model_name or _model_name(trainer)
@@ -275,12 +283,18 @@ def train_on_responses_only(
     elif eval_dataset is not None:
         trainer.eval_dataset, is_packed = plan.mask(eval_dataset, "eval")
         packed |= is_packed
+    weighted = any(WEIGHTS in (getattr(ds, "column_names", None) or []) for ds in _datasets_of(trainer))
     if plan.from_ids and resolved is not None:
         warnings.warn(_IDS_ONLY.format(names=", ".join(plan.from_ids)), UserWarning, stacklevel=2)
     padding_free = _padding_free(trainer)
     if resolved is None:
         if not (padding_free or packed):  # no markers: the full sequence trains, TRL's collator already does that
-            trainer.data_collator = PadByPosition(pad_token_id=_pad_id(chat), padding_side=getattr(chat.tokenizer, "padding_side", "right"))
+            trainer.data_collator = PadByPosition(pad_token_id=_pad_id(chat), padding_side=getattr(chat.tokenizer, "padding_side", "right"),
+                                                  truncation_mode=truncation_mode)
+        elif weighted:
+            warnings.warn("lossmask: the rows carry loss_weights, but without markers the padding-free batches are TRL's, "
+                          "which drop them; pass markers= (or response_part=) to train_on_responses_only", UserWarning,
+                          stacklevel=2)
     elif padding_free or packed:
         from .collator import CompletionCollator
 
@@ -291,9 +305,40 @@ def train_on_responses_only(
             row_labels="keep" if wrapped else "rebuild",  # a chunk's labels come from the stream, not the chunk alone
         )
     else:
-        trainer.data_collator = PadByPosition(pad_token_id=_pad_id(chat), padding_side=getattr(chat.tokenizer, "padding_side", "right"))
+        trainer.data_collator = PadByPosition(pad_token_id=_pad_id(chat), padding_side=getattr(chat.tokenizer, "padding_side", "right"),
+                                              truncation_mode=truncation_mode)
     _keep_label_columns(trainer)
+    if weighted:
+        _use_weighted_loss(trainer, verbose)
     return trainer
+
+
+def _datasets_of(trainer: Any) -> list:
+    eval_dataset = getattr(trainer, "eval_dataset", None)
+    found = [getattr(trainer, "train_dataset", None)]
+    found += list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+    return [ds for ds in found if ds is not None]
+
+
+def _use_weighted_loss(trainer: Any, verbose: bool) -> None:
+    """The trainer's loss reads the batches' ``loss_weights``: the mixin's, or ``WeightedLoss`` as ``compute_loss_func``."""
+    from .collator import WeightedLoss, WeightedLossMixin, keep_weight_columns
+
+    keep_weight_columns(trainer)
+    if isinstance(trainer, WeightedLossMixin):
+        return
+    current = getattr(trainer, "compute_loss_func", None)
+    if current is None:
+        trainer.compute_loss_func = WeightedLoss().attach(trainer)
+        if verbose:
+            print("lossmask: the rows carry loss_weights: the trainer's loss is now sum(w * nll) / sum(w) "
+                  "(lossmask.collator.WeightedLoss as compute_loss_func)", file=sys.stderr)
+    elif isinstance(current, WeightedLoss):
+        current.attach(trainer)
+    else:
+        warnings.warn("lossmask: the rows carry loss_weights but the trainer has its own compute_loss_func, which never "
+                      "sees them (transformers passes it only outputs and labels); use lossmask.collator.WeightedLoss, "
+                      "or build the trainer with lossmask.collator.WeightedLossMixin", UserWarning, stacklevel=3)
 
 
 def _pad_id(chat: Any) -> int:
@@ -337,6 +382,12 @@ class _Plan:
         """``(dataset, packed)``: labelled rows, or packed rows left as they are with their documents counted."""
         names = getattr(dataset, "column_names", None) or []
         job = self.job
+        if WEIGHTS in names and job.options.input_ids_column in names and "seq_lengths" not in names:
+            # labelled with weights already (mask_dataset output): the weights say what trains, kept as they are
+            if job.verbose:
+                print(f"lossmask [{name}]: the rows carry loss_weights: kept as they are (labels follow the weights)",
+                      file=sys.stderr)
+            return dataset, False
         if "seq_lengths" in names:
             _count_packed_documents(job, dataset, name, self.truncation_mode)
             self.from_ids.append(name)
@@ -466,22 +517,32 @@ class PadByPosition:
     Padding is decided by position (each row's own length), never by comparing ids with the pad id:
     where pad == EOS, the real EOS keeps its label. Labels are padded with ``ignore_index``.
     ``padding_side`` is ``"right"`` or ``"left"``; ``pad_to_multiple_of`` rounds the width up.
+
+    Rows with ``loss_weights`` (a float per token) keep them as a ``loss_weights`` tensor, padded with 0,
+    with 0 on each row's first token (nothing predicts it); their labels follow them (the id where the
+    weight is > 0, so never on a row's first token). Weights longer than their row (TRL cuts
+    ``input_ids`` and ``labels``, not other columns) are cut as the row was (``truncation_mode``). In a
+    batch where some rows have none, those get 1 on their labelled tokens.
     """
 
     def __init__(self, *, pad_token_id: int, padding_side: str = "right", ignore_index: int = -100,
-                 pad_to_multiple_of: int | None = None, return_tensors: str = "pt"):
+                 pad_to_multiple_of: int | None = None, return_tensors: str = "pt", truncation_mode: str = "keep_start"):
         if padding_side not in ("right", "left"):
             raise ValueError(f"padding_side={padding_side!r}; pass 'right' or 'left'")
+        if truncation_mode not in ("keep_start", "keep_end"):
+            raise ValueError(f"truncation_mode={truncation_mode!r}; pass 'keep_start' or 'keep_end' (SFTConfig.truncation_mode)")
         self.pad_token_id = pad_token_id
         self.padding_side = padding_side
         self.ignore_index = ignore_index
         self.pad_to_multiple_of = pad_to_multiple_of
         self.return_tensors = return_tensors
+        self.truncation_mode = truncation_mode
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         if not features:
             raise ValueError("PadByPosition got an empty batch")
-        missing = [k for k in ("input_ids", "labels") if k not in features[0]]
+        weighted = any(f.get(WEIGHTS) is not None for f in features)
+        missing = [k for k in ("input_ids", "labels") if k not in features[0] and not (k == "labels" and weighted)]
         if missing:
             raise KeyError(f"rows reaching the collator lack {missing} (they have {sorted(features[0])}); "
                            "label them first with lossmask.hf.mask_dataset or train_on_responses_only")
@@ -494,10 +555,34 @@ class PadByPosition:
         input_ids = np.full((len(features), width), self.pad_token_id, dtype=np.int64)
         labels = np.full((len(features), width), self.ignore_index, dtype=np.int64)
         input_ids[real] = np.concatenate([np.asarray(f["input_ids"], dtype=np.int64) for f in features])
-        labels[real] = np.concatenate([np.asarray(f["labels"], dtype=np.int64) for f in features])
+        if weighted:
+            weights = np.zeros((len(features), width), dtype=np.float32)
+            weights[real] = np.concatenate([self._row_weights(f, n, r) for r, (f, n) in enumerate(zip(features, lengths))])
+            first = np.argmax(real, axis=1)[lengths > 0]
+            weights[np.flatnonzero(lengths > 0), first] = 0.0  # nothing predicts a row's first token
+            labels[real] = np.where(weights[real] > 0, input_ids[real], self.ignore_index)
+        else:
+            labels[real] = np.concatenate([np.asarray(f["labels"], dtype=np.int64) for f in features])
         batch = {"input_ids": input_ids, "attention_mask": real.astype(np.int64), "labels": labels}
+        if weighted:
+            batch[WEIGHTS] = weights
         if self.return_tensors == "np":
             return batch
         import torch
 
         return {k: torch.from_numpy(v) for k, v in batch.items()}
+
+    def _row_weights(self, row: dict[str, Any], n: int, r: int) -> np.ndarray:
+        """Row ``r``'s weights, cut to its ``n`` tokens as the trainer cut them; 1 on labelled tokens when it has none."""
+        given = row.get(WEIGHTS)
+        if given is None:
+            if "labels" not in row:
+                raise KeyError(f"row {r} has neither labels nor loss_weights; label every row")
+            return (np.asarray(row["labels"], dtype=np.int64) != self.ignore_index).astype(np.float32)
+        weights = np.asarray(given.cpu() if hasattr(given, "cpu") else given, dtype=np.float32).reshape(-1)
+        if len(weights) < n:
+            raise ValueError(f"row {r} has {len(weights)} loss_weights for {n} input_ids; pass one weight per token")
+        weights = weights[:n] if self.truncation_mode == "keep_start" else weights[len(weights) - n:]
+        if not (np.isfinite(weights) & (weights >= 0)).all():
+            raise ValueError(f"row {r} holds a loss weight that is negative or not finite; weights must be finite and >= 0")
+        return weights

@@ -9,6 +9,10 @@ Parquet), batches from ``lossmask.mlx.iterate_batches`` and the loss from ``loss
 so every assistant turn trains and nothing else does. Each split's drop report is printed as
 ``lossmask mask`` prints it.
 
+A split with a ``loss_weights`` column (``lossmask mask`` Parquet, or its columns as JSONL rows)
+trains each token with its own weight: the loss is sum(w * nll) / sum(w) (``--per-sequence-loss``:
+the mean of each row's weighted mean), and mlx-lm's "trained tokens" count is then the weight sum.
+
 Differences from ``mlx_lm lora`` (besides the masks): prompts are always masked, so ``mask_prompt``
 changes nothing (``--last-turn-only`` trains only the last assistant turn, which is what mlx-lm's
 ``--mask-prompt`` trains); text rows train every token; ``--data`` must be a local folder.
@@ -30,7 +34,7 @@ from typing import Any, Sequence
 from .options import DEFAULT_MAX_DROP_FRACTION
 
 # lossmask's own settings, on the command line or in the YAML file (with underscores), and their defaults
-DEFAULTS = {"markers": None, "last_turn_only": False, "prompt_loss_weight": 0.0,
+DEFAULTS = {"markers": None, "last_turn_only": False, "prompt_loss_weight": 0.0, "per_sequence_loss": False,
             "max_drop_fraction": DEFAULT_MAX_DROP_FRACTION}
 
 
@@ -56,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--last-turn-only", action="store_true", default=None,
                        help="train only the last assistant turn of each row (what mlx-lm's --mask-prompt trains)")
     group.add_argument("--prompt-loss-weight", type=float, metavar="W",
-                       help="weight of the other real tokens in the loss (default 0: only assistant turns count)")
+                       help="weight of the other real tokens in the loss (default 0: only assistant turns count); "
+                            "a split with a loss_weights column uses its own weights instead")
+    group.add_argument("--per-sequence-loss", action="store_true", default=None,
+                       help="average each row's (weighted) mean loss over the rows, instead of over all trained tokens")
     group.add_argument("--max-drop-fraction", type=float, metavar="F",
                        help=f"stop when more than F of a split's rows train nothing (default {DEFAULT_MAX_DROP_FRACTION})")
     return parser
@@ -118,7 +125,7 @@ def run(args: types.SimpleNamespace, *, training_callback: Any = None) -> None:
     train_set, valid_set, test_set = load_splits(args, tokenizer)
     if args.test and not test_set:
         raise ValueError(f"--test needs a test split: {args.data} has no test.jsonl (or test.parquet)")
-    loss = lm.make_loss(prompt_loss_weight=args.prompt_loss_weight)
+    loss = lm.make_loss(prompt_loss_weight=args.prompt_loss_weight, per_sequence=bool(args.per_sequence_loss))
     if args.train:
         print("Training", flush=True)
         train_model(args, model, train_set, valid_set, loss=loss, training_callback=training_callback)
@@ -161,6 +168,11 @@ def load_splits(args: types.SimpleNamespace, tokenizer: Any) -> tuple:
             lines = report.summary().splitlines()
             if split is not splits[0]:  # the markers once, with the train split
                 lines = [line for line in lines if not line.startswith("markers")]
+            if split.weight_values is not None:
+                lines.append(f"loss weights: the split's loss_weights column (weight sum {float(split.weight_values.sum()):g}); "
+                             "the loss is sum(w * nll) / sum(w)")
+                if args.prompt_loss_weight:
+                    lines.append("prompt_loss_weight changes nothing on this split: its loss_weights say each token's weight")
             print(f"lossmask: {split.name}\n  " + "\n  ".join(lines), flush=True)
     return splits
 

@@ -9,7 +9,9 @@ What it does differently from mlx-lm's own path:
 
 - every assistant turn of a multi-turn row trains (per-token masks from the engine, on the batch, in
   MLX), where mlx-lm's ``--mask-prompt`` trains only the last message (``last_turn_only=True`` does that);
-- a split may also be ``lossmask mask`` output (``train.parquet`` with ``input_ids`` / ``labels``);
+- a split may also be ``lossmask mask`` output (``train.parquet`` with ``input_ids`` / ``labels``, or
+  the same columns as JSONL rows); a ``loss_weights`` column (a float per token) weights the loss:
+  sum(w * nll) / sum(w);
 - padding targets are excluded from the loss (mlx-lm's ``default_loss`` counts one pad target per
   padded row);
 - batch widths are bucketed (8 widths per power of two) so that the compiled step recompiles rarely;
@@ -80,13 +82,15 @@ class MaskedDataset:
     of them raises ``TooManyDroppedRows`` with the likely cause. ``dataset[i]`` is
     ``(tokens, 0)`` as mlx-lm's datasets give it. ``data_mask`` (from ``ChatTokenizer.encode_chats``'s
     ``in_content``) marks message-text tokens, which no marker may match; pre-tokenised rows have
-    none, so there a marker's text inside a message acts as the marker.
+    none, so there a marker's text inside a message acts as the marker. ``loss_weights`` (a float >= 0 per
+    token, as ``lossmask mask`` writes them) weight each token's loss and say what trains (weight > 0);
+    the batches then carry them (``weight_values`` holds them, row after row).
     """
 
     def __init__(self, input_ids: Any, markers: Markers | None, *, mask_prompt: bool = True, drop_untrained: bool = True,
                  max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION, last_turn_only: bool = False,
                  labels: Any = None, ignore_index: int = -100, name: str = "dataset",
-                 data_mask: np.ndarray | None = None):
+                 data_mask: np.ndarray | None = None, loss_weights: Any = None):
         if mask_prompt and labels is None and not isinstance(markers, Markers):
             raise TypeError(f"{name}: mask_prompt=True needs markers (a lossmask.Markers, e.g. lossmask.detect_markers(tokenizer))")
         array = _as_rows(input_ids)
@@ -97,7 +101,12 @@ class MaskedDataset:
         rows = buffers.rows_from_arrow(array)
         lengths = rows.lengths.astype(np.int64)
         trained = None  # per-token trained flags, when the rows came with labels
-        if labels is not None:
+        weights = None if loss_weights is None else _weights_from_column(loss_weights, lengths, name)
+        if weights is not None:  # the weights say what trains (labels, when given, agree with them)
+            trained = weights > 0
+            self.counts = _counts_from_trained(array, trained, lengths, markers)
+            keep = _trained_per_row(trained, lengths) > 0
+        elif labels is not None:
             trained = _trained_from_labels(_as_rows(labels), lengths, ignore_index, name)
             self.counts = _counts_from_trained(array, trained, lengths, markers)
             keep = _trained_per_row(trained, lengths) > 0
@@ -116,6 +125,8 @@ class MaskedDataset:
         if drop_untrained and not keep.all():
             if trained is not None:
                 trained = trained[np.repeat(keep, lengths)]
+            if weights is not None:
+                weights = weights[np.repeat(keep, lengths)]
             array = array.filter(pa.array(keep))
             rows = buffers.rows_from_arrow(array)
             lengths = rows.lengths.astype(np.int64)
@@ -123,6 +134,7 @@ class MaskedDataset:
         self.values = _compact(rows, lengths).astype(np.int32)
         self.lengths = lengths
         self.trained_values = trained
+        self.weight_values = weights
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -167,6 +179,29 @@ def _counts_from_trained(array: pa.Array, trained: np.ndarray, lengths: np.ndarr
         why = np.asarray(label_batch(array.take(pa.array(untrained)), markers).outcomes)
         outcomes[untrained] = np.where(why == Outcome.TRAINED, Outcome.NO_RESPONSE, why)
     return OutcomeCounts.from_rows(outcomes.astype(np.int8), per_row, lengths)
+
+
+def _weights_from_column(column: Any, lengths: np.ndarray, name: str) -> np.ndarray:
+    """Flat float32 per-token weights from a ``loss_weights`` column (lists of floats), checked against the ids."""
+    import pyarrow.compute as pc
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if not isinstance(column, pa.Array):
+        column = pa.array(list(column), type=pa.large_list(pa.float32()))
+    column = column.cast(pa.large_list(pa.float32()))
+    given = np.asarray(pc.list_value_length(column).fill_null(0), dtype=np.int64)
+    if not np.array_equal(given, lengths):
+        r = int(np.flatnonzero(given != lengths)[0])
+        raise ValueError(f"{name} row {r} has {int(given[r])} loss_weights for {int(lengths[r])} input_ids; "
+                         "loss_weights must align with input_ids (as `lossmask mask` writes them)")
+    values = np.asarray(pc.list_flatten(column).to_numpy(zero_copy_only=False), dtype=np.float32)
+    bad = np.flatnonzero(~(np.isfinite(values) & (values >= 0)))
+    if bad.size:
+        r = int(np.searchsorted(np.cumsum(lengths), bad[0], side="right"))
+        raise ValueError(f"{name} row {r} holds the loss weight {float(values[bad[0]])}; weights must be finite and >= 0 "
+                         "(0 drops the token)")
+    return values
 
 
 def _compact(rows, lengths: np.ndarray) -> np.ndarray:
@@ -249,7 +284,8 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
             for row in rows
         ]
     else:
-        conversations = [{"messages": row[features.chat], "tools": row.get(features.tools)} for row in rows]
+        conversations = [{"messages": messages, "tools": row.get(features.tools)}
+                         for row, messages in zip(rows, _shaped(rows, ct, features, name))]
     encoded = ct.encode_chats(conversations, special_tokens_in_content=special_tokens_in_content)
     if encoded.errors:
         row, message = encoded.errors[0]
@@ -261,6 +297,22 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
             "Fix or remove them (a message the chat template does not render would leave its turn mislabelled)"
         )
     return encoded.input_ids, first, encoded.in_content
+
+
+def _shaped(rows, ct, features, name) -> list:
+    """The chats after the default conversation-shape policy of ``lossmask mask`` (docs/inputs.md): repeated roles
+    merged, a leading assistant message and empty messages dropped. Phi-3 trains the second of two user messages
+    and DeepSeek-V3.1 leaves an opening assistant message untrained when the template sees them as they are."""
+    from .chat.shapes import normalise_shapes, takes_content_parts
+    from .options import MaskOptions
+
+    shaped = normalise_shapes([row[features.chat] for row in rows], MaskOptions(), takes_parts=takes_content_parts(ct))
+    refused = [(r, message) for r, message in shaped.invalid] + [(r, message) for r, _, message in shaped.dropped]
+    if refused:
+        row, message = min(refused)
+        raise ValueError(f"{name}: {len(refused)} rows hold no conversation to train on; first: row {row}: {message}. "
+                         "Fix or remove them (lossmask mask drops and counts such rows)")
+    return shaped.conversations
 
 
 def load_dataset(
@@ -311,8 +363,8 @@ def load_dataset(
         options = dict(mask_prompt=mask_prompt, last_turn_only=last_turn_only, drop_untrained=drop_untrained,
                        max_drop_fraction=max_drop_fraction, name=str(path))
         if path.suffix == ".parquet":
-            ids, labels = read_parquet(path)
-            out.append(MaskedDataset(ids, markers, labels=labels, **options))
+            ids, labels, weights = _read_token_table(path)
+            out.append(MaskedDataset(ids, markers, labels=labels, loss_weights=weights, **options))
             continue
         try:
             rows = read_jsonl(path)
@@ -320,6 +372,10 @@ def load_dataset(
             if split == "train" or "has no rows" not in str(exc):
                 raise
             raise ValueError(f"{exc}, or remove the file to go without a {split} split") from None
+        if TOKENS in rows[0]:  # `lossmask mask` output as JSON lines: input_ids, labels, loss_weights
+            ids, labels, weights = _token_columns(rows, str(path))
+            out.append(MaskedDataset(ids, markers, labels=labels, loss_weights=weights, **options))
+            continue
         ids, _, in_content = _tokenize_rows(rows, tokenizer, features=features, mask_prompt=mask_prompt,
                                             name=str(path), special_tokens_in_content=special_tokens_in_content)
         out.append(MaskedDataset(ids, markers, data_mask=in_content, **options))
@@ -336,18 +392,39 @@ def split_file(folder: Path, split: str) -> Path | None:
 
 def read_parquet(path: str | Path) -> tuple[pa.Array, pa.Array | None]:
     """``input_ids`` and ``labels`` (None when absent) of a Parquet file, as ``lossmask mask`` writes it."""
+    ids, labels, _ = _read_token_table(path)
+    return ids, labels
+
+
+TOKENS, LABELS, WEIGHTS = "input_ids", "labels", "loss_weights"
+
+
+def _read_token_table(path: str | Path) -> tuple[pa.Array, pa.Array | None, pa.Array | None]:
+    """``input_ids``, ``labels`` and ``loss_weights`` (None when absent) of a Parquet file."""
     import pyarrow.parquet as pq
 
     names = pq.read_schema(path).names
-    if "input_ids" not in names:
+    if TOKENS not in names:
         raise ValueError(f"{path} has columns {names} but no input_ids; write it with `lossmask mask` "
                          "(or pass JSONL rows: messages, prompt/completion or text)")
-    table = pq.read_table(path, columns=[c for c in ("input_ids", "labels") if c in names])
-    ids = table.column("input_ids").combine_chunks()
-    labels = table.column("labels").combine_chunks() if "labels" in names else None
+    table = pq.read_table(path, columns=[c for c in (TOKENS, LABELS, WEIGHTS) if c in names])
     if table.num_rows == 0:
         raise ValueError(f"{path} has no rows")
-    return ids, labels
+    ids, labels, weights = (table.column(c).combine_chunks() if c in names else None for c in (TOKENS, LABELS, WEIGHTS))
+    return ids, labels, weights
+
+
+def _token_columns(rows: Sequence[dict], name: str) -> tuple[pa.Array, list | None, list | None]:
+    """``input_ids``, ``labels`` and ``loss_weights`` of tokenised JSONL rows; every row holds the same keys."""
+    columns = [c for c in (TOKENS, LABELS, WEIGHTS) if c in rows[0]]
+    for index, row in enumerate(rows):
+        if [c for c in (TOKENS, LABELS, WEIGHTS) if c in row] != columns:
+            raise ValueError(f"{name} row {index} has keys {sorted(row)} but row 0 has {columns}; "
+                             "give every tokenised row the same input_ids / labels / loss_weights keys")
+    ids = buffers.rows_from_pylist([row[TOKENS] for row in rows])
+    labels = buffers.rows_from_pylist([row[LABELS] for row in rows]) if LABELS in columns else None
+    weights = [row[WEIGHTS] for row in rows] if WEIGHTS in columns else None
+    return ids, labels, weights
 
 
 # -- batches and loss ----------------------------------------------------------------------------
@@ -372,7 +449,8 @@ def iterate_batches(
     the groups come in random order: from ``seed`` when given, else from NumPy's global generator, so
     ``np.random.seed(s)`` (what ``mlx_lm lora --seed`` does) fixes it, as in mlx-lm; ``loop=False`` stops after one pass. Rows longer
     than ``max_seq_length`` are cut there (and labelled as cut). ``trained`` comes from the MLX
-    engine on the batch itself.
+    engine on the batch itself. A dataset with ``loss_weights`` yields a fourth array, ``weights``
+    ([B, W] float32, 0 on padding), which ``make_loss``'s loss takes.
     """
     if isinstance(dataset, list) and not dataset:
         raise ValueError(
@@ -419,35 +497,53 @@ def _batch(dataset: MaskedDataset, rows: np.ndarray, max_seq_length: int):
         trained = mlx_kernel.trained_padded(tokens, lengths_mx, dataset.markers, last_turn_only=dataset.last_turn_only)
     else:
         trained = mx.arange(width)[None, :] < lengths_mx[:, None]
-    return tokens, trained, lengths_mx
+    if dataset.weight_values is None:
+        return tokens, trained, lengths_mx
+    weights = np.zeros((len(rows), width), dtype=np.float32)
+    weights[row, col] = dataset.weight_values[np.repeat(dataset.offsets[rows], lengths) + col]
+    return tokens, trained, lengths_mx, mx.array(weights)
 
 
-def make_loss(*, prompt_loss_weight: float = 0.0):
-    """A loss ``(model, tokens, trained, lengths) -> (loss, n)`` for mlx-lm's ``train`` / ``evaluate``.
+def make_loss(*, prompt_loss_weight: float = 0.0, per_sequence: bool = False):
+    """A loss ``(model, tokens, trained, lengths[, weights]) -> (loss, n)`` for mlx-lm's ``train`` / ``evaluate``.
 
     The mean next-token cross-entropy over trained targets; with ``prompt_loss_weight`` = w > 0, the
     other real targets (prompt, system, tool output) count with weight w and ``n`` is the weight sum.
-    Padding targets never count.
+    Batches with ``weights`` (a split with ``loss_weights``) are weighted by them instead: each target
+    by its own weight, sum(w * nll) / sum(w), ``n`` = sum(w). Padding targets never count.
+    ``per_sequence=True``: the mean over rows of each row's weighted mean (a long answer counts as
+    much as a short one), and ``n`` is the number of rows that train, so that mlx-lm's ``evaluate``
+    averages over rows too.
     """
     if isinstance(prompt_loss_weight, bool) or not isinstance(prompt_loss_weight, (int, float)) or not (
         0.0 <= prompt_loss_weight <= 1.0
     ):
         raise ValueError(f"prompt_loss_weight={prompt_loss_weight!r}; pass a float in [0, 1] (0 drops prompt tokens)")
     weight = float(prompt_loss_weight)
+    per_row = bool(per_sequence)
 
-    def loss(model, tokens, trained, lengths):
+    def loss(model, tokens, trained, lengths, weights=None):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         logits = model(inputs)
         target_trained = trained[:, 1:]
-        if weight == 0.0:
-            weights = target_trained.astype(mx.float32)
+        if weights is not None:
+            w = weights[:, 1:].astype(mx.float32)
+            n = w.sum()
+        elif weight == 0.0:
+            w = target_trained.astype(mx.float32)
             n = target_trained.sum()
         else:
             real = mx.arange(1, tokens.shape[1])[None, :] < lengths[:, None]
-            weights = mx.where(target_trained, 1.0, mx.where(real, weight, 0.0)).astype(mx.float32)
-            n = weights.sum()
-        ce = nn.losses.cross_entropy(logits, targets) * weights
-        return ce.astype(mx.float32).sum() / mx.maximum(n, 1), n
+            w = mx.where(target_trained, 1.0, mx.where(real, weight, 0.0)).astype(mx.float32)
+            n = w.sum()
+        ce = (nn.losses.cross_entropy(logits, targets) * w).astype(mx.float32)
+        if per_row:
+            mass = w.sum(axis=1)
+            live = mass > 0
+            means = mx.where(live, ce.sum(axis=1) / mx.where(live, mass, 1.0), 0.0)
+            rows = live.sum()
+            return means.sum() / mx.maximum(rows, 1), rows
+        return ce.sum() / mx.where(n > 0, n, 1), n
 
     return loss
 

@@ -197,22 +197,24 @@ def render_chats(tok, chats: list) -> tuple[list[str | None], list[tuple[int, st
     are rendered one by one so that only the rows the template rejects are lost, each with its message.
     Returns the text per chat (None where rejected) and ``(index, message)`` per rejected chat.
     """
+    from .render import bounded_rendering
     from .tokenizer import ChatTemplateError
 
     texts: list[str | None] = [None] * len(chats)
+    errors: list[tuple[int, str]] = []
     plain = [i for i, chat in enumerate(chats) if not isinstance(chat, dict)]
     if plain:
         try:
-            batch = tok.tokenizer.apply_chat_template(
-                [chats[i] for i in plain], chat_template=tok.template_for(), tokenize=False, add_generation_prompt=False,
-                **tok.template_kwargs,
-            )
-        except Exception:  # some row is rejected: find which, row by row below
+            with bounded_rendering():
+                batch = tok.tokenizer.apply_chat_template(
+                    [chats[i] for i in plain], chat_template=tok.template_for(), tokenize=False,
+                    add_generation_prompt=False, **tok.template_kwargs,
+                )
+        except Exception:  # some row is rejected or over a render bound: find which, row by row (bounded) below
             batch = None
         if isinstance(batch, list) and len(batch) == len(plain) and all(isinstance(t, str) for t in batch):
             for i, text in zip(plain, batch):
                 texts[i] = text
-    errors: list[tuple[int, str]] = []
     for i, chat in enumerate(chats):
         if texts[i] is not None:
             continue

@@ -24,10 +24,18 @@ argument above that size is refused before the call allocates (``'x'.ljust(10**9
 whose result would be that large. A row over a bound raises ``RenderLimitError`` naming the limit, and
 the job counts it ``invalid`` with that reason. All of it runs in this process, in the rendering thread:
 no thread or process is killed.
+
+The bounds hold on every path, not only the direct one: ``bounded_rendering()`` makes transformers compile
+chat templates into this sandbox for the calls made inside it (a context variable, so other threads and
+callers outside lossmask keep transformers' own), and ``ChatTokenizer.render`` and the batch render of
+``encode_batch`` call ``apply_chat_template`` inside it. So rows with tools, chats given as Python objects
+(``encode_chats``), and the probes of ``detect`` and ``verify`` are held to the same limits, through
+``apply_chat_template``'s own preparation of the chat.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import time
@@ -91,9 +99,13 @@ def _ticks(iterable: Any):
 
 @functools.lru_cache(maxsize=1)
 def _bounded_environment_class():
-    from jinja2 import nodes
+    from jinja2 import Template, nodes
     from jinja2.compiler import CodeGenerator
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedTemplate(Template):
+        def render(self, *args, **kwargs):  # what transformers calls: held to the bounds like ours
+            return render_bounded(self, **dict(*args, **kwargs))
 
     class Generator(CodeGenerator):
         def visit_Concat(self, node, frame):  # '~' joins strings without a binop: held to the size too
@@ -103,6 +115,7 @@ def _bounded_environment_class():
 
     class BoundedSandbox(ImmutableSandboxedEnvironment):
         code_generator_class = Generator
+        template_class = BoundedTemplate
         intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
         sized = staticmethod(_sized)
 
@@ -136,17 +149,48 @@ def _bounded_environment_class():
 @functools.lru_cache(maxsize=16)
 def bounded_template(template: str) -> Any:
     """``template`` compiled as transformers compiles it, in a sandbox that keeps the bounds above."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
     # transformers' environment, from an empty template: compiling the row's template there would fold its
     # constants unbounded ('x' | center(10**9) is computed while compiling)
-    reference = _compile_jinja_template("").environment
+    reference = _transformers_compile()("").environment
     env = _bounded_environment_class()(trim_blocks=reference.trim_blocks, lstrip_blocks=reference.lstrip_blocks,
                                        extensions=[type(e) for e in reference.extensions.values()])
     env.filters.update({name: _bounded_filter(f) for name, f in reference.filters.items()})
     env.globals.update(reference.globals)
     env.globals["__lossmask_ticks"] = _ticks
     return env.from_string(template)
+
+
+_BOUNDED: contextvars.ContextVar[bool] = contextvars.ContextVar("lossmask_bounded_rendering", default=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _transformers_compile():
+    """transformers' own template compiler; the first call puts ``_compile_or_bound`` in its place."""
+    from transformers.utils import chat_template_utils
+
+    original = chat_template_utils._compile_jinja_template
+    chat_template_utils._compile_jinja_template = functools.wraps(original)(
+        lambda chat_template: bounded_template(chat_template) if _BOUNDED.get() else original(chat_template))
+    return original
+
+
+@contextlib.contextmanager
+def bounded_rendering():
+    """Within this block (this thread or task only), ``apply_chat_template`` renders in the bounded sandbox.
+
+    Without transformers' private compiler (another version) the block changes nothing: the direct
+    renderer is off too then, so that a job says why in its warning.
+    """
+    try:
+        _transformers_compile()
+    except (ImportError, AttributeError):
+        yield
+        return
+    token = _BOUNDED.set(True)
+    try:
+        yield
+    finally:
+        _BOUNDED.reset(token)
 
 
 def render_bounded(template: Any, **variables: Any) -> str:

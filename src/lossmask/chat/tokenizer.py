@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from .render import ChatTemplateError  # noqa: F401  (raised here too; importers name it from either)
+from .render import ChatTemplateError, bounded_rendering  # ChatTemplateError raised here too; importers name it from either
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -178,16 +178,19 @@ class ChatTokenizer:
         add_generation_prompt: bool = False,
         **template_kwargs: Any,
     ) -> str:
-        """The text the chat template writes for ``messages`` (raises ``ChatTemplateError``)."""
+        """The text the chat template writes for ``messages`` (raises ``ChatTemplateError``).
+
+        Held to ``render.MAX_RENDER_SECONDS`` and ``MAX_RENDER_CHARS`` (``RenderLimitError``)."""
         try:
-            text = self.tokenizer.apply_chat_template(
-                list(messages),
-                tools=list(tools) if tools else None,
-                chat_template=self.template_for(tools=tools),
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **{**self.template_kwargs, **template_kwargs},
-            )
+            with bounded_rendering():
+                text = self.tokenizer.apply_chat_template(
+                    list(messages),
+                    tools=list(tools) if tools else None,
+                    chat_template=self.template_for(tools=tools),
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    **{**self.template_kwargs, **template_kwargs},
+                )
         except ChatTemplateError:
             raise
         except Exception as exc:  # jinja2 TemplateError, raise_exception(), KeyError in templates...
