@@ -186,3 +186,40 @@ def load_script(path: Path):
     sys.modules.setdefault(path.stem, module)
     spec.loader.exec_module(module)
     return module
+
+
+# -- vision-language processors (issue 21): a real tokenizer + our image-processor config and template -----
+
+VISION = FIXTURES / "vision"
+VISION_FAMILIES = {"qwen2-vl": "qwen2.5", "gemma-3": "gemma-3", "llava": "llama-2"}  # fixture -> its tokenizer family
+
+
+def vision_processor_dir(family: str, out: Path) -> Path:
+    """A processor folder for ``family`` in ``out``: the family's real tokenizer (``tokenizer_path``) with the
+    image-processor config (and, where the tokenizer's own template has no image handling, the model's VL chat
+    template) kept in ``tests/fixtures/vision/<family>``; ``added_tokens.json`` there names the tokens the model adds
+    to its base vocabulary (LLaVA's ``<image>``), added at those ids. Loads offline; skips like ``tokenizer_path``."""
+    import json
+    import shutil
+
+    folder = out / family
+    if not (folder / "preprocessor_config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        for file in tokenizer_path(VISION_FAMILIES[family]).iterdir():
+            if file.is_file():
+                shutil.copy(file, folder / file.name)
+        added = VISION / family / "added_tokens.json"
+        if added.is_file():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            wanted = json.loads(added.read_text(encoding="utf-8"))
+            for token, at in sorted(wanted.items(), key=lambda item: item[1]):
+                assert len(tokenizer) == at, f"{token} would not land at id {at}"
+                tokenizer.add_special_tokens({"pad_token": token} if token == "<pad>" else
+                                             {"additional_special_tokens": [token]}, replace_extra_special_tokens=False)
+            tokenizer.save_pretrained(folder)
+        for file in (VISION / family).iterdir():
+            if file.is_file() and file.name != "added_tokens.json":
+                shutil.copy(file, folder / file.name)
+    return folder

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import_graph = load_script(ROOT / "tools" / "import_graph.py")
 
 # The faces: what users import and run. They may import any stage below and each other (without circles).
-FACES = {"lossmask", "__main__", "cli", "collator", "example", "hf", "lora", "mlx", "ray", "show"}
+FACES = {"lossmask", "__main__", "cli", "collator", "example", "hf", "lora", "mlx", "ray", "show", "vision"}
 # Each stage may import the stages listed for it, and itself; nothing else of lossmask.
 MAY_IMPORT = {
     "options": set(),  # the one options object every stage reads: it imports nothing of lossmask

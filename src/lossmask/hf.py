@@ -105,7 +105,9 @@ def _resolve(markers, chat, *, model_name, strict, response_part, instruction_pa
                                                                response_part=response_part, instruction_part=instruction_part),
                                  model_name=model_name, strict=strict, response_part=response_part,
                                  instruction_part=instruction_part)
-    return resolution.markers, resolution.source, tuple(resolution.messages)
+    from .markers.media import with_media
+
+    return with_media(resolution.markers, chat), resolution.source, tuple(resolution.messages)
 
 
 @dataclass
@@ -249,6 +251,11 @@ def train_on_responses_only(
     from .jobs.stream import load_chat_tokenizer
 
     chat = load_chat_tokenizer(tok)
+    if chat.processor is not None:  # this drop-in's collator pads token ids: the images would never reach the model
+        raise ValueError(
+            f"{chat.name!r} is a vision-language processor; train_on_responses_only installs a text collator that would "
+            "drop the images. Pass data_collator=lossmask.vision.VisionCollator(processor) to the trainer instead, with "
+            "SFTConfig(remove_unused_columns=False, dataset_kwargs={'skip_prepare_dataset': True})")
     resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
                                           response_part=response_part, instruction_part=instruction_part)
     options = MaskOptions.resolve(options, **option_fields)

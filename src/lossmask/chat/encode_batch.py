@@ -44,6 +44,8 @@ class EncodedBatch:
     special_example: str | None = None
     shapes: dict[str, int] = field(default_factory=dict)  # rows the shape policy changed, per shape (shapes.py)
     roles: Any = None  # encode_rendered.RoleTokens of the rows whose role invariant is to be checked
+    media: Any = None  # rows rendered through a processor: its outputs for their images (chat/media.py)
+    media_ids: tuple[int, ...] = ()  # ... and the ids of the media tokens (never trained)
 
 
 def chat_tokenizer(tokenizer: Any):
@@ -372,6 +374,11 @@ def _struct_messages(column: pa.Array) -> list[list[dict] | None]:
         messages = [{name: value for name, value in zip(names, values) if value is not None} for values in zip(*fields)]
     else:
         messages = [{} for _ in range(len(structs))]
+    for message in messages:  # content parts too: a text part must not carry an ``image: null`` key
+        content = message.get("content")
+        if type(content) is list and content and type(content[0]) is dict:
+            message["content"] = [{k: v for k, v in part.items() if v is not None} if type(part) is dict else part
+                                  for part in content]
     if structs.null_count:  # a null message stays None (the template rejects the row)
         for i in np.flatnonzero(structs.is_null().to_numpy(zero_copy_only=False)):
             messages[i] = None

@@ -80,8 +80,11 @@ class ChatTokenizer:
 
     Build one with ``lossmask.load_tokenizer``. ``tokenizer`` is the Hugging Face fast tokenizer that
     gives ids and offsets; ``template_owner`` is the object whose chat template renders (the tokenizer
-    itself, or a processor).
+    itself, or a processor). ``processor``: the processor it was built over (None for a tokenizer): its image
+    expansion is used for chats with images (``chat/media.py``).
     """
+
+    processor: Any = None
 
     def __init__(
         self,
@@ -378,13 +381,24 @@ def load_tokenizer(
     if isinstance(obj, ChatTokenizer):
         if template_name is None and template_kwargs is None:
             return obj
-        return ChatTokenizer(
+        again = ChatTokenizer(
             obj.tokenizer, chat_template=obj.templates, name=obj.name,
             template_name=template_name if template_name is not None else obj.template_name,
             template_kwargs={**obj.template_kwargs, **(template_kwargs or {})},
         )
+        again.processor = obj.processor
+        return again
     if isinstance(obj, (str, os.PathLike)):
         path = os.fspath(obj)
+        from .media import holds_processor, load_processor
+
+        if holds_processor(path):  # a processor's folder: its template and its image expansion
+            try:
+                processor = load_processor(path)
+            except Exception as exc:
+                raise ValueError(f"could not load the processor in {path!r} offline ({type(exc).__name__}: {exc}); pass "
+                                 "a folder holding its tokenizer and preprocessor_config.json, or a loaded processor") from exc
+            return _over_processor(processor, path, template_name, template_kwargs)
         try:
             from transformers import AutoTokenizer
         except ImportError:  # pragma: no cover - depends on the environment
@@ -405,11 +419,24 @@ def load_tokenizer(
     # processor: template on the processor, ids from .tokenizer
     inner = getattr(obj, "tokenizer", None)
     if inner is not None and hasattr(inner, "apply_chat_template") and not hasattr(obj, "convert_tokens_to_ids"):
-        template = getattr(obj, "chat_template", None) or inner.chat_template
-        return ChatTokenizer(inner, chat_template=template, template_name=template_name, template_kwargs=template_kwargs)
+        return _over_processor(obj, None, template_name, template_kwargs)
     if hasattr(obj, "apply_chat_template") and hasattr(obj, "convert_tokens_to_ids"):
         return ChatTokenizer(obj, template_name=template_name, template_kwargs=template_kwargs)
     raise TypeError(
         f"cannot use a {type(obj).__name__} as a tokenizer; pass a Hugging Face fast tokenizer, a processor, "
         "an mlx-lm TokenizerWrapper, or the path of a tokenizer folder"
     )
+
+
+def _over_processor(processor: Any, name: str | None, template_name, template_kwargs) -> ChatTokenizer:
+    """A ``ChatTokenizer`` over a processor: its template renders, its ``.tokenizer`` gives the ids, and (when it
+    has an image processor) it expands images."""
+    from .media import is_processor
+
+    inner = processor.tokenizer
+    template = getattr(processor, "chat_template", None) or inner.chat_template
+    ct = ChatTokenizer(inner, chat_template=template, name=name, template_name=template_name,
+                       template_kwargs=template_kwargs)
+    if is_processor(processor):
+        ct.processor = processor
+    return ct

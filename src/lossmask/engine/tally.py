@@ -32,6 +32,7 @@ class Tally:
     drop_causes: dict[str, int] = field(default_factory=dict)  # dropped rows by what they show (outcomes.CAUSES)
     drop_examples: dict[str, tuple[int, list[int], list[int]]] = field(default_factory=dict)  # cause -> (row, ids, labels)
     shapes: dict[str, int] = field(default_factory=dict)  # rows the conversation-shape policy changed, per shape
+    media_tokens: int = 0  # image tokens of the rows labelled (placeholders, expansions, begin/end): never trained
 
     def __add__(self, other: "Tally") -> "Tally":
         seconds = dict(self.seconds)
@@ -53,6 +54,7 @@ class Tally:
                          for c in self.drop_causes | other.drop_causes},
             drop_examples={**other.drop_examples, **self.drop_examples},
             shapes={k: self.shapes.get(k, 0) + other.shapes.get(k, 0) for k in self.shapes | other.shapes},
+            media_tokens=self.media_tokens + other.media_tokens,
         )
 
     def add_invalid(self, row: int, message: str) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..chat.encode_batch import encode_table
+from ..chat.encode_media import encode_rows
 from ..engine.buffers import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
 from ..engine.labels import label_batch
 from ..engine.outcomes import CAUSES, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts, classify_drops
@@ -163,13 +163,16 @@ def mask_batch(
             )
         started = time.perf_counter()
         if encoded is None:
-            encoded = encode_table(tokenizer, table, kind, options, first_row=first_row, markers=markers)
+            encoded = encode_rows(tokenizer, table, kind, options, first_row=first_row, markers=markers)
         for row, message in encoded.errors:
             tally.add_invalid(row, message)
         for row, reason, message in encoded.dropped:
             tally.add_rejected(row, reason, message)
         tally.add_special(encoded.special_rows, encoded.special_example)
         tally.add_shapes(getattr(encoded, "shapes", None) or {})
+        if getattr(encoded, "media_ids", ()):  # chats through a processor: their image tokens, counted apart
+            values = encoded.input_ids.values.to_numpy(zero_copy_only=False)
+            tally.media_tokens += int(np.isin(values, np.asarray(encoded.media_ids, dtype=values.dtype)).sum())
         tally.time("tokenize", time.perf_counter() - started)
         for stage, seconds in encoded.seconds.items():
             tally.time(stage, seconds)

@@ -45,6 +45,7 @@ class MaskReport:
     tokens_dropped: int = 0  # tokens of the removed rows (0 with keep_dropped): tokens_in - tokens_dropped were written
     marker_texts: dict[str, list[str]] | None = None  # each marker pattern decoded, when a tokenizer was at hand
     shapes: dict[str, int] = field(default_factory=dict)  # rows the conversation-shape policy changed, per shape
+    media_tokens: int = 0  # of tokens_in: image tokens (chats through a processor), never trained
 
     @classmethod
     def build(
@@ -87,6 +88,7 @@ class MaskReport:
             tokens_dropped=0 if keep_dropped else tally.tokens_dropped,
             marker_texts=None if markers is None or decode is None else marker_texts(markers.to_dict(), decode),
             shapes={shape: rows for shape, rows in tally.shapes.items() if rows},
+            media_tokens=tally.media_tokens,
         )
         if report.rows_in != report.rows_out + report.rows_dropped:
             raise AssertionError(  # a bug in lossmask, never the user's data
@@ -125,6 +127,7 @@ class MaskReport:
             "special_tokens_example": self.special_tokens_example,
             "dropped_examples": list(self.dropped_examples),
             "shapes": dict(self.shapes),
+            **({"media_tokens": self.media_tokens} if self.media_tokens else {}),  # only for chats with images
         }
 
     def to_json(self, path: str | os.PathLike | None = None, *, indent: int | None = 2) -> str:
@@ -175,6 +178,9 @@ class MaskReport:
         if self.tokens_dropped:
             line += f"; the dropped rows held {self.tokens_dropped:,} more"
         lines.append(line)
+        if self.media_tokens:
+            lines.append(f"media tokens (images, never trained): {self.media_tokens:,} of the {self.tokens_in:,} tokens "
+                         f"in; text tokens: {self.tokens_in - self.media_tokens:,}")
         if self.markers is None and self.markers_source == "position":
             lines.append("markers: none needed, prompt tokens are masked by position")
         elif self.markers is None:

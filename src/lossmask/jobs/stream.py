@@ -355,7 +355,8 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
     the next batches render: here (one process), or in ``num_proc - 1`` worker processes and here. The caller takes
     ``.result()``, where an error about a row is named by its file and line."""
     batches = _timed_reads(_batches(dataset, batch_size, source), tally)
-    if num_proc == 1 and (not renders or tokenizer is None):
+    vision = getattr(tokenizer, "processor", None) is not None  # images expand in the batch step, in this process
+    if vision or (num_proc == 1 and (not renders or tokenizer is None)):
         first_row = 0
         for batch in batches:
             yield batch, first_row, None
@@ -456,7 +457,15 @@ def is_text_pairs(schema: pa.Schema, options: MaskOptions) -> bool:
 
 
 def resolve_job_markers(markers: Any, *, tokenizer: Any, model_name: str | None, strict: bool):
-    """``(Markers or None, where they came from, messages for the user)`` for a job."""
+    """``(Markers or None, where they came from, messages for the user)`` for a job; a processor's media tokens are
+    added to ``mask_out`` (``markers.media``), however the markers came."""
+    from ..markers.media import with_media
+
+    resolved, source, messages = _resolve_job_markers(markers, tokenizer=tokenizer, model_name=model_name, strict=strict)
+    return with_media(resolved, tokenizer), source, messages
+
+
+def _resolve_job_markers(markers: Any, *, tokenizer: Any, model_name: str | None, strict: bool):
     if markers is not None:
         if isinstance(markers, Markers):
             return markers, "given", ()

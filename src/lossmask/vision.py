@@ -1,0 +1,136 @@
+"""A collator for vision-language chats: pixel values from the processor, labels from lossmask.
+
+``VisionCollator(processor)`` is a ``data_collator`` for TRL's ``SFTTrainer`` and ``transformers.Trainer``.
+Each example is a chat (``messages``, content parts with ``{"type": "image"}``) and its images
+(``images``: PIL images, paths, bytes; or the image inside each part). Per batch it:
+
+1. renders the chats with the processor's chat template and expands every image as the processor
+   does (``chat/media.py``), running the processor's image step once for the batch's images;
+2. tokenises them as lossmask does for any chat (message text kept as data) and labels them with the
+   markers detected and verified from the processor's template, every media token masked
+   (``markers/media.py``);
+3. pads (right, or left) and returns ``input_ids``, ``attention_mask``, ``labels`` and the processor's
+   image outputs (``pixel_values``, ``image_grid_thw``, ...), plus ``mm_token_type_ids`` /
+   ``token_type_ids`` where the processor's model takes them.
+
+With TRL: ``SFTConfig(remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True})`` so that the
+raw chats and images reach the collator, as TRL documents for vision models.
+
+A row whose image cannot be opened, or whose image tokens do not match what the processor made, raises
+here naming the row (a trainer cannot skip a row of a batch); label the dataset first with
+``lossmask.hf.mask_dataset`` to have such rows counted and removed.
+
+Importing this module imports torch; ``import lossmask`` does not import this module.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from .chat.media import image_parts, is_image_part, part_image
+from .engine.labels import label_batch
+from .engine.patterns import Markers
+from .options import MaskOptions
+
+TEXT_OUTPUTS = ("input_ids", "attention_mask", "labels")
+
+
+class VisionCollator:
+    """Pads and labels vision-language chats per SPEC.md, every media token masked (see the module text).
+
+    ``processor``: a Hugging Face processor (or its folder); ``markers``: given markers (default: detected from the
+    processor's template); ``options``/keywords: a ``MaskOptions`` (``max_length``, ``last_turn_only``,
+    ``ignore_index``...); ``padding_side``: ``"right"`` or ``"left"``; ``pad_to_multiple_of``.
+    """
+
+    def __init__(self, processor: Any, *, markers: Markers | dict | str | None = None, model_name: str | None = None,
+                 options: MaskOptions | None = None, padding_side: str = "right", pad_to_multiple_of: int | None = None,
+                 **option_fields: Any):
+        from .jobs.stream import load_chat_tokenizer, resolve_job_markers
+
+        if padding_side not in ("right", "left"):
+            raise ValueError(f"padding_side={padding_side!r}; pass 'right' or 'left'")
+        self.options = MaskOptions.resolve(options, **option_fields)
+        self.chat = load_chat_tokenizer(processor)
+        if self.chat.processor is None:
+            raise TypeError(f"VisionCollator needs a processor with an image processor, got {type(processor).__name__}; "
+                            "for text-only rows use lossmask.collator.CompletionCollator")
+        self.processor = self.chat.processor
+        self.markers, self.markers_source, _ = resolve_job_markers(markers, tokenizer=self.chat, model_name=model_name,
+                                                                   strict=False)
+        if self.markers is None:
+            raise ValueError("no markers: the processor's template could not be read; pass markers=")
+        self.padding_side = padding_side
+        self.pad_to_multiple_of = pad_to_multiple_of
+        pad = self.chat.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else (self.chat.eos_token_id or 0))
+        names = list(getattr(self.processor, "model_input_names", ()) or ())
+        self.type_ids_name = next((n for n in ("token_type_ids", "mm_token_type_ids") if n in names), None)
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        from .chat.encode_media import encode_media_table
+
+        chats, images = [], []
+        for example in examples:
+            messages, row_images = _split_images(example["messages"], example.get("images"))
+            chats.append({"messages": messages})
+            images.append(row_images)
+        try:
+            table = pa.Table.from_pylist(chats)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):  # messages of mixed shapes (string and list content): as JSON
+            table = pa.table({"messages": [[json.dumps(m) for m in chat["messages"]] for chat in chats]})
+        encoded = encode_media_table(self.chat, table, self.options, images=images)
+        if encoded.errors or not encoded.valid.all():
+            row, detail = encoded.errors[0] if encoded.errors else encoded.dropped[0][::2] if encoded.dropped else (-1, "?")
+            detail = f"row {row}: {detail}"
+            raise ValueError(f"VisionCollator: a row of the batch cannot be labelled ({detail}); label the dataset with "
+                             "lossmask.hf.mask_dataset first to have such rows counted and removed")
+        ids = encoded.input_ids
+        result = label_batch(ids, self.markers, backend=self.options.backend, last_turn_only=self.options.last_turn_only,
+                             ignore_index=self.options.ignore_index, dtype="int64", data_mask=encoded.in_content)
+        offsets = ids.offsets.to_numpy()
+        flat_ids = ids.values.to_numpy(zero_copy_only=False).astype(np.int64)
+        flat_labels = result.labels.values.to_numpy(zero_copy_only=False).astype(np.int64)
+        lengths = np.diff(offsets)
+        width = int(lengths.max()) if len(lengths) else 0
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        n = len(lengths)
+        input_ids = np.full((n, width), self.pad_token_id, dtype=np.int64)
+        labels = np.full((n, width), self.options.ignore_index, dtype=np.int64)
+        attention = np.zeros((n, width), dtype=np.int64)
+        for r in range(n):  # one slice per row: the batch is a handful of rows
+            start, end = int(offsets[r]), int(offsets[r + 1])
+            at = slice(0, end - start) if self.padding_side == "right" else slice(width - (end - start), width)
+            input_ids[r, at] = flat_ids[start:end]
+            labels[r, at] = flat_labels[start:end]
+            attention[r, at] = 1
+        batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention),
+                 "labels": torch.from_numpy(labels)}
+        for name, value in (encoded.media or {}).items():
+            if name not in batch and value is not None:
+                batch[name] = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+        if self.type_ids_name is not None:
+            types = self.processor.create_mm_token_type_ids(input_ids.tolist())
+            batch[self.type_ids_name] = torch.as_tensor(np.asarray(types, dtype=np.int64)) * batch["attention_mask"]
+        return batch
+
+
+def _split_images(messages: Any, given: Any) -> tuple[list, list]:
+    """The messages with each image part reduced to ``{"type": "image"}``, and the row's images (``given``, else those
+    the parts carried); images stay out of the Arrow table the chats are rendered from."""
+    inline = [part_image(part) for part in image_parts(messages)]
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            message = {**message, "content": [{"type": "image"} if is_image_part(part) else part for part in content]}
+        out.append(message)
+    if given is not None and not isinstance(given, (list, tuple)):
+        given = [given]
+    return out, list(given) if given else inline

@@ -1,0 +1,403 @@
+"""Issue 21: vision-language chats through a processor (Qwen2-VL, Gemma-3).
+
+Labels are held to a reference written from the rule, on the processor's own tokenisation: an assistant turn trains
+from after its header through its stop token, and no media token (the processor's image token, its expansion, the
+begin and end tokens around it) ever trains. Text-only rows are labelled as without a processor.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+
+from conftest import vision_processor_dir
+
+pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+from PIL import Image  # noqa: E402
+
+from lossmask import hf, load_tokenizer, mask_files  # noqa: E402
+from lossmask.chat.media import MediaDetectionError, load_processor, media_tokens  # noqa: E402
+from lossmask.chat.tokenizer import ChatTokenizer  # noqa: E402
+
+FAMILIES = ("qwen2-vl", "gemma-3")
+# what the rule says for each family, written by hand here (the code derives them from the processor)
+HEADER = {"qwen2-vl": ("<|im_start|>", "assistant"), "gemma-3": ("<start_of_turn>", "model")}
+STOP = {"qwen2-vl": "<|im_end|>", "gemma-3": "<end_of_turn>"}
+MEDIA = {"qwen2-vl": {"<|vision_start|>", "<|image_pad|>", "<|vision_end|>"},
+         "gemma-3": {"<start_of_image>", "<image_soft_token>", "<end_of_image>"}}
+
+# LLaVA-1.5's template writes no stop token and renders list content only: its markers are given as strings
+LLAVA_PARTS = {"response": "ASSISTANT:", "instruction": "USER:"}
+
+_PROCESSORS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vision")
+    return {family: vision_processor_dir(family, out) for family in (*FAMILIES, "llava")}
+
+
+def processor(folders, family):
+    if family not in _PROCESSORS:
+        _PROCESSORS[family] = load_processor(folders[family])
+    return _PROCESSORS[family]
+
+
+def image(w, h, colour=(200, 30, 30)):
+    return Image.new("RGB", (w, h), colour)
+
+
+def png(w, h, colour=(30, 200, 30)) -> bytes:
+    buffer = io.BytesIO()
+    image(w, h, colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def text(t):
+    return {"type": "text", "text": t}
+
+
+IMG = {"type": "image"}
+
+
+def chats():
+    """Multi-turn, multi-image chats (images at the start, middle and end of turns, two in one message, one inside an
+    assistant turn) and a text-only chat, each with its images."""
+    return [
+        ([{"role": "user", "content": [IMG, text("What is this?")]},
+          {"role": "assistant", "content": [text("A red square.")]},
+          {"role": "user", "content": [text("And these two?"), IMG, IMG]},
+          {"role": "assistant", "content": [text("A green bar and a blue one.")]}],
+         [image(64, 48), image(30, 90, (0, 200, 0)), image(120, 40, (0, 0, 200))]),
+        ([{"role": "user", "content": [text("Draw me a square.")]},
+          {"role": "assistant", "content": [IMG, text("Here it is.")]},
+          {"role": "user", "content": [text("Thanks!")]},
+          {"role": "assistant", "content": [text("You are welcome."), IMG]}],
+         [image(56, 56), image(100, 70)]),
+        ([{"role": "user", "content": [text("Hello")]},
+          {"role": "assistant", "content": [text("Hi, how can I help?")]}], []),
+    ]
+
+
+def reference_labels(family, ids, tokens):
+    """The rule, on the processor's tokens: after each assistant header (its role token and the token holding the
+    header's newline) through the stop token, media tokens excepted."""
+    first, role = HEADER[family]
+    labels = np.full(len(ids), -100, dtype=np.int64)
+    k = 0
+    while k < len(ids):
+        if tokens[k] == first and k + 2 < len(ids) and tokens[k + 1] == role:
+            assert tokens[k + 2].startswith("\n") or tokens[k + 2].startswith("Ċ")
+            k += 3
+            while k < len(ids):
+                if tokens[k] not in MEDIA[family]:
+                    labels[k] = ids[k]
+                if tokens[k] == STOP[family]:
+                    break
+                k += 1
+        k += 1
+    return labels
+
+
+def processor_ids(proc, messages, images):
+    rendered = proc.apply_chat_template(messages, tokenize=False)
+    kwargs = {"images": [images]} if images else {}
+    return [int(i) for i in proc(text=[rendered], add_special_tokens=False, **kwargs)["input_ids"][0]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_media_tokens_are_derived_from_the_processor(folders, family):
+    tok = load_tokenizer(folders[family])
+    assert tok.processor is not None
+    media = media_tokens(tok)
+    assert set(tok.convert_ids_to_tokens(media.ids)) == MEDIA[family]
+    assert media.placeholder == tok.processor.image_token
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_chats_are_labelled_exactly(folders, family):
+    proc = processor(folders, family)
+    rows = chats()
+    ds = datasets.Dataset.from_list([{"messages": m, "images": i} for m, i in rows])
+    out, report = hf.mask_dataset(ds, proc, return_report=True, keep_dropped=True, quiet=True)
+    assert report.rows_out == len(rows)
+    media_total = 0
+    for (messages, images), got in zip(rows, out):
+        ids = processor_ids(proc, messages, images)
+        assert got["input_ids"] == ids  # lossmask tokenises exactly as the processor does
+        tokens = proc.tokenizer.convert_ids_to_tokens(ids)
+        want = reference_labels(family, ids, tokens)
+        assert got["labels"] == want.tolist()
+        media_total += sum(t in MEDIA[family] for t in tokens)
+    assert report.media_tokens == media_total > 0
+    assert "media tokens" in report.summary()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_text_only_rows_are_labelled_as_without_a_processor(folders, family):
+    proc = processor(folders, family)
+    rows = chats()
+    ds = datasets.Dataset.from_list([{"messages": m, "images": i} for m, i in rows])
+    with_images = hf.mask_dataset(ds, proc, keep_dropped=True, quiet=True)
+    text_rows = [{"messages": m} for m, i in rows if not i]
+    plain = ChatTokenizer(proc.tokenizer, chat_template=proc.chat_template)  # today's path: a tokenizer, no images
+    today = hf.mask_dataset(datasets.Dataset.from_list(text_rows), plain, keep_dropped=True, quiet=True)
+    mine = [r for r, (_, i) in zip(with_images, rows) if not i]
+    assert [r["labels"] for r in mine] == [r["labels"] for r in today]
+    assert [r["input_ids"] for r in mine] == [r["input_ids"] for r in today]
+
+
+def test_images_as_paths_bytes_pil_data_urls_and_inline_parts(folders, tmp_path):
+    proc = processor(folders, "qwen2-vl")
+    path = tmp_path / "square.png"
+    path.write_bytes(png(64, 48))
+    data_url = "data:image/png;base64," + base64.b64encode(png(64, 48)).decode()
+    messages = [{"role": "user", "content": [IMG, text("What is it?")]},
+                {"role": "assistant", "content": [text("A square.")]}]
+    forms = [str(path), png(64, 48), image(64, 48, (30, 200, 30)), data_url]
+    outs = []
+    for form in forms:
+        out = hf.mask_dataset(datasets.Dataset.from_dict({"messages": [messages], "images": [[form]]}), proc, quiet=True)
+        outs.append((out[0]["input_ids"], out[0]["labels"]))
+    inline = [{"role": "user", "content": [{"type": "image", "image": str(path)}, text("What is it?")]},
+              {"role": "assistant", "content": [text("A square.")]}]
+    out = hf.mask_dataset(datasets.Dataset.from_dict({"messages": [inline]}), proc, quiet=True)
+    outs.append((out[0]["input_ids"], out[0]["labels"]))
+    assert all(o == outs[0] for o in outs)
+
+
+def test_unusable_images_are_invalid_and_named(folders):
+    proc = processor(folders, "qwen2-vl")
+    ok = [{"role": "user", "content": [IMG, text("What is it?")]}, {"role": "assistant", "content": [text("A square.")]}]
+    url = [{"role": "user", "content": [{"type": "image", "url": "https://example.com/a.png"}, text("What is it?")]},
+           {"role": "assistant", "content": [text("A square.")]}]
+    two = [{"role": "user", "content": [IMG, IMG, text("What are they?")]},
+           {"role": "assistant", "content": [text("Squares.")]}]
+    rows = {"messages": [ok, ok, two], "images": [[png(40, 40)], [b"not an image"], [png(40, 40)]]}
+    ds = datasets.Dataset.from_dict(rows)
+    _, report = hf.mask_dataset(ds, proc, return_report=True, quiet=True, max_drop_fraction=1.0)
+    assert report.rows_out == 1 and report.dropped["invalid"] == 2
+    examples = " ".join(report.invalid_examples)
+    assert "row 1: image 0 cannot be opened" in examples
+    assert "row 2: 1 image(s) given for 2 image placeholder(s)" in examples
+    # a URL is never fetched: refused unless the row gives the image itself
+    refused = hf.mask_dataset(datasets.Dataset.from_dict({"messages": [url]}), proc, return_report=True, quiet=True,
+                              max_drop_fraction=1.0)[1]
+    assert "never fetches" in refused.invalid_examples[0]
+    given = hf.mask_dataset(datasets.Dataset.from_dict({"messages": [url], "images": [[png(40, 40)]]}), proc, quiet=True)
+    assert len(given) == 1
+    video = [{"role": "user", "content": [{"type": "video"}, text("What happens?")]},
+             {"role": "assistant", "content": [text("Nothing.")]}]
+    refused = hf.mask_dataset(datasets.Dataset.from_dict({"messages": [video]}), proc, return_report=True, quiet=True,
+                              max_drop_fraction=1.0)[1]
+    assert "expands images only" in refused.invalid_examples[0]
+
+
+def test_an_image_cut_by_max_length_is_an_error_naming_the_row(folders):
+    proc = processor(folders, "gemma-3")
+    messages = [{"role": "user", "content": [text("Look:"), IMG]}, {"role": "assistant", "content": [text("Nice.")]}]
+    ds = datasets.Dataset.from_dict({"messages": [messages], "images": [[png(40, 40)]]})
+    with pytest.raises(ValueError, match="row 0: .* image tokens .* but the processor made 256"):
+        hf.mask_dataset(ds, proc, max_length=100, quiet=True)
+
+
+def test_detection_refuses_a_template_that_drops_images(folders):
+    tok = load_tokenizer(folders["qwen2-vl"])
+    blind = ChatTokenizer(tok.tokenizer, chat_template=(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+        "{% for p in m.content %}{% if p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
+    blind.processor = tok.processor
+    with pytest.raises(MediaDetectionError, match="does not write the processor's image token"):
+        media_tokens(blind)
+
+
+def test_mask_files_takes_a_processor_folder(folders, tmp_path):
+    path = tmp_path / "square.png"
+    path.write_bytes(png(64, 48))
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image", "image": str(path)}, text("What is it?")]},
+                          {"role": "assistant", "content": [text("A square.")]}]},
+            {"messages": [{"role": "user", "content": [text("Hi")]}, {"role": "assistant", "content": [text("Hello.")]}]}]
+    source = tmp_path / "chats.jsonl"
+    source.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    report = mask_files(source, tmp_path / "out.parquet", tokenizer=folders["qwen2-vl"], progress=False)
+    assert report.rows_out == 2 and report.media_tokens > 0
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "out.parquet")
+    tok = load_tokenizer(folders["qwen2-vl"])
+    trained = [tok.decode([i for i, l in zip(ids, lab) if l != -100])
+               for ids, lab in zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist())]
+    assert trained == ["A square.<|im_end|>", "Hello.<|im_end|>"]
+
+
+# -- the collator, and one training step of a tiny random model of each kind ----------------------------------
+
+def tiny_model(family):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "qwen2-vl":
+        config = transformers.Qwen2VLConfig(
+            text_config=dict(vocab_size=151657, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                             rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+            vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                               spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+            image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
+        return transformers.Qwen2VLForConditionalGeneration(config)
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=262208, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+                         sliding_window=512),
+        vision_config=dict(image_size=896, patch_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2),
+        mm_tokens_per_image=256, image_token_index=262144, boi_token_index=255999, eoi_token_index=256000)
+    return transformers.Gemma3ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_collator_batch_trains_a_tiny_model_with_the_hand_computed_loss(folders, family):
+    import torch
+
+    from lossmask.vision import VisionCollator
+
+    proc = processor(folders, family)
+    rows = chats()
+    collator = VisionCollator(proc)
+    batch = collator([{"messages": m, "images": i} for m, i in rows])
+    # the labels are the rule's, row by row, on the processor's own tokens
+    for r, (messages, images) in enumerate(rows):
+        ids = processor_ids(proc, messages, images)
+        n = len(ids)
+        assert batch["input_ids"][r, :n].tolist() == ids
+        assert batch["labels"][r, :n].tolist() == reference_labels(
+            family, ids, proc.tokenizer.convert_ids_to_tokens(ids)).tolist()
+        assert (batch["labels"][r, n:] == -100).all() and (batch["attention_mask"][r, n:] == 0).all()
+    assert "pixel_values" in batch
+    model = tiny_model(family)
+    model.train()
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = model(**batch)
+    logits = out.logits.float()[:, :-1]
+    targets = batch["labels"][:, 1:]
+    trained = targets != -100
+    log_probs = torch.log_softmax(logits, dim=-1)
+    hand = -(log_probs[trained].gather(1, targets[trained].unsqueeze(1))).sum() / trained.sum()
+    assert abs(out.loss.item() - hand.item()) < 1e-5
+    out.loss.backward()
+    optimiser.step()
+    again = model(**batch).loss.item()
+    assert np.isfinite(again) and again != out.loss.item()
+
+
+def test_sft_trainer_runs_with_the_vision_collator(folders, tmp_path):
+    trl = pytest.importorskip("trl")
+    from lossmask.vision import VisionCollator
+
+    proc = processor(folders, "qwen2-vl")
+    rows = chats()
+    ds = datasets.Dataset.from_list([{"messages": m, "images": i} for m, i in rows])
+    config = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=3, report_to=[],
+                           remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True},
+                           logging_steps=1, save_strategy="no", use_cpu=True)
+    trainer = trl.SFTTrainer(model=tiny_model("qwen2-vl"), args=config, train_dataset=ds, processing_class=proc,
+                             data_collator=VisionCollator(proc))
+    result = trainer.train()
+    assert np.isfinite(result.training_loss)
+
+
+def test_collator_takes_string_and_part_contents_in_one_batch(folders):
+    from lossmask.vision import VisionCollator
+
+    proc = processor(folders, "qwen2-vl")
+    rows = [{"messages": [{"role": "user", "content": [IMG, text("What is it?")]},
+                          {"role": "assistant", "content": "A square."}], "images": [image(40, 40)]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], "images": []}]
+    batch = VisionCollator(proc)(rows)
+    trained = [proc.tokenizer.decode(batch["input_ids"][r][batch["labels"][r] != -100]) for r in range(2)]
+    assert trained == ["A square.<|im_end|>", "Hello.<|im_end|>"]
+
+
+def llava_reference(ids, tokens, response, instruction):
+    """The marker rule written out for LLaVA-1.5 (no stop token): after each ``ASSISTANT:`` until the next ``USER:``,
+    ``<image>`` tokens excepted."""
+    labels = np.full(len(ids), -100, dtype=np.int64)
+    inside = False
+    k = 0
+    while k < len(ids):
+        if ids[k:k + len(response)] == response:
+            inside, k = True, k + len(response)
+            continue
+        if ids[k:k + len(instruction)] == instruction:
+            inside = False
+        if inside and tokens[k] != "<image>":
+            labels[k] = ids[k]
+        k += 1
+    return labels
+
+
+def test_llava_with_given_markers_masks_every_image_token_and_trains_a_tiny_model(folders):
+    import torch
+    import transformers
+
+    from lossmask import markers_from_strings
+    from lossmask.vision import VisionCollator
+
+    proc = processor(folders, "llava")
+    tok = load_tokenizer(proc)
+    assert set(tok.convert_ids_to_tokens(media_tokens(tok).ids)) == {"<image>"}
+    markers = markers_from_strings(tok, response=LLAVA_PARTS["response"], instruction=LLAVA_PARTS["instruction"])
+    rows = chats()
+    ds = datasets.Dataset.from_list([{"messages": m, "images": i} for m, i in rows])
+    out = hf.mask_dataset(ds, proc, markers=markers, keep_dropped=True, quiet=True)
+    response, instruction = list(markers.response[0]), list(markers.instruction[0])
+    for (messages, images), got in zip(rows, out):
+        ids = processor_ids(proc, messages, images)
+        assert got["input_ids"] == ids
+        assert got["labels"] == llava_reference(ids, proc.tokenizer.convert_ids_to_tokens(ids), response,
+                                                instruction).tolist()
+    batch = VisionCollator(proc, markers=markers)([{"messages": m, "images": i} for m, i in rows])
+    assert (batch["labels"] == 32000).sum() == 0 and (batch["input_ids"] == 32000).sum() == 576 * 5
+    torch.manual_seed(0)
+    config = transformers.LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", image_size=336, patch_size=14, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projection_dim=32),
+        text_config=dict(model_type="llama", vocab_size=32064, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096),
+        image_token_index=32000, vision_feature_layer=-2, vision_feature_select_strategy="default")
+    model = transformers.LlavaForConditionalGeneration(config)
+    model.train()
+    loss = model(**batch)
+    logits = loss.logits.float()[:, :-1]
+    targets = batch["labels"][:, 1:]
+    trained = targets != -100
+    hand = -(torch.log_softmax(logits, dim=-1)[trained].gather(1, targets[trained].unsqueeze(1))).sum() / trained.sum()
+    assert abs(loss.loss.item() - hand.item()) < 1e-5
+
+
+def test_cli_mask_takes_a_processor_folder_as_tokenizer(folders, tmp_path, capsys):
+    from lossmask.cli import main
+
+    path = tmp_path / "square.png"
+    path.write_bytes(png(50, 50))
+    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": str(path)}, text("What?")]},
+                        {"role": "assistant", "content": [text("A square.")]}]}
+    (tmp_path / "in.jsonl").write_text(json.dumps(row) + "\n")
+    main(["mask", str(tmp_path / "in.jsonl"), str(tmp_path / "out.parquet"), "--tokenizer", str(folders["qwen2-vl"])])
+    assert "media tokens (images, never trained)" in capsys.readouterr().out
+
+
+def test_train_on_responses_only_points_a_vision_trainer_to_the_vision_collator(folders):
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(processing_class=processor(folders, "qwen2-vl"), args=None)
+    with pytest.raises(ValueError, match="VisionCollator"):
+        hf.train_on_responses_only(trainer)
