@@ -229,6 +229,16 @@ def test_an_image_cut_by_max_length_is_an_error_naming_the_row(folders):
         hf.mask_dataset(ds, proc, max_length=100, quiet=True)
 
 
+def test_idefics3_string_content_rows_are_dropped_named_not_labelled_without_their_text(folders):
+    """Idefics3's template renders list content only: a chat whose messages are strings would lose their text."""
+    proc = processor(folders, "idefics3")
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    ds = datasets.Dataset.from_list([{"messages": chat}])
+    out, report = hf.mask_dataset(ds, proc, given_markers(proc, "idefics3"), return_report=True, quiet=True,
+                                  max_drop_fraction=1.0)
+    assert report.rows_out == 0 and report.dropped["content_dropped"] == 1
+
+
 def test_detection_refuses_a_template_that_drops_images(folders):
     tok = load_tokenizer(folders["qwen2-vl"])
     blind = ChatTokenizer(tok.tokenizer, chat_template=(
