@@ -191,14 +191,16 @@ def load_script(path: Path):
 # -- vision-language processors (issue 21): a real tokenizer + our image-processor config and template -----
 
 VISION = FIXTURES / "vision"
-VISION_FAMILIES = {"qwen2-vl": "qwen2.5", "gemma-3": "gemma-3", "llava": "llama-2"}  # fixture -> its tokenizer family
+# fixture -> its tokenizer family
+VISION_FAMILIES = {"qwen2-vl": "qwen2.5", "gemma-3": "gemma-3", "llava": "llama-2", "idefics3": "llama-3.1"}
 
 
 def vision_processor_dir(family: str, out: Path) -> Path:
     """A processor folder for ``family`` in ``out``: the family's real tokenizer (``tokenizer_path``) with the
     image-processor config (and, where the tokenizer's own template has no image handling, the model's VL chat
     template) kept in ``tests/fixtures/vision/<family>``; ``added_tokens.json`` there names the tokens the model adds
-    to its base vocabulary (LLaVA's ``<image>``), added at those ids. Loads offline; skips like ``tokenizer_path``."""
+    to its base vocabulary (LLaVA's ``<image>``, Idefics3's ``<fake_token_around_image>``, ``<image>`` and
+    ``<end_of_utterance>``), added at those ids. Loads offline; skips like ``tokenizer_path``."""
     import json
     import shutil
 

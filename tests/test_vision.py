@@ -1,4 +1,4 @@
-"""Issue 21: vision-language chats through a processor (Qwen2-VL, Gemma-3).
+"""Issue 21: vision-language chats through a processor (Qwen2-VL, Gemma-3, Idefics3; LLaVA with given markers).
 
 Labels are held to a reference written from the rule, on the processor's own tokenisation: an assistant turn trains
 from after its header through its stop token, and no media token (the processor's image token, its expansion, the
@@ -24,15 +24,23 @@ from lossmask import hf, load_tokenizer, mask_files  # noqa: E402
 from lossmask.chat.media import MediaDetectionError, load_processor, media_tokens  # noqa: E402
 from lossmask.chat.tokenizer import ChatTokenizer  # noqa: E402
 
-FAMILIES = ("qwen2-vl", "gemma-3")
-# what the rule says for each family, written by hand here (the code derives them from the processor)
-HEADER = {"qwen2-vl": ("<|im_start|>", "assistant"), "gemma-3": ("<start_of_turn>", "model")}
-STOP = {"qwen2-vl": "<|im_end|>", "gemma-3": "<end_of_turn>"}
+FAMILIES = ("qwen2-vl", "gemma-3", "idefics3")
+# what the rule says for each family, written by hand here (the code derives them from the processor): the assistant
+# header's tokens (a last "\n" stands for the token holding the header's newline), the stop token, the media tokens.
+# Idefics3 writes its tile and global-image tags (<row_1_col_1>, <global-img>) and the newlines between tile rows as
+# plain text inside the image: text, labelled by the rule like Gemma-3's blank lines (docs/vision.md, Limits)
+HEADER = {"qwen2-vl": ("<|im_start|>", "assistant", "\n"), "gemma-3": ("<start_of_turn>", "model", "\n"),
+          "idefics3": ("Assistant", ":")}
+STOP = {"qwen2-vl": "<|im_end|>", "gemma-3": "<end_of_turn>", "idefics3": "<end_of_utterance>"}
 MEDIA = {"qwen2-vl": {"<|vision_start|>", "<|image_pad|>", "<|vision_end|>"},
-         "gemma-3": {"<start_of_image>", "<image_soft_token>", "<end_of_image>"}}
+         "gemma-3": {"<start_of_image>", "<image_soft_token>", "<end_of_image>"},
+         "idefics3": {"<fake_token_around_image>", "<image>"}}
 
 # LLaVA-1.5's template writes no stop token and renders list content only: its markers are given as strings
 LLAVA_PARTS = {"response": "ASSISTANT:", "instruction": "USER:"}
+# Idefics3's template renders list content only too (detection's text probes render no content): its markers are given
+# as strings, the stop token included; the media tokens are still derived from the processor and checked
+GIVEN_PARTS = {"idefics3": {"response": "Assistant:", "instruction": "User:", "end": "<end_of_utterance>"}}
 
 _PROCESSORS: dict = {}
 
@@ -47,6 +55,13 @@ def processor(folders, family):
     if family not in _PROCESSORS:
         _PROCESSORS[family] = load_processor(folders[family])
     return _PROCESSORS[family]
+
+
+def given_markers(proc, family):
+    """The markers a family's tests pass (None: detected from the processor's template)."""
+    from lossmask import markers_from_strings
+
+    return markers_from_strings(load_tokenizer(proc), **GIVEN_PARTS[family]) if family in GIVEN_PARTS else None
 
 
 def image(w, h, colour=(200, 30, 30)):
@@ -86,15 +101,19 @@ def chats():
 
 
 def reference_labels(family, ids, tokens):
-    """The rule, on the processor's tokens: after each assistant header (its role token and the token holding the
-    header's newline) through the stop token, media tokens excepted."""
-    first, role = HEADER[family]
+    """The rule, on the processor's tokens: after each assistant header (its tokens, the last one holding the header's
+    newline where it ends with one) through the stop token, media tokens excepted."""
+    *head, last = HEADER[family]
     labels = np.full(len(ids), -100, dtype=np.int64)
     k = 0
     while k < len(ids):
-        if tokens[k] == first and k + 2 < len(ids) and tokens[k + 1] == role:
-            assert tokens[k + 2].startswith("\n") or tokens[k + 2].startswith("Ċ")
-            k += 3
+        if tokens[k:k + len(head)] == list(head) and k + len(head) < len(ids):
+            if last == "\n":
+                assert tokens[k + len(head)].startswith("\n") or tokens[k + len(head)].startswith("Ċ")
+            elif tokens[k + len(head)] != last:
+                k += 1
+                continue
+            k += len(head) + 1
             while k < len(ids):
                 if tokens[k] not in MEDIA[family]:
                     labels[k] = ids[k]
@@ -125,7 +144,8 @@ def test_image_chats_are_labelled_exactly(folders, family):
     proc = processor(folders, family)
     rows = chats()
     ds = datasets.Dataset.from_list([{"messages": m, "images": i} for m, i in rows])
-    out, report = hf.mask_dataset(ds, proc, return_report=True, keep_dropped=True, quiet=True)
+    out, report = hf.mask_dataset(ds, proc, given_markers(proc, family), return_report=True, keep_dropped=True,
+                                  quiet=True)
     assert report.rows_out == len(rows)
     media_total = 0
     for (messages, images), got in zip(rows, out):
@@ -144,10 +164,12 @@ def test_text_only_rows_are_labelled_as_without_a_processor(folders, family):
     proc = processor(folders, family)
     rows = chats()
     ds = datasets.Dataset.from_list([{"messages": m, "images": i} for m, i in rows])
-    with_images = hf.mask_dataset(ds, proc, keep_dropped=True, quiet=True)
+    markers = given_markers(proc, family)
+    with_images = hf.mask_dataset(ds, proc, markers, keep_dropped=True, quiet=True)
     text_rows = [{"messages": m} for m, i in rows if not i]
     plain = ChatTokenizer(proc.tokenizer, chat_template=proc.chat_template)  # today's path: a tokenizer, no images
-    today = hf.mask_dataset(datasets.Dataset.from_list(text_rows), plain, keep_dropped=True, quiet=True)
+    today = hf.mask_dataset(datasets.Dataset.from_list(text_rows), plain, markers and given_markers(plain, family),
+                            keep_dropped=True, quiet=True)
     mine = [r for r, (_, i) in zip(with_images, rows) if not i]
     assert [r["labels"] for r in mine] == [r["labels"] for r in today]
     assert [r["input_ids"] for r in mine] == [r["input_ids"] for r in today]
@@ -207,6 +229,16 @@ def test_an_image_cut_by_max_length_is_an_error_naming_the_row(folders):
         hf.mask_dataset(ds, proc, max_length=100, quiet=True)
 
 
+def test_idefics3_string_content_rows_are_dropped_named_not_labelled_without_their_text(folders):
+    """Idefics3's template renders list content only: a chat whose messages are strings would lose their text."""
+    proc = processor(folders, "idefics3")
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    ds = datasets.Dataset.from_list([{"messages": chat}])
+    out, report = hf.mask_dataset(ds, proc, given_markers(proc, "idefics3"), return_report=True, quiet=True,
+                                  max_drop_fraction=1.0)
+    assert report.rows_out == 0 and report.dropped["content_dropped"] == 1
+
+
 def test_detection_refuses_a_template_that_drops_images(folders):
     tok = load_tokenizer(folders["qwen2-vl"])
     blind = ChatTokenizer(tok.tokenizer, chat_template=(
@@ -253,6 +285,15 @@ def tiny_model(family):
                                spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
             image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
         return transformers.Qwen2VLForConditionalGeneration(config)
+    if family == "idefics3":  # 364-pixel tiles of 14-pixel patches, merged 2x2: the processor's 169 tokens per tile
+        config = transformers.Idefics3Config(
+            text_config=dict(model_type="llama", vocab_size=128259, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                             max_position_embeddings=4096, pad_token_id=128002),
+            vision_config=dict(image_size=364, patch_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2),
+            scale_factor=2, image_token_id=128257)
+        return transformers.Idefics3ForConditionalGeneration(config)
     config = transformers.Gemma3Config(
         text_config=dict(vocab_size=262208, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
@@ -270,8 +311,11 @@ def test_collator_batch_trains_a_tiny_model_with_the_hand_computed_loss(folders,
     from lossmask.vision import VisionCollator
 
     proc = processor(folders, family)
+    if family == "idefics3":  # one tile per image (169 tokens), not up to 2x2 + 1: the batch's logits stay small
+        proc = load_processor(folders[family])
+        proc.image_processor.do_image_splitting = False
     rows = chats()
-    collator = VisionCollator(proc)
+    collator = VisionCollator(proc, markers=given_markers(proc, family))
     batch = collator([{"messages": m, "images": i} for m, i in rows])
     # the labels are the rule's, row by row, on the processor's own tokens
     for r, (messages, images) in enumerate(rows):
