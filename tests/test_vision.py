@@ -28,10 +28,13 @@ FAMILIES = ("qwen2-vl", "gemma-3", "idefics3")
 # what the rule says for each family, written by hand here (the code derives them from the processor): the assistant
 # header's tokens (a last "\n" stands for the token holding the header's newline), the stop token, the media tokens.
 # Idefics3 writes its tile and global-image tags (<row_1_col_1>, <global-img>) and the newlines between tile rows as
-# plain text inside the image: text, labelled by the rule like Gemma-3's blank lines (docs/vision.md, Limits)
+# plain text inside the image: part of the image, never trained. Gemma-3's blank lines around an image are outside it.
 HEADER = {"qwen2-vl": ("<|im_start|>", "assistant", "\n"), "gemma-3": ("<start_of_turn>", "model", "\n"),
           "idefics3": ("Assistant", ":")}
 STOP = {"qwen2-vl": "<|im_end|>", "gemma-3": "<end_of_turn>", "idefics3": "<end_of_utterance>"}
+# where one image's tokens open and close (Idefics3: the tag token that closes the global image, the last tile)
+IMAGE_OPEN = {"qwen2-vl": "<|vision_start|>", "gemma-3": "<start_of_image>", "idefics3": "<fake_token_around_image>"}
+IMAGE_CLOSE = {"qwen2-vl": "<|vision_end|>", "gemma-3": "<end_of_image>", "idefics3": "<fake_token_around_image>"}
 MEDIA = {"qwen2-vl": {"<|vision_start|>", "<|image_pad|>", "<|vision_end|>"},
          "gemma-3": {"<start_of_image>", "<image_soft_token>", "<end_of_image>"},
          "idefics3": {"<fake_token_around_image>", "<image>"}}
@@ -102,9 +105,19 @@ def chats():
 
 def reference_labels(family, ids, tokens):
     """The rule, on the processor's tokens: after each assistant header (its tokens, the last one holding the header's
-    newline where it ends with one) through the stop token, media tokens excepted."""
+    newline where it ends with one) through the stop token, each image's tokens (open to close) excepted."""
     *head, last = HEADER[family]
     labels = np.full(len(ids), -100, dtype=np.int64)
+    inside = np.zeros(len(ids), dtype=bool)
+    open_at, seen = None, ""
+    for k, token in enumerate(tokens):
+        if open_at is None and token == IMAGE_OPEN[family]:
+            open_at, seen = k, ""
+        elif open_at is not None and token == IMAGE_CLOSE[family] and (family != "idefics3" or "global" in seen):
+            inside[open_at:k + 1], open_at = True, None
+        elif open_at is not None:
+            seen += token
+    assert open_at is None
     k = 0
     while k < len(ids):
         if tokens[k:k + len(head)] == list(head) and k + len(head) < len(ids):
@@ -115,7 +128,7 @@ def reference_labels(family, ids, tokens):
                 continue
             k += len(head) + 1
             while k < len(ids):
-                if tokens[k] not in MEDIA[family]:
+                if tokens[k] not in MEDIA[family] and not inside[k]:
                     labels[k] = ids[k]
                 if tokens[k] == STOP[family]:
                     break

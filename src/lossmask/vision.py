@@ -96,6 +96,8 @@ class VisionCollator:
         offsets = ids.offsets.to_numpy()
         flat_ids = ids.values.to_numpy(zero_copy_only=False).astype(np.int64)
         flat_labels = result.labels.values.to_numpy(zero_copy_only=False).astype(np.int64)
+        if encoded.media_span is not None:  # an image's tokens, plain text between them too, never train
+            flat_labels[encoded.media_span] = self.options.ignore_index
         lengths = np.diff(offsets)
         width = int(lengths.max()) if len(lengths) else 0
         if self.pad_to_multiple_of:

@@ -46,6 +46,7 @@ class EncodedBatch:
     roles: Any = None  # encode_rendered.RoleTokens of the rows whose role invariant is to be checked
     media: Any = None  # rows rendered through a processor: its outputs for their images (chat/media.py)
     media_ids: tuple[int, ...] = ()  # ... and the ids of the media tokens (never trained)
+    media_span: Any = None  # ... and a bool per token: inside an image's tokens, first to last (never trained)
 
 
 def chat_tokenizer(tokenizer: Any):

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .encode_batch import chat_tokenizer, encode_table, render_table, tokenize_rendered
-from .media import count_media, expand_rows, media_tokens
+from .media import count_media, expand_rows, media_spans, media_tokens
 
 
 def encode_rows(tokenizer: Any, table: Any, kind: str, options: Any, *, first_row: int = 0, markers: Any = "unknown"):
@@ -48,6 +48,7 @@ def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0
     errors = list(rendered.errors)
     valid = rendered.valid.copy()
     texts, chats, rows, check, expected = expanded.texts, list(rendered.chats), list(rendered.rows), rendered.check, expanded.expected
+    per_image = expanded.per_image
     if expanded.refused:
         gone = {k for k, _ in expanded.refused}
         errors += [(rows[k], message) for k, message in expanded.refused]
@@ -56,6 +57,7 @@ def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0
             valid[rows[k] - first_row] = False
         keep = [k for k in range(len(texts)) if k not in gone]
         texts, chats, rows = [texts[k] for k in keep], [chats[k] for k in keep], [rows[k] for k in keep]
+        per_image = [per_image[k] for k in keep]
         check = [check[k] for k in keep] if check is not None else None
         expected = expected[keep]
     seconds = {**rendered.seconds, "images": time.perf_counter() - started}
@@ -73,4 +75,7 @@ def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0
         raise ValueError(
             f"row {row}: {found[bad]} image tokens {media.counted_text} in its token ids, but the processor made "
             f"{want[bad]} for its images (max_length={options.max_length} may cut an image: raise it, or leave it unset)")
-    return dataclasses.replace(encoded, media=expanded.features, media_ids=media.ids)
+    offsets = ids.offsets.to_numpy()
+    values = ids.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+    spans = media_spans(values, offsets - offsets[0], media.ids, [c for c, k in zip(per_image, kept) if k])
+    return dataclasses.replace(encoded, media=expanded.features, media_ids=media.ids, media_span=spans)

@@ -27,7 +27,7 @@ import base64
 import io
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -218,6 +218,15 @@ class MediaTokens:
         """How many counted tokens the processor's replacement strings for one row's images hold."""
         return sum(r.count(t) for r in replacements for t in self.counted_text)
 
+    def per_image(self, tok: Any, replacement: str) -> int:
+        """How many media tokens one image writes into a row: its part, with the placeholder expanded. Media
+        tokens are special tokens, so their number does not depend on the text around them."""
+        cache = self.__dict__.setdefault("_per_image", {})
+        if replacement not in cache:
+            ids = set(self.ids)
+            cache[replacement] = sum(int(t) in ids for t in tok.encode(self.part_text.replace(self.placeholder, replacement)))
+        return cache[replacement]
+
 
 def media_tokens(tok: Any) -> MediaTokens:
     """The media tokens of a ``ChatTokenizer`` built over a processor (cached on it); ``MediaDetectionError`` when
@@ -316,6 +325,9 @@ class ExpandedRows:
     expected: np.ndarray
     features: dict
     images: int
+    # per row, the number of media tokens each of its images writes (in order): each image's span of tokens, from
+    # its first media token to its last, is never trained (Idefics3's tile tags are plain text inside it)
+    per_image: list[list[int]] = field(default_factory=list)
 
 
 def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Sequence[Any] | None) -> ExpandedRows:
@@ -327,6 +339,7 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
     out = list(texts)
     refused: list[tuple[int, str]] = []
     expected = np.zeros(len(texts), dtype=np.int64)
+    per_image: list[list[int]] = [[] for _ in texts]
     flat, owners = [], []
     for k, (text, chat) in enumerate(zip(texts, chats)):
         messages = chat["messages"] if isinstance(chat, dict) else chat
@@ -359,7 +372,29 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
             pieces = out[k].split(media.placeholder)
             out[k] = pieces[0] + "".join(r + p for r, p in zip(row_replacements, pieces[1:]))
             expected[k] = media.expected(row_replacements)
-    return ExpandedRows(out, refused, expected, dict(features), len(flat))
+            per_image[k] = [media.per_image(tok, r) for r in row_replacements]
+    return ExpandedRows(out, refused, expected, dict(features), len(flat), per_image)
+
+
+def media_spans(ids: np.ndarray, offsets: np.ndarray, media_ids: Sequence[int], per_image: Sequence[Sequence[int]]) -> np.ndarray:
+    """A bool per token (``ids`` flat, ``offsets`` per row): True from each image's first media token to its last.
+
+    ``per_image``: per row, the media tokens of each of its images, in order (``ExpandedRows.per_image``). A row
+    whose media tokens are not that many (never after the count check) raises."""
+    span = np.zeros(ids.shape[0] + 1, dtype=np.int32)
+    at = np.flatnonzero(np.isin(ids, np.asarray(media_ids, dtype=ids.dtype)))
+    row_of = np.searchsorted(offsets, at, side="right") - 1
+    for r, counts in enumerate(per_image):
+        if not counts:
+            continue
+        mine = at[row_of == r]
+        ends = np.cumsum(counts)
+        if mine.shape[0] != ends[-1]:
+            raise ValueError(f"row {r}: {mine.shape[0]} media tokens in its ids, its images write {int(ends[-1])}")
+        span[mine[ends - np.asarray(counts)]] += 1
+        span[mine[ends - 1] + 1] -= 1
+    return np.cumsum(span[:-1]) > 0
+
 
 
 OTHER_MEDIA = ("video", "video_url", "audio", "input_audio")

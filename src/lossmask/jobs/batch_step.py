@@ -204,6 +204,9 @@ def mask_batch(
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{source}: column {options.input_ids_column!r}: {_renumber(str(exc), first_row, keep_valid)}") from None
         labels, trained, outcomes, counts = result.labels, result.trained_tokens, result.outcomes, result.counts
+        span = getattr(encoded, "media_span", None) if kind != "input_ids" else None
+        if span is not None and span.any():  # an image's tokens, plain text between them too, never train
+            labels, trained, counts = _untrain(labels, trained, outcomes, span, options.ignore_index)
         tally.time("engine", time.perf_counter() - engine_started)
         roles = getattr(encoded, "roles", None) if kind != "input_ids" else None
         if roles is not None:
@@ -239,6 +242,19 @@ def mask_batch(
     tally.rows_out += table.num_rows
     tally.time("label", time.perf_counter() - started)
     return table
+
+
+def _untrain(labels: pa.Array, trained: np.ndarray, outcomes: np.ndarray, where: np.ndarray, ignore_index: int):
+    """``labels`` with the tokens ``where`` is True (a bool per token, back to back) set to ``ignore_index``, and the
+    trained tokens and counts that follow."""
+    offsets = labels.offsets.to_numpy()
+    values = labels.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].copy()
+    hit = where & (values != ignore_index)
+    values[hit] = ignore_index
+    lengths = np.diff(offsets)
+    trained = trained - np.bincount(np.repeat(np.arange(lengths.shape[0]), lengths)[hit], minlength=lengths.shape[0])
+    out = type(labels).from_arrays(pa.array(offsets - offsets[0], labels.offsets.type), pa.array(values, labels.type.value_type))
+    return out, trained, OutcomeCounts.from_rows(outcomes, trained, lengths)
 
 
 _ROW = re.compile(r"\brow (\d+)\b")
