@@ -103,7 +103,7 @@ def chats():
     ]
 
 
-def reference_labels(family, ids, tokens):
+def reference_labels(family, ids, tokens, inside_only=False):
     """The rule, on the processor's tokens: after each assistant header (its tokens, the last one holding the header's
     newline where it ends with one) through the stop token, each image's tokens (open to close) excepted."""
     *head, last = HEADER[family]
@@ -118,6 +118,8 @@ def reference_labels(family, ids, tokens):
         elif open_at is not None:
             seen += token
     assert open_at is None
+    if inside_only:  # where the images' tokens are
+        return inside
     k = 0
     while k < len(ids):
         if tokens[k:k + len(head)] == list(head) and k + len(head) < len(ids):
@@ -170,6 +172,27 @@ def test_image_chats_are_labelled_exactly(folders, family):
         media_total += sum(t in MEDIA[family] for t in tokens)
     assert report.media_tokens == media_total > 0
     assert "media tokens" in report.summary()
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "idefics3"])
+def test_without_markers_every_token_trains_but_the_images(folders, family):
+    """The policy's "no masking" outcome (no markers): images are still never trained, inside them included."""
+    import pyarrow as pa
+
+    from lossmask import MaskOptions
+    from lossmask.engine import Tally
+    from lossmask.jobs.batch_step import mask_batch
+
+    proc = processor(folders, family)
+    rows = chats()[:2]
+    table = pa.table({"messages": [[json.dumps(m) for m in messages] for messages, _ in rows],
+                      "images": [[png(img.width, img.height) for img in images] for _, images in rows]})
+    out = mask_batch(table, None, MaskOptions(), Tally(), tokenizer=load_tokenizer(proc), kind="messages")
+    for (messages, images), ids, labels in zip(rows, out.column("input_ids").to_pylist(), out.column("labels").to_pylist()):
+        tokens = proc.tokenizer.convert_ids_to_tokens(ids)
+        want = np.asarray(ids)
+        want[reference_labels(family, ids, tokens, inside_only=True)] = -100
+        assert labels == want.tolist()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -187,6 +187,8 @@ def mask_batch(
             input_ids.num_chunks == 1 or prompt_lengths is not None or markers is None or data_mask is not None):
         input_ids = input_ids.combine_chunks() if input_ids.num_chunks != 1 else input_ids.chunk(0)
     # (else the chunks are labelled one by one, in place: a Dataset's row groups are not copied together)
+    media_span = getattr(encoded, "media_span", None)  # rows through a processor: each image's tokens never train
+    media_span = media_span if media_span is not None and media_span.any() else None
     if prompt_lengths is not None:
         labels, trained, outcomes, counts = _label_by_position(input_ids, prompt_lengths, options)
     elif markers is None:
@@ -194,6 +196,8 @@ def mask_batch(
             labels, trained, outcomes, counts = _label_everything(input_ids, options)
         except ValueError as exc:
             raise ValueError(f"{source}: column {options.input_ids_column!r}: {_renumber(str(exc), first_row, keep_valid)}") from None
+        if media_span is not None:  # no markers: every token trains, the images' tokens excepted
+            labels, trained, counts = _untrain(labels, trained, outcomes, media_span, options.ignore_index)
     else:
         engine_started = time.perf_counter()
         try:
@@ -204,9 +208,8 @@ def mask_batch(
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{source}: column {options.input_ids_column!r}: {_renumber(str(exc), first_row, keep_valid)}") from None
         labels, trained, outcomes, counts = result.labels, result.trained_tokens, result.outcomes, result.counts
-        span = getattr(encoded, "media_span", None) if kind != "input_ids" else None
-        if span is not None and span.any():  # an image's tokens, plain text between them too, never train
-            labels, trained, counts = _untrain(labels, trained, outcomes, span, options.ignore_index)
+        if media_span is not None:  # plain text inside an image (Idefics3's tile tags) too
+            labels, trained, counts = _untrain(labels, trained, outcomes, media_span, options.ignore_index)
         tally.time("engine", time.perf_counter() - engine_started)
         roles = getattr(encoded, "roles", None) if kind != "input_ids" else None
         if roles is not None:
