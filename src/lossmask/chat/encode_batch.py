@@ -198,7 +198,7 @@ def render_chats(tok, chats: list) -> tuple[list[str | None], list[tuple[int, st
     are rendered one by one so that only the rows the template rejects are lost, each with its message.
     Returns the text per chat (None where rejected) and ``(index, message)`` per rejected chat.
     """
-    from .render import bounded_rendering
+    from .render import bounded_rendering, text_parts
     from .tokenizer import ChatTemplateError
 
     texts: list[str | None] = [None] * len(chats)
@@ -208,7 +208,8 @@ def render_chats(tok, chats: list) -> tuple[list[str | None], list[tuple[int, st
         try:
             with bounded_rendering():
                 batch = tok.tokenizer.apply_chat_template(
-                    [chats[i] for i in plain], chat_template=tok.template_for(), tokenize=False,
+                    [text_parts(chats[i]) if tok.renders_parts_only else chats[i] for i in plain],
+                    chat_template=tok.template_for(), tokenize=False,
                     add_generation_prompt=False, **tok.template_kwargs,
                 )
         except Exception:  # some row is rejected or over a render bound: find which, row by row (bounded) below

@@ -209,6 +209,12 @@ def render_bounded(template: Any, **variables: Any) -> str:
         _DEADLINE.reset(token)
 
 
+def text_parts(messages: Sequence[Any]) -> list:
+    """``messages`` with each string content given as one text part, for a template that renders parts only."""
+    return [{**m, "content": [{"type": "text", "text": m["content"]}]}
+            if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
+
+
 def plain_arrow_type(arrow_type: pa.DataType) -> bool:
     """Does ``to_pylist`` of this type give only JSON types (no bytes, dates, decimals, tuples of a map)?"""
     if getattr(arrow_type, "extension_name", None) == "arrow.json":
@@ -269,6 +275,8 @@ class DirectRenderer:
         return texts, errors
 
     def _render(self, compiled: Any, messages: list) -> str:
+        if self.ct.renders_parts_only:
+            messages = text_parts(messages)
         return render_bounded(compiled, messages=self._alias(messages), tools=None, documents=None,
                               add_generation_prompt=False, **self._variables)
 

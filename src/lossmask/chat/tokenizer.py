@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from .render import ChatTemplateError, bounded_rendering  # ChatTemplateError raised here too; importers name it from either
+from .render import ChatTemplateError, bounded_rendering, text_parts  # ChatTemplateError raised here too; importers name it from either
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -180,7 +180,27 @@ class ChatTokenizer:
     ) -> str:
         """The text the chat template writes for ``messages`` (raises ``ChatTemplateError``).
 
-        Held to ``render.MAX_RENDER_SECONDS`` and ``MAX_RENDER_CHARS`` (``RenderLimitError``)."""
+        Held to ``render.MAX_RENDER_SECONDS`` and ``MAX_RENDER_CHARS`` (``RenderLimitError``). On a template that
+        renders text parts only (``renders_parts_only``), string contents are given to it as one text part."""
+        if self.renders_parts_only:
+            messages = text_parts(messages)
+        return self._render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    @cached_property
+    def renders_parts_only(self) -> bool:
+        """Does the template drop string contents but write text parts (LLaVA's and Idefics3's VL templates)?"""
+        def probe(wrap):
+            chat = [{"role": "user", "content": wrap("Qz7p1")}, {"role": "assistant", "content": wrap("Qz7p2")}]
+            try:
+                text = self._render(chat)
+            except ChatTemplateError:
+                return False
+            return "Qz7p1" in text and "Qz7p2" in text
+
+        return not probe(lambda t: t) and probe(lambda t: [{"type": "text", "text": t}])
+
+    def _render(self, messages: Messages, *, tools: Sequence[Mapping[str, Any]] | None = None,
+                add_generation_prompt: bool = False, **template_kwargs: Any) -> str:
         try:
             with bounded_rendering():
                 text = self.tokenizer.apply_chat_template(
