@@ -44,6 +44,7 @@ class EncodedBatch:
     special_example: str | None = None
     shapes: dict[str, int] = field(default_factory=dict)  # rows the shape policy changed, per shape (shapes.py)
     roles: Any = None  # encode_rendered.RoleTokens of the rows whose role invariant is to be checked
+    weights: Any = None  # encode_rendered.PlannedWeights: what each row's messages ask to weigh (chat/weights.py)
 
 
 def chat_tokenizer(tokenizer: Any):
@@ -150,7 +151,7 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         return RenderedBatch(texts, chats, row_numbers, valid, errors, seconds=seconds, dropped=dropped, shapes=shapes,
                              check=check)
     located = locate_rendered(tok, texts, chats, special_tokens_in_content=options.special_tokens_in_content,
-                              row_numbers=row_numbers, check=check)
+                              row_numbers=row_numbers, check=check, weigh=options)
     seconds["locate"] = time.perf_counter() - rendered
     return RenderedBatch(texts, [], row_numbers, valid, errors, seconds=seconds, located=located, dropped=dropped,
                          shapes=shapes)
@@ -168,7 +169,7 @@ def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, 
         encoded = encode_rendered(
             tok, rendered.texts, rendered.chats,
             special_tokens_in_content=options.special_tokens_in_content, max_length=options.max_length,
-            row_numbers=rendered.rows, positions=positions, check=rendered.check,
+            row_numbers=rendered.rows, positions=positions, check=rendered.check, weigh=options,
         )
     valid = rendered.valid
     if not encoded.keep.all():
@@ -179,7 +180,7 @@ def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, 
         _as_list32(encoded.input_ids), valid, rendered.errors, seconds=seconds,
         in_content=encoded.in_content, dropped=sorted(rendered.dropped + encoded.dropped),
         special_rows=encoded.special_rows, special_example=encoded.special_example,
-        shapes=rendered.shapes, roles=encoded.roles,
+        shapes=rendered.shapes, roles=encoded.roles, weights=encoded.weights,
     )
 
 
