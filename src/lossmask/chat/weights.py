@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .locate import REASONING_KEYS, THINK_CLOSE, THINK_OPEN
+from .shapes import PART_SPANS
 
 REASONING_KINDS = frozenset((*REASONING_KEYS, "reasoning in content"))
 
@@ -88,7 +89,7 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
             plan.segments += [(s, e, weight, index, False) for s, e, _ in own]
         if isinstance(message, Mapping):
             plan.segments += _detail_segments(text, message, own, detail_key, weight, role == "assistant", index, row)
-            plan.segments += _part_segments(message, own, fields, weight, role == "assistant", index, row)
+            plan.segments += _part_segments(text, message, own, fields, weight, role == "assistant", index, row)
         if role == "assistant":
             thinking = [p for p in own if p[2] in REASONING_KINDS]
             answers = [s for s, _, kind in own if kind not in REASONING_KINDS and (not thinking or s >= thinking[0][1])]
@@ -110,7 +111,8 @@ def _carries(messages: Sequence[Any], fields: tuple[str, ...], detail_key: str |
     for message in messages:
         if not isinstance(message, Mapping) or len(message) <= 2 and isinstance(message.get("content"), str):
             continue
-        if any(message.get(k) is not None for k in fields) or (detail_key and message.get(detail_key)):
+        if any(message.get(k) is not None for k in fields) or (detail_key and message.get(detail_key)) \
+                or PART_SPANS in message:
             return True
         content = message.get("content")
         if isinstance(content, (list, tuple)) and any(
@@ -178,8 +180,22 @@ def _detail_segments(text, message, own, detail_key, weight, assistant, index, r
     return out
 
 
-def _part_segments(message, own, fields, weight, assistant, index, row) -> list:
-    """Content parts carrying a weight field: their located text takes it (text parts are located in order)."""
+def _part_segments(text, message, own, fields, weight, assistant, index, row) -> list:
+    """Content parts carrying a weight field: their located text takes it (text parts are located in order; parts
+    that the shape policy joined into one string are placed by their spans in it)."""
+    if PART_SPANS in message:
+        origin = _content_start(text, message, own)
+        out = []
+        for k, ((begin, end), part) in enumerate(message[PART_SPANS]):
+            value = _field(part, fields, row, index, f", content part {k}")
+            if value is None:
+                continue
+            value = (weight or 1.0) if value == 1.0 else value
+            if origin is None:
+                out += [(s, e, min(value, weight), index, assistant) for s, e, kind in own if kind == "content"]
+            else:
+                out.append((origin + begin, origin + end, value, index, assistant))
+        return out
     content = message.get("content")
     if not isinstance(content, (list, tuple)):
         return []

@@ -269,4 +269,7 @@ def weight_field_types(schema: pa.Schema, options: Any) -> list[pa.DataType]:
     for name in {options.chat_column(schema.names), options.prompt_column, options.completion_column}:
         if name in schema.names:
             walk(schema.field(name).type, 0)
+            # JSON text (JSON Lines input): the keys that held numbers in the rows read for the schema
+            keys = (schema.field(name).metadata or {}).get(b"lossmask.numeric_keys", b"").decode().split(",")
+            found += [pa.float64() for key in keys if key in names]
     return found
