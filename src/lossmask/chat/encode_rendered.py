@@ -224,14 +224,14 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
         in_content = content_mask(ids, offsets, [len(t) for t in kept_texts], spans)
         lengths = np.fromiter((len(row) for row in ids), dtype=np.int64, count=len(ids))
         roles = _role_tokens(lengths, {r: (ids[r], offsets[r]) for r in checked}, kept_texts, located.roles)
-        weights = _planned(plans, exact, [offsets[r] for r in exact])
+        weights = planned_weights(plans, exact, [offsets[r] for r in exact])
         return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example, roles, weights)
     # the batch call without offsets; the rows that need them are encoded again, in one more call
     batch = ct.encode_texts(kept_texts, max_length=max_length)
     in_content = None
     if not need and not as_text and not checked and not exact:
         return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example,
-                           weights=_planned(plans, exact, []))
+                           weights=planned_weights(plans, exact, []))
     rows = np.split(batch.values.to_numpy(), batch.offsets.to_numpy()[1:-1]) if kept_texts else []
     again = sorted(set(need) | set(as_text) | set(checked) | set(exact))
     sub_ids, sub_offsets = ct.encode_texts_with_offsets([kept_texts[r] for r in again])
@@ -251,11 +251,11 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
         in_content[position] = mask
     lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
     roles = _role_tokens(lengths, {r: (rows[r], sub_offsets[local[r]]) for r in checked}, kept_texts, located.roles)
-    weights = _planned(plans, exact, [sub_offsets[local[r]] for r in exact])
+    weights = planned_weights(plans, exact, [sub_offsets[local[r]] for r in exact])
     return EncodedRows(_large_list(rows), in_content, keep, dropped, special_rows, special_example, roles, weights)
 
 
-def _planned(plans: list | None, exact: list[int], offsets: list[np.ndarray]) -> PlannedWeights | None:
+def planned_weights(plans: list | None, exact: list[int], offsets: list[np.ndarray]) -> PlannedWeights | None:
     """The plans, with the character span of each token of the exact rows (placed as ``span_index`` places them:
     from the end of the previous token, since byte-level offsets may leave a merged leading space out)."""
     if plans is None:

@@ -13,7 +13,7 @@ over messages, as locating already is), the sources that only the messages know:
 
 Most rows need none of it: every assistant turn takes one weight (``uniform``) and no character offsets are
 needed. A row whose turns differ, or that weighs part of a message or another role's text, is ``exact``: its
-tokens are placed by their character offsets, and ``jobs/weights.py`` applies the plan to the labels.
+tokens are placed by their character offsets, and ``engine/weights.py`` applies the plan to the labels.
 """
 
 from __future__ import annotations

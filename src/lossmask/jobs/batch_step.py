@@ -34,7 +34,7 @@ from ..engine.outcomes import CAUSES, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCou
 from ..engine.patterns import Markers
 from ..engine.tally import Tally
 from ..options import MaskOptions
-from .weights import weigh_tokens, weight_field_types, weight_totals, weights_to_arrow
+from ..engine.weights import weigh_tokens, weight_field_types, weight_totals, weights_to_arrow
 
 INPUT_KINDS = ("input_ids", "messages", "prompt_completion")
 
@@ -283,7 +283,7 @@ def _weighing(options: MaskOptions, encoded: Any) -> bool:
 
 
 def _apply_weights(input_ids, labels, outcomes, planned, markers, options, tally, table, tokenizer):
-    """Weights for a labelled batch (``jobs/weights.py``); labels where they change. Returns the labels, the weights
+    """Weights for a labelled batch (``engine/weights.py``); labels where they change. Returns the labels, the weights
     (``list<float32>``), trained tokens and outcomes per row, and the rows the weights left with nothing trained."""
     if isinstance(input_ids, pa.ChunkedArray):
         input_ids = input_ids.combine_chunks()

@@ -40,7 +40,10 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from ..chat.encode_rendered import content_mask
+from ..chat.encode_rendered import content_mask, planned_weights
+from ..chat.weights import plan_row
+from ..engine.weights import weigh_tokens
+from ..options import MaskOptions
 from ..chat.locate import locate_messages as locate_message_text
 from ..chat.probes import Conversation, renderable_probes
 from ..chat.tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
@@ -145,6 +148,8 @@ class GroundTruth:
     dropped: tuple[MissingText, ...] = ()  # reasoning the template dropped (earlier turns on Qwen3, gpt-oss)
     # a bool per token: inside message text, inert for markers (as on the messages path)
     data_mask: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # what the messages path's weights do to the marker labels (chat.weights.plan_row; None: nothing)
+    plan: Any = field(default=None, repr=False, compare=False)
 
 
 def _last_located(spans: Sequence[tuple[int, int] | None]) -> int | None:
@@ -247,8 +252,9 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
             while 0 <= at < turn.end:
                 copies |= inside & (starts >= at) & (starts < at + len(turn.header))
                 at = text.find(turn.header, at + len(turn.header))
+    plan = plan_row(text, messages, located, MaskOptions())
     return GroundTruth(conv.name, text, ids, offsets, should, tuple(sorted(turns, key=lambda t: t.start)),
-                       header_copies=copies, dropped=tuple(missing), data_mask=data_mask)
+                       header_copies=copies, dropped=tuple(missing), data_mask=data_mask, plan=plan)
 
 
 def _shift(span: tuple[int, int] | None, by: int) -> tuple[int, int] | None:
@@ -528,7 +534,7 @@ def check(tokenizer: Any, markers: Markers, truths: Sequence[GroundTruth | tuple
             name, error, *rest = t
             reports.append(ConversationReport(name, 0, 0, error=error, dropped=tuple(rest[0]) if rest else ()))
             continue
-        got = np.asarray(next(by_truth), dtype=np.int64)
+        got = _as_messages_path(np.asarray(next(by_truth), dtype=np.int64), t, markers)
         trained = got != -100
         copies = t.header_copies if t.header_copies is not None else np.zeros(len(t.ids), dtype=bool)
         missing = tuple(int(k) for k in np.flatnonzero(t.should_train & ~trained & ~copies))
@@ -537,6 +543,18 @@ def check(tokenizer: Any, markers: Markers, truths: Sequence[GroundTruth | tuple
         reports.append(ConversationReport(t.name, len(t.ids), int(t.should_train.sum()), missing, extra, truth=t,
                                           labels=got, dropped=t.dropped, beyond_markers=beyond))
     return VerifyReport(ct.name, markers, tuple(reports), decode=ct.decode)
+
+
+def _as_messages_path(labels: np.ndarray, truth: GroundTruth, markers: Markers) -> np.ndarray:
+    """The marker labels as the messages path leaves them after its default weights (``engine.weights``): the two
+    trained parts of one assistant message are one turn, so gpt-oss's ``<|start|>assistant`` between its analysis
+    and final channel trains there (the only tokens that differ on the 27 templates)."""
+    plan = truth.plan
+    if plan is None or not plan.exact:
+        return labels
+    planned = planned_weights([plan], [0], [truth.offsets])
+    weighed = weigh_tokens(truth.ids, np.array([len(truth.ids)]), labels != -100, planned, markers.end, MaskOptions())
+    return np.where(weighed.weights > 0, truth.ids.astype(np.int64), -100)
 
 
 def build_truths(tokenizer: Any, conversations: Sequence[Any]) -> list[GroundTruth | Unchecked]:
