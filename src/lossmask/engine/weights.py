@@ -13,7 +13,7 @@ this order, each source over the ones before it:
    takes the lower of the two weights;
 4. the stop-token policy (``train_on_eos``): ``turn`` keeps each run's stop token, ``last`` only the row's last
    run's, ``none`` none, ``all`` also every stop token outside the runs (weight 1);
-5. ``prompt_weight`` for every token nothing above claimed.
+5. ``prompt_weight`` for every token nothing above claimed, in the rows where something trains.
 
 Labels are the ids where the weight is > 0. Everything here is vectorised over the batch's tokens; the only
 Python loops run over rows and messages to gather the plans.
@@ -62,8 +62,10 @@ def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, trained: np.ndarray, plan
         if planned.rows.size:
             _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names)
     _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, options.train_on_eos)
-    if options.prompt_weight:
-        free = (role == 0) & ~in_run
+    if options.prompt_weight:  # in rows where something else trains: a row with no turn is not made to train
+        claimed = in_run | (role != 0)
+        busy = np.bincount(row_of[claimed & (weights > 0)], minlength=lengths.shape[0]) > 0
+        free = (role == 0) & ~in_run & busy[row_of]
         weights[free] = options.prompt_weight
         role[free] = _PROMPT
     return Weighed(weights, role, tuple(names))
@@ -251,24 +253,25 @@ def weights_to_arrow(like: pa.Array, values: np.ndarray) -> pa.Array:
 
 def weight_field_types(schema: pa.Schema, options: Any) -> list[pa.DataType]:
     """The Arrow types of the weight fields a chat column's messages (their content parts, their spans) carry."""
-    names = set(options.weight_fields()) | {"weight"}
+    names = set(options.weight_fields())
     found: list[pa.DataType] = []
 
-    def walk(arrow_type: pa.DataType, depth: int) -> None:
+    def walk(arrow_type: pa.DataType, depth: int, keys: set) -> None:
         if depth > 4:
             return
         if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
-            walk(arrow_type.value_type, depth + 1)
+            walk(arrow_type.value_type, depth + 1, keys)
         elif pa.types.is_struct(arrow_type):
             for i in range(arrow_type.num_fields):
                 child = arrow_type.field(i)
-                if child.name in names and not (pa.types.is_struct(child.type) or pa.types.is_list(child.type)):
+                if child.name in keys and not (pa.types.is_struct(child.type) or pa.types.is_list(child.type)):
                     found.append(child.type)
-                walk(child.type, depth + 1)
+                # a span's own weight (detail_field) counts whatever the message fields are
+                walk(child.type, depth + 1, keys | {"weight"} if child.name == options.detail_field else keys)
 
     for name in {options.chat_column(schema.names), options.prompt_column, options.completion_column}:
         if name in schema.names:
-            walk(schema.field(name).type, 0)
+            walk(schema.field(name).type, 0, names)
             # JSON text (JSON Lines input): the keys that held numbers in the rows read for the schema
             keys = (schema.field(name).metadata or {}).get(b"lossmask.numeric_keys", b"").decode().split(",")
             found += [pa.float64() for key in keys if key in names]

@@ -229,7 +229,8 @@ def mask_batch(
         started_weights = time.perf_counter()
         planned = getattr(encoded, "weights", None) if kind != "input_ids" else None
         labels, weights, trained, outcomes, zeroed = _apply_weights(
-            input_ids, labels, outcomes, planned, markers, options, tally, table, tokenizer)
+            input_ids, labels, outcomes, planned, markers if prompt_lengths is None else None, options, tally, table,
+            tokenizer)
         counts = OutcomeCounts.from_rows(outcomes, trained, _lengths(input_ids))
         if not write_weights and weights is not None:
             _check_binary(weights, options, source)
@@ -295,7 +296,7 @@ def _apply_weights(input_ids, labels, outcomes, planned, markers, options, tally
     trained = flat_labels != options.ignore_index
     if markers is not None:
         end = markers.end
-    else:
+    else:  # no markers, or plain-text prompt/completion: the EOS appended after the completion stops it
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         end = ((eos,),) if eos is not None else ()
     weighed = weigh_tokens(ids, lengths, trained, planned, end, options)
