@@ -336,3 +336,24 @@ def test_ray_round_trip():
     expected = out["loss_weights"].to_pylist()
     assert [list(np.asarray(r["loss_weights"], dtype=np.float32)) for r in rows] == \
         [list(np.asarray(w, dtype=np.float32)) for w in expected]
+
+
+def test_jsonl_in_many_batches_writes_one_schema(tmp_path):
+    from lossmask import mask_files
+    from conftest import tokenizer_path
+
+    rows = [{"messages": chat("Hi there", f"Answer {k}")} for k in range(5)]
+    rows.append({"messages": chat("Hi there", "Last answer", loss_scale=0.5)})
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mask_files(str(src), str(tmp_path / "out.parquet"), tokenizer=str(tokenizer_path("chatml")), batch_size=2,
+               progress=False)
+    weights = pq.read_table(tmp_path / "out.parquet")["loss_weights"].to_pylist()
+    assert {w for row in weights[:5] for w in row} == {0.0, 1.0} and 0.5 in weights[5]
+
+
+def test_a_fraction_where_no_column_was_promised_is_an_error():
+    markers, _ = detected_markers("chatml")
+    table = pa.table({"messages": [chat("Hi there", "Answer", loss_scale=0.5)]})
+    with pytest.raises(ValueError, match="loss_weights=True"):
+        mask_batch(table, markers, MaskOptions(), Tally(), tokenizer=chat_tokenizer("chatml"), write_weights=False)

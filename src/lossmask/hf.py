@@ -140,7 +140,8 @@ class _Job:
             batches = dataset.with_format("arrow").iter(batch_size=self.options.batch_size)
         for table in batches:
             parts.append(mask_batch(table, self.markers, self.options, tally, tokenizer=self.tokenizer, kind=kind,
-                                    first_row=first_row, source=name, truncated_at=self.truncated_at))
+                                    first_row=first_row, source=name, truncated_at=self.truncated_at,
+                                    write_weights=self.options.loss_weights_column in out_schema.names))
             first_row += table.num_rows
         from .jobs.stream import check_job_drops
 

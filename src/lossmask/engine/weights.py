@@ -50,25 +50,36 @@ def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, trained: np.ndarray, plan
     lengths = np.asarray(lengths, dtype=np.int64)
     row_starts = np.zeros(lengths.shape[0], dtype=np.int64)
     np.cumsum(lengths[:-1], out=row_starts[1:]) if lengths.shape[0] > 1 else None
-    row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
     in_run = trained.astype(bool, copy=True)
     weights = in_run.astype(np.float32)
-    role = np.where(in_run, _ASSISTANT, 0).astype(np.int16)
+    role = in_run.astype(np.int16)  # _ASSISTANT where the markers train
     names = list(ROLE_NAMES)
     if planned is not None and planned.plans:
         uniform = np.fromiter((1.0 if p is None else p.uniform for p in planned.plans), dtype=np.float32,
                               count=len(planned.plans))
-        weights[in_run] = uniform[row_of[in_run]]
+        if (uniform != 1.0).any():  # weights are 1 on the runs: scaling by the row's weight sets it
+            weights *= np.repeat(uniform, lengths)
         if planned.rows.size:
             _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names)
-    _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, options.train_on_eos)
+    if options.train_on_eos != "turn" and end_patterns and ids.shape[0]:
+        row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
+        _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, options.train_on_eos)
     if options.prompt_weight:  # in rows where something else trains: a row with no turn is not made to train
-        claimed = in_run | (role != 0)
-        busy = np.bincount(row_of[claimed & (weights > 0)], minlength=lengths.shape[0]) > 0
-        free = (role == 0) & ~in_run & busy[row_of]
+        busy = row_sums((weights > 0).view(np.int8), row_starts, lengths) > 0
+        free = (role == 0) & np.repeat(busy, lengths)
         weights[free] = options.prompt_weight
         role[free] = _PROMPT
     return Weighed(weights, role, tuple(names))
+
+
+def row_sums(values: np.ndarray, row_starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The sum of ``values`` over each row (rows back to back; empty rows sum to 0), without a per-token row index."""
+    out = np.zeros(lengths.shape[0], dtype=np.float64 if values.dtype.kind == "f" else np.int64)
+    full = lengths > 0
+    if values.shape[0] and full.any():
+        acc = np.float64 if values.dtype.kind == "f" else np.int64
+        out[full] = np.add.reduceat(values, row_starts[full], dtype=acc)
+    return out
 
 
 def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> None:
@@ -184,8 +195,6 @@ def _runs(tr, k_of, cs, ce, pieces, is_assistant):
 
 def _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, policy) -> None:
     """Step 4, in place: the stop-token policy over every row."""
-    if policy == "turn" or not end_patterns or ids.shape[0] == 0:
-        return
     total = ids.shape[0]
     nxt = np.zeros(total, dtype=bool)
     nxt[:-1] = in_run[1:] & (row_of[1:] == row_of[:-1])
@@ -225,14 +234,21 @@ def _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, p
 
 def weight_totals(weighed: Weighed, lengths: np.ndarray) -> tuple[dict[str, list], np.ndarray, np.ndarray]:
     """``{role: [trained tokens, weight mass]}``, and per row its trained tokens and weight mass."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    row_starts = np.zeros(lengths.shape[0], dtype=np.int64)
+    np.cumsum(lengths[:-1], out=row_starts[1:]) if lengths.shape[0] > 1 else None
     trained = weighed.weights > 0
-    codes = weighed.role.astype(np.int64)
+    row_tokens = row_sums(trained.view(np.int8), row_starts, lengths)
+    row_mass = row_sums(weighed.weights, row_starts, lengths)
+    codes = weighed.role
+    if codes.shape[0] and int(codes.max()) <= _ASSISTANT:  # only the assistant's turns: no per-token grouping
+        total = int(row_tokens.sum())
+        by_role = {"assistant": [total, float(row_mass.sum())]} if total else {}
+        return by_role, row_tokens, row_mass
+    codes = codes.astype(np.int64)
     count = np.bincount(codes[trained], minlength=len(weighed.names))
     mass = np.bincount(codes[trained], weights=weighed.weights[trained].astype(np.float64), minlength=len(weighed.names))
     by_role = {weighed.names[c]: [int(count[c]), float(mass[c])] for c in range(1, len(weighed.names)) if count[c]}
-    row_of = np.repeat(np.arange(len(lengths)), np.asarray(lengths, dtype=np.int64))
-    row_tokens = np.bincount(row_of[trained], minlength=len(lengths))
-    row_mass = np.bincount(row_of, weights=weighed.weights.astype(np.float64), minlength=len(lengths))
     return by_role, row_tokens, row_mass
 
 

@@ -147,6 +147,7 @@ def mask_batch(
     source: str = "input",
     encoded: Any = None,
     truncated_at: int | None = None,
+    write_weights: bool | None = None,
 ) -> pa.Table:
     """Label one batch; return the rows to keep (as a Table) and add what happened to ``tally``.
 
@@ -156,11 +157,14 @@ def mask_batch(
     ``markers=None`` trains every token (the policy's "no masking" outcome, e.g. raw text).
     ``first_row`` is the batch's first row in the whole input, so that errors and invalid rows
     are named by the row the user knows. ``truncated_at``: the length the rows were cut to before
-    they came here (a trainer's ``max_length``), so that dropped rows are told as cut.
+    they came here (a trainer's ``max_length``), so that dropped rows are told as cut. ``write_weights``: whether
+    the job's output has a ``loss_weights`` column (decided once per job from its schema, ``writes_weights``;
+    default: decided from this batch's schema).
     """
     table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
     kind = kind or input_kind(table.schema, options, source=source)
-    write_weights = writes_weights(table.schema, options, kind, source=source)
+    if write_weights is None:
+        write_weights = writes_weights(table.schema, options, kind, source=source)
     broken = zeroed = None
     keep_valid = None
     data_mask = None  # which tokens are message text (known only for rows rendered here)
@@ -309,7 +313,8 @@ def _apply_weights(input_ids, labels, outcomes, planned, markers, options, tally
     outcomes = np.where(row_tokens > 0, Outcome.TRAINED,
                         np.where(before, Outcome.EMPTY_RESPONSE, outcomes)).astype(np.int8)
     zeroed = before & (row_tokens == 0)
-    weights = weights_to_arrow(_rebuild(input_ids, ids, lengths), weighed.weights)
+    weights = weights_to_arrow(input_ids if not input_ids.null_count else _rebuild(input_ids, ids, lengths),
+                               weighed.weights)
     return labels, weights, row_tokens, outcomes, zeroed
 
 

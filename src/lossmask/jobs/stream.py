@@ -136,6 +136,7 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
     try:
         import pyarrow.parquet as pq
 
+        # (loss_weights keeps them: a handful of distinct values, which a dictionary stores in a few bits each)
         token_columns = {options.input_ids_column, options.labels_column, options.completion_mask_column}
         other_columns = [name for name in schema.names if name not in token_columns]
         # Token columns are high-cardinality lists: dictionary encoding and statistics only cost time there.
@@ -151,7 +152,8 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
                     if isinstance(encoded, Future):  # tokenised on a thread or after a worker rendered it
                         encoded = encoded.result()
                     out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
-                                     first_row=first_row, source=source, encoded=encoded)
+                                     first_row=first_row, source=source, encoded=encoded,
+                                     write_weights=options.loss_weights_column in schema.names)
                 except (ValueError, TypeError) as exc:
                     raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
                 tally.invalid_examples[seen:] = [dataset.name_rows(e, count=1) for e in tally.invalid_examples[seen:]]
