@@ -88,6 +88,14 @@ def test_no_weight_option_no_column(family):
     assert tally.weights_by_role == {}
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_weights_asked_for_is_the_label_mask(family):
+    out, _ = label(family, [chat("Hi there", "Hello back")], loss_weights=True)
+    labels = out["labels"][0].as_py()
+    assert out["loss_weights"][0].as_py() == [float(l != -100) for l in labels]
+    assert weighted_text(family, out) == [last_turn(family, "Hello back")]
+
+
 # -- the message's own field ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -165,7 +173,7 @@ def test_roles_to_train_without_assistant_masks_assistant():
 
 # -- character spans and content parts ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["chatml", "llama-3.1", "gemma-3", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_axolotl_spans(family):
     # "Keep this. Drop this." : characters 0..9 ("Keep this.") train, 11..20 ("Drop this.") do not (end inclusive)
     detail = [{"begin_offset": 0, "end_offset": 9, "train": True}, {"begin_offset": 11, "end_offset": 20, "train": False}]
@@ -182,7 +190,7 @@ def test_span_weight_and_straddling_token_takes_the_lower():
     assert weighted_text("chatml", out) == [("the", 1.0), ("answer", 0.2), ("<|im_end|>", 1.0)]
 
 
-@pytest.mark.parametrize("family", ["gemma-3", "chatml"])  # gemma-3 takes parts; chatml's parts are joined first
+@pytest.mark.parametrize("family", FAMILIES)  # gemma-3 and mistral-v3 take parts; the others' are joined first
 def test_content_parts_with_train(family):
     parts = [{"type": "text", "text": "Step one.", "train": False}, {"type": "text", "text": "Step two.", "weight": 0.5}]
     out, _ = label(family, [[{"role": "user", "content": [{"type": "text", "text": "Go"}]},

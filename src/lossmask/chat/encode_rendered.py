@@ -31,7 +31,7 @@ import pyarrow as pa
 from ..engine.outcomes import CONTENT_DROPPED, SPECIAL_TOKENS
 from ..options import SPECIAL_TOKENS_IN_CONTENT
 from .locate import locate_messages
-from .weights import plan_row
+from .weights import WeightReader, plan_row
 
 
 @dataclass
@@ -153,6 +153,7 @@ def locate_rendered(
     as_text: list[int] = []  # kept rows (local index among kept) to encode on the text path
     roles: list[tuple[tuple[int, int, int, str], ...] | None] = []
     plans: list | None = [] if weigh is not None else None
+    reader = WeightReader.of(weigh) if weigh is not None else None
     special_rows, special_example = 0, None
     for r, (text, messages) in enumerate(zip(texts, conversations)):
         located = locate_messages(text, messages, system_optional=tokens.drops_system)
@@ -183,7 +184,7 @@ def locate_rendered(
         spans.append(located.spans)
         roles.append(_role_spans(messages, located) if check is not None and check[r] else None)
         if plans is not None:
-            plans.append(plan_row(text, messages, located, weigh, names[r]))
+            plans.append(plan_row(text, messages, located, reader, names[r]))
     return LocatedRows([t for t, k in zip(texts, keep) if k], spans, as_text, keep, dropped, special_rows,
                        special_example, roles, plans)
 

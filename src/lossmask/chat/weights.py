@@ -51,22 +51,45 @@ class RowPlan:
 DEFAULT_PLAN = RowPlan()
 
 
+@dataclass(frozen=True)
+class WeightReader:
+    """What ``plan_row`` reads from ``MaskOptions``, read once per batch."""
+
+    fields: tuple[str, ...]
+    keys: frozenset
+    detail_key: str | None
+    role_weights: dict
+    plain_roles: bool
+    assistant_weight: float
+    reasoning_weight: float | None
+    mask_empty_think: bool
+
+    @classmethod
+    def of(cls, options: Any) -> "WeightReader":
+        if isinstance(options, cls):
+            return options
+        roles = options.role_weights()
+        reasoning = options.reasoning
+        return cls(options.weight_fields(), frozenset(options.weight_fields()), options.detail_field, roles,
+                   roles == {"assistant": 1.0}, roles.get("assistant", 1.0),
+                   None if reasoning == "train" else 0.0 if reasoning == "mask" else float(reasoning),
+                   bool(options.mask_empty_think))
+
+
 def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row: int = 0) -> RowPlan | None:
-    """The weights of one rendered row (None: every assistant turn weighs 1 and nothing else applies)."""
-    fields = options.weight_fields()
-    detail_key = options.detail_field
-    role_weights = options.role_weights()
-    reasoning = options.reasoning
-    reasoning_weight = None if reasoning == "train" else 0.0 if reasoning == "mask" else float(reasoning)
-    has_reasoning = any(kind in REASONING_KINDS for kind in located.kinds)
-    if role_weights == {"assistant": 1.0} and not has_reasoning and not options.mask_empty_think \
-            and not _carries(messages, fields, detail_key):
+    """The weights of one rendered row (None: every assistant turn weighs 1 and nothing else applies).
+    ``options``: the job's ``MaskOptions``, or its ``WeightReader`` (made once per batch)."""
+    reader = WeightReader.of(options)
+    fields, detail_key, role_weights = reader.fields, reader.detail_key, reader.role_weights
+    has_reasoning = not REASONING_KINDS.isdisjoint(located.kinds)
+    carries = _carries(messages, reader.keys, detail_key)  # "fields", True (spans or parts too) or False
+    if reader.plain_roles and not has_reasoning and not reader.mask_empty_think and not carries:
         return None
-    assistant_weight = role_weights.get("assistant", 1.0)
+    assistant_weight = reader.assistant_weight
     weights, roles = [], []
     for index, message in enumerate(messages):
-        role = str(message.get("role")) if isinstance(message, Mapping) else "?"
-        value = _field(message, fields, row, index)
+        role = str(message.get("role")) if isinstance(message, dict) else "?"
+        value = _field(message, fields, row, index) if carries else None
         if role == "assistant":
             weight = assistant_weight if value is None else value
         elif role in role_weights:
@@ -75,19 +98,25 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
             weight = 0.0  # weights never make other roles' text train unless a role option asks for that role
         weights.append(weight)
         roles.append(role)
-    plan = RowPlan(weights=weights, roles=roles)
+    turns = {w for w, r in zip(weights, roles) if r == "assistant"}
+    uniform = next(iter(turns)) if len(turns) == 1 else assistant_weight
+    others = any(w > 0 for w, r in zip(weights, roles) if r != "assistant")
+    if len(turns) <= 1 and not others and not has_reasoning and not reader.mask_empty_think and carries is not True:
+        return RowPlan(uniform=uniform)  # one weight for every turn: no characters to look at
+    plan = RowPlan(uniform=uniform, weights=weights, roles=roles)
     by_message: dict[int, list[tuple[int, int, str]]] = {}
     for (start, end, index, _), kind in zip(located.pieces, located.kinds):
         by_message.setdefault(index, []).append((start, end, kind))
         plan.pieces.append((start, end, index))
     plan.pieces.sort()
+    reasoning_weight = reader.reasoning_weight
     previous_end = 0
     for index, message in enumerate(messages):
         own = by_message.get(index, [])
         role, weight = roles[index], weights[index]
         if role != "assistant" and weight > 0:
             plan.segments += [(s, e, weight, index, False) for s, e, _ in own]
-        if isinstance(message, Mapping):
+        if carries is True and isinstance(message, dict):
             plan.segments += _detail_segments(text, message, own, detail_key, weight, role == "assistant", index, row)
             plan.segments += _part_segments(text, message, own, fields, weight, role == "assistant", index, row)
         if role == "assistant":
@@ -96,36 +125,35 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
             answer_start = min(answers) if answers else len(text)
             if thinking and reasoning_weight is not None:
                 plan.leads.append((index, answer_start, reasoning_weight))
-            elif not thinking and options.mask_empty_think and own and _empty_think(text, previous_end, min(answers or [0])):
+            elif not thinking and reader.mask_empty_think and own and _empty_think(text, previous_end, min(answers or [0])):
                 plan.leads.append((index, answer_start, 0.0))
         if own:
             previous_end = max(e for _, e, _ in own)
-    turns = {w for w, r in zip(weights, roles) if r == "assistant"}
-    plan.uniform = turns.pop() if len(turns) == 1 else assistant_weight
-    plan.exact = bool(len(turns) > 0 or plan.segments or plan.leads or has_reasoning)
+    plan.exact = bool(len(turns) > 1 or plan.segments or plan.leads or has_reasoning)
     return plan
 
 
-def _carries(messages: Sequence[Any], fields: tuple[str, ...], detail_key: str | None) -> bool:
-    """Does any message (or content part) carry a weight field or character spans?"""
+def _carries(messages: Sequence[Any], keys: frozenset, detail_key: str | None) -> bool | str:
+    """Does any message carry a weight field (``"fields"``), or character spans or weighted parts (True)?"""
+    found: bool | str = False
     for message in messages:
-        if not isinstance(message, Mapping) or len(message) <= 2 and isinstance(message.get("content"), str):
+        if type(message) is not dict or len(message) <= 2 and type(message.get("content")) is not list:
             continue
-        if any(message.get(k) is not None for k in fields) or (detail_key and message.get(detail_key)) \
-                or PART_SPANS in message:
+        if detail_key and message.get(detail_key) or PART_SPANS in message:
             return True
+        if not keys.isdisjoint(message.keys()):
+            found = "fields"
         content = message.get("content")
-        if isinstance(content, (list, tuple)) and any(
-                isinstance(p, Mapping) and any(p.get(k) is not None for k in fields) for p in content):
+        if type(content) is list and any(type(p) is dict and not keys.isdisjoint(p.keys()) for p in content):
             return True
-    return False
+    return found
 
 
 def _field(message: Any, fields: tuple[str, ...], row: int, index: int, where: str = "") -> float | None:
     """The first of ``fields`` the message (or part) has, as a weight; None when it has none."""
     if not isinstance(message, Mapping):
         return None
-    for key in fields:
+    for key in fields if len(message) > 2 or where else ():
         value = message.get(key)
         if value is None:
             continue

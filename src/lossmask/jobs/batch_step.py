@@ -13,8 +13,8 @@ A batch comes in as a ``pyarrow.RecordBatch`` or ``Table`` with one of three inp
   (tokenised as prompt then completion plus EOS; the completion trains, the prompt does not, by position).
 
 The batch goes out with its columns in their order, ``input_ids`` added when it was tokenised here,
-then ``labels`` (and ``completion_mask`` on request); rows that train nothing are removed unless
-``keep_dropped``. What happened is added to a ``Tally``.
+then ``labels`` (and ``completion_mask`` on request, and ``loss_weights`` where weights apply: docs/weights.md);
+rows that train nothing are removed unless ``keep_dropped``. What happened is added to a ``Tally``.
 """
 
 from __future__ import annotations

@@ -68,6 +68,10 @@ def mask_files(
     inside it, and a row whose message the template dropped is counted as ``content_dropped``.
     Pre-tokenised ``input_ids`` cannot be fixed that way: a marker's text inside a message acts as
     the marker there.
+    Weights (docs/weights.md): ``roles_to_train``, ``weights_by_role``, the messages' weight fields and spans,
+    ``reasoning``, ``prompt_weight`` and ``train_on_eos`` give a float per token, written as ``loss_weights``
+    when one can be other than 0 and 1 (or ``loss_weights=True``); labels train where it is > 0. Pre-tokenised
+    ``input_ids`` take only the marker-level ones (``prompt_weight``, ``train_on_eos``, ``last_turn_only``).
     Every output location is checked before any row is read (``output`` may not be an input, a folder, in a
     missing or unwritable folder, or named for another format than Parquet); the data and the report are
     committed together or not at all, and a failed job leaves neither (``OutputError`` names the path and the
