@@ -278,7 +278,7 @@ def test_gpt_oss_header_between_analysis_and_final_is_trained_by_the_rule():
     """The model writes '<|start|>assistant' between its analysis and its final message in one
     sampling run: the rule trains it. Markers alone cannot (it is the turn's header, token for token); the
     messages path trains it (its weights join the two trained parts of one assistant message, issue 20),
-    and verify checks the labels as the messages path leaves them, so nothing is beyond the markers."""
+    and verify takes those tokens' labels from the messages path, so nothing is beyond the markers."""
     from lossmask.engine.labels import label_batch
     import pyarrow as pa
     from lossmask.markers.verify import ground_truth
