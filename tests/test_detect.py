@@ -276,8 +276,11 @@ def test_parallel_tool_results_are_masked(family):
 
 def test_gpt_oss_header_between_analysis_and_final_is_trained_by_the_rule():
     """The model writes '<|start|>assistant' between its analysis and its final message in one
-    sampling run: the rule trains it; markers cannot (it is the turn's header, token for token), and
-    verify counts those tokens apart, so the report stays exact and says so."""
+    sampling run: the rule trains it. Markers alone cannot (it is the turn's header, token for token); the
+    messages path trains it (its weights join the two trained parts of one assistant message, issue 20),
+    and verify takes those tokens' labels from the messages path, so nothing is beyond the markers."""
+    from lossmask.engine.labels import label_batch
+    import pyarrow as pa
     from lossmask.markers.verify import ground_truth
 
     ct = chat_tokenizer("gpt-oss")
@@ -287,9 +290,11 @@ def test_gpt_oss_header_between_analysis_and_final_is_trained_by_the_rule():
     copies = [k for k in range(len(truth.ids)) if truth.header_copies[k]]
     assert ct.decode(truth.ids[copies]) == "<|start|>assistant" and truth.should_train[copies].all()
     checked = verify(ct, markers, [chat])
-    assert checked.ok and checked.beyond_markers == 2
-    assert "no marker can train" in checked.summary()
-    assert report.ok and report.beyond_markers > 0
+    assert checked.ok and checked.beyond_markers == 0
+    assert (checked.conversations[0].labels[copies] != -100).all()
+    alone = label_batch(pa.array([truth.ids.tolist()]), markers).labels[0].as_py()
+    assert all(alone[k] == -100 for k in copies)  # the marker rule alone leaves them out
+    assert report.ok and report.beyond_markers == 0
 
 
 KIND_EXPECTATIONS = {

@@ -27,7 +27,12 @@ def _mask(args: argparse.Namespace) -> int:
             last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
             special_tokens_in_content=args.special_tokens_in_content, consecutive_roles=args.consecutive_roles,
             leading_assistant=args.leading_assistant, empty_messages=args.empty_messages, role_map=args.role_map,
-            check_roles=args.check_roles,
+            check_roles=args.check_roles, roles_to_train=args.roles_to_train, weights_by_role=args.weights_by_role,
+            weight_field=None if args.weight_field == "none" else args.weight_field,
+            detail_field=None if args.detail_field == "none" else args.detail_field,
+            prompt_weight=args.prompt_weight, train_on_eos=args.train_on_eos, reasoning=args.reasoning,
+            mask_empty_think=args.mask_empty_think, loss_weights=args.loss_weights,
+            loss_weights_column=args.loss_weights_column, source_column=args.source_column,
         )
         report = mask_files(
             args.input, args.output, tokenizer=args.tokenizer, chat_template=args.chat_template,
@@ -138,6 +143,38 @@ def _add_mask_command(commands) -> None:
                         help="rows checked for user, system or tool text that trains and assistant text that does not "
                              "(dropped as template_breaks_roles): every row of an unusual shape (default), or all rows "
                              "(slower)")
+    weights = mask.add_argument_group(
+        "weights (docs/weights.md): a float per token, labels train where it is > 0; sources apply in this order: "
+        "role, the message's field, character spans and content parts, reasoning, stop tokens, prompt weight. "
+        "Ids given as input_ids take --prompt-weight, --train-on-eos and --last-turn-only only")
+    weights.add_argument("--roles-to-train", metavar="ROLE,...",
+                         help="the roles whose messages train, weight 1 (default assistant); a role left out, assistant "
+                              "included, does not train. Other roles train their message text only")
+    weights.add_argument("--weights-by-role", metavar="ROLE=W,...",
+                         help="a weight per role, over --roles-to-train, e.g. assistant=1,user=0.1")
+    weights.add_argument("--weight-field", default="auto", metavar="NAME",
+                         help="the message field read as its weight (true/false or a number): auto (default) reads the "
+                              "first of weight, train, training, loss, loss_scale, loss_weight; none reads none")
+    weights.add_argument("--detail-field", default="train_detail", metavar="NAME",
+                         help="character spans in a message, [{begin_offset, end_offset (inclusive), train or weight}], "
+                              "as axolotl writes them (default train_detail; none reads none). Content parts carrying "
+                              "train or weight are read too")
+    weights.add_argument("--prompt-weight", type=float, default=0.0, metavar="W",
+                         help="the weight of every other token (prompts, headers, other roles), e.g. 0.05; default 0")
+    weights.add_argument("--train-on-eos", choices=("turn", "last", "all", "none"), default="turn",
+                         help="stop tokens: each assistant turn's (default), the row's last turn's only, also those after "
+                              "other roles' turns (all), or none")
+    weights.add_argument("--reasoning", default="train", metavar="train|mask|W",
+                         help="an assistant turn's reasoning (think block, gpt-oss analysis channel) and the template's "
+                              "text up to its answer: train (default), mask, or a weight such as 0.5")
+    weights.add_argument("--mask-empty-think", action="store_true",
+                         help="mask an empty <think></think> block before an answer (ms-swift's ignore_empty_think)")
+    weights.add_argument("--loss-weights", action="store_true",
+                         help="always write the loss_weights column (float32 per token); it is written anyway when a "
+                              "weight can be other than 0 and 1")
+    weights.add_argument("--loss-weights-column", default="loss_weights", metavar="NAME")
+    weights.add_argument("--source-column", metavar="NAME",
+                         help="report trained tokens and weight mass per value of this column (a mixture's dataset name)")
     mask.add_argument("--keep-dropped", action="store_true", help="keep rows that train nothing (still counted)")
     mask.add_argument("--max-drop-fraction", type=float, default=0.30, metavar="F",
                       help="abort, writing nothing, when more than F of the rows train nothing (default %(default)s)")

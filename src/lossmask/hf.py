@@ -57,6 +57,10 @@ def mask_dataset(
     (``special_tokens_in_content``; rows whose messages the template drops are ``content_dropped``).
     Pre-tokenised ``input_ids`` cannot be told apart that way: a marker's text inside a message acts
     as the marker there.
+    Weights (docs/weights.md): ``roles_to_train``, ``weights_by_role``, the messages' weight fields and spans,
+    ``reasoning``, ``prompt_weight`` and ``train_on_eos`` give a float per token, written as ``loss_weights``
+    when one can be other than 0 and 1 (or ``loss_weights=True``); labels train where it is > 0. Pre-tokenised
+    ``input_ids`` take only the marker-level ones (``prompt_weight``, ``train_on_eos``, ``last_turn_only``).
 
     Returns the masked dataset of the same kind; with ``return_report=True``, ``(dataset, report)``
     where report is a ``MaskReport`` (a dict of them for a ``DatasetDict``; for an ``IterableDataset``,
@@ -143,7 +147,8 @@ class _Job:
             batches = dataset.with_format("arrow").iter(batch_size=self.options.batch_size)
         for table in batches:
             parts.append(mask_batch(table, self.markers, self.options, tally, tokenizer=self.tokenizer, kind=kind,
-                                    first_row=first_row, source=name, truncated_at=self.truncated_at))
+                                    first_row=first_row, source=name, truncated_at=self.truncated_at,
+                                    write_weights=self.options.loss_weights_column in out_schema.names))
             first_row += table.num_rows
         from .jobs.stream import check_job_drops
 

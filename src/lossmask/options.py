@@ -19,6 +19,12 @@ CONSECUTIVE_ROLES = ("merge", "keep")
 LEADING_ASSISTANT = ("drop", "keep")
 EMPTY_MESSAGES = ("drop", "keep")
 CHECK_ROLES = ("unusual", "all")
+TRAIN_ON_EOS = ("turn", "last", "all", "none")
+REASONING = ("train", "mask")
+# a message's own weight, read from the first of these fields it has (OpenAI ``weight``, axolotl ``train``/``training``,
+# ms-swift ``loss``/``loss_scale``, LLaMA-Factory ``loss_weight``); ``weight_field`` names one instead
+WEIGHT_FIELDS = ("weight", "train", "training", "loss", "loss_scale", "loss_weight")
+DETAIL_FIELD = "train_detail"  # axolotl's character spans: [{begin_offset, end_offset (inclusive), train[, weight]}]
 # ShareGPT's speaker names (``from``) and the roles they become; ``role_map`` adds to this or overrides it
 SHAREGPT_ROLES = {
     "human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -43,6 +49,7 @@ class MaskOptions:
     completion_column: str = "completion"
     labels_column: str = "labels"
     completion_mask_column: str | None = None  # write TRL's 0/1 completion_mask under this name
+    loss_weights_column: str = "loss_weights"  # float32 per token, written when weights can be fractional or asked for
     # how rows are tokenised and labelled
     max_length: int | None = None
     last_turn_only: bool = False
@@ -60,6 +67,22 @@ class MaskOptions:
     empty_messages: str = "drop"
     # ShareGPT ``{from, value}`` messages: speaker -> role, over SHAREGPT_ROLES (a dict, or "human=user,gpt=assistant")
     role_map: Any = None
+    # weights (docs/weights.md): a float per token; labels train where it is > 0. Sources, applied in this order:
+    # per role (roles_to_train: the roles that train, weight 1; weights_by_role: role -> weight, over it), the
+    # message's own field (weight_field: "auto" reads WEIGHT_FIELDS, a name reads that one, None none), character
+    # spans (detail_field) and content parts with train/weight, the reasoning policy ("train", "mask" or a weight;
+    # mask_empty_think), the stop-token policy (train_on_eos), then prompt_weight for every token nothing claimed.
+    # Only prompt_weight, train_on_eos and last_turn_only apply to pre-tokenised input_ids.
+    roles_to_train: Any = None
+    weights_by_role: Any = None
+    weight_field: str | None = "auto"
+    detail_field: str | None = DETAIL_FIELD
+    prompt_weight: float = 0.0
+    train_on_eos: str = "turn"
+    reasoning: Any = "train"
+    mask_empty_think: bool = False
+    loss_weights: bool = False  # write the loss_weights column even when every weight is 0 or 1
+    source_column: str | None = None  # the report counts trained tokens and weight mass per value of this column
     # which rows have the role invariant checked with character offsets: "unusual" (every row whose shape the
     # marker probes did not cover) or "all" (every row; slower: tokenising with offsets)
     check_roles: str = "unusual"
@@ -90,11 +113,66 @@ class MaskOptions:
                                      ("check_roles", self.check_roles, CHECK_ROLES)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}; pass one of {allowed}")
+        if self.train_on_eos not in TRAIN_ON_EOS:
+            raise ValueError(f"train_on_eos={self.train_on_eos!r}; pass one of {TRAIN_ON_EOS} ('turn', the default, trains "
+                             "each assistant turn's stop token)")
+        object.__setattr__(self, "prompt_weight", _weight("prompt_weight", self.prompt_weight))
+        if not (isinstance(self.reasoning, str) and self.reasoning in REASONING):
+            if isinstance(self.reasoning, str):
+                try:
+                    value = float(self.reasoning)
+                except ValueError:
+                    raise ValueError(f"reasoning={self.reasoning!r}; pass 'train', 'mask' or a weight >= 0 such as 0.5") from None
+            else:
+                value = self.reasoning
+            object.__setattr__(self, "reasoning", _weight("reasoning", value))
+        object.__setattr__(self, "weights_by_role", parse_role_weights(self.roles_to_train, self.weights_by_role))
+        object.__setattr__(self, "roles_to_train", None if self.roles_to_train is None else
+                           tuple(parse_roles(self.roles_to_train)))
+        if self.weight_field is not None and (not isinstance(self.weight_field, str) or not self.weight_field):
+            raise TypeError(f"weight_field={self.weight_field!r}: pass 'auto' (reads {WEIGHT_FIELDS}), a field name, or None")
         # a hashable, checked form: a tuple of (speaker, role) pairs, the user's over the defaults
         object.__setattr__(self, "role_map", parse_role_map(self.role_map))
         names = [self.labels_column] + ([self.completion_mask_column] if self.completion_mask_column else [])
         if len(set(names)) != len(names):
             raise ValueError(f"labels_column and completion_mask_column must differ, both are {self.labels_column!r}")
+        if self.loss_weights_column in names:
+            raise ValueError(f"loss_weights_column={self.loss_weights_column!r} must differ from the labels and "
+                             "completion_mask columns")
+
+    def role_weights(self) -> dict[str, float]:
+        """role -> weight of that role's messages (assistant 1.0 unless a role option says otherwise)."""
+        return dict(self.weights_by_role)
+
+    def message_weights(self) -> bool:
+        """Does any message-level source apply (roles, the reasoning policy, the empty-think rule)? Fields in the data
+        (weight_field, detail_field) are read whenever a row carries them."""
+        return (self.weights_by_role != (("assistant", 1.0),) or self.reasoning != "train" or self.mask_empty_think)
+
+    def token_weights(self) -> bool:
+        """Does a marker-level weight choice differ from the default (these apply to every input, ids included)?"""
+        return self.prompt_weight != 0.0 or self.train_on_eos != "turn"
+
+    def fractional(self) -> bool:
+        """Can the options alone give a weight other than 0 and 1 (then loss_weights is always written)?"""
+        values = [self.prompt_weight, *dict(self.weights_by_role).values()]
+        if not isinstance(self.reasoning, str):
+            values.append(self.reasoning)
+        return any(v not in (0.0, 1.0) for v in values)
+
+    def writes_loss_weights(self, field_types: Any = ()) -> bool:
+        """Is a loss_weights column written: when asked for, when the options can give fractional weights, or when
+        the messages carry a weight field that is not a boolean (``field_types``: the Arrow types of the message
+        fields read as weights)."""
+        import pyarrow as pa
+
+        return self.loss_weights or self.fractional() or any(not pa.types.is_boolean(t) for t in field_types)
+
+    def weight_fields(self) -> tuple[str, ...]:
+        """The message fields read as its weight."""
+        if self.weight_field is None:
+            return ()
+        return WEIGHT_FIELDS if self.weight_field == "auto" else (self.weight_field,)
 
     def roles(self) -> dict[str, str]:
         """The ShareGPT speaker -> role map this job uses."""
@@ -157,6 +235,60 @@ def parse_role_map(role_map: Any) -> tuple[tuple[str, str], ...]:
     if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in given.items()):
         raise ValueError(f"role_map={role_map!r}: speakers and roles must be non-empty strings")
     return tuple(sorted({**SHAREGPT_ROLES, **given}.items()))
+
+
+def parse_roles(roles: Any) -> list[str]:
+    """``roles_to_train``: a list of role names, or ``"assistant,user"``."""
+    if isinstance(roles, str):
+        roles = [r.strip() for r in roles.split(",") if r.strip()]
+    if not isinstance(roles, (list, tuple)) or not all(isinstance(r, str) and r for r in roles):
+        raise TypeError(f"roles_to_train={roles!r}: pass a list of roles such as ['assistant', 'user'] or 'assistant,user'")
+    return list(roles)
+
+
+def parse_role_weights(roles_to_train: Any, weights_by_role: Any) -> tuple[tuple[str, float], ...]:
+    """role -> weight, as sorted pairs: ``roles_to_train`` gives its roles weight 1 and every other role 0 (assistant
+    too, when it is left out); ``weights_by_role`` (a dict, pairs, or ``"assistant=1,user=0.1"``) then sets its own."""
+    table = {"assistant": 1.0}
+    if roles_to_train is not None:
+        table = {role: 1.0 for role in parse_roles(roles_to_train)}
+        table.setdefault("assistant", 0.0)
+    if weights_by_role is None:
+        given = {}
+    elif isinstance(weights_by_role, str):
+        given = {}
+        for item in filter(None, (part.strip() for part in weights_by_role.split(","))):
+            role, sep, value = item.partition("=")
+            try:
+                given[role.strip()] = float(value)
+            except ValueError:
+                sep = ""
+            if not sep or not role.strip():
+                raise ValueError(f"weights_by_role={weights_by_role!r}: {item!r} is not ROLE=WEIGHT; write it as "
+                                 "'assistant=1,user=0.1'") from None
+    elif isinstance(weights_by_role, dict):
+        given = dict(weights_by_role)
+    elif isinstance(weights_by_role, tuple):
+        given = dict(weights_by_role)
+    else:
+        raise TypeError(f"weights_by_role={weights_by_role!r}: pass a dict such as {{'assistant': 1.0, 'user': 0.1}} "
+                        "or 'assistant=1,user=0.1'")
+    for role, value in given.items():
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"weights_by_role={weights_by_role!r}: roles must be non-empty strings")
+        table[role] = _weight(f"weights_by_role[{role!r}]", value)
+    return tuple(sorted(table.items()))
+
+
+def _weight(name: str, value: Any) -> float:
+    """A weight: a finite number >= 0 (booleans are 1 and 0)."""
+    import math
+
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={value!r} must be a finite weight >= 0 (0 masks, 1 trains fully, 0.1 trains lightly)")
+    return float(value)
 
 
 def _positive_int(value: Any) -> bool:

@@ -68,7 +68,8 @@ def mask_dataset(
     resolved, source, messages = resolve_job_markers(markers, tokenizer=chat, model_name=model_name, strict=strict)
     labelled = dataset.map_batches(
         _label_batch, batch_format="pyarrow", batch_size=options.batch_size, zero_copy_batch=True,
-        fn_kwargs={"markers": resolved, "options": options, "tokenizer": chat},
+        fn_kwargs={"markers": resolved, "options": options, "tokenizer": chat,
+                   "write_weights": _writes_weights(dataset, options)},
     ).materialize()
     tally = Tally()
     for row in labelled.map_batches(_tallies_only, batch_format="pyarrow", zero_copy_batch=True).take_all():
@@ -85,10 +86,26 @@ def mask_dataset(
 TALLY_COLUMN = "__lossmask_tally__"
 
 
-def _label_batch(batch: pa.Table, *, markers, options, tokenizer) -> pa.Table:
+def _writes_weights(dataset: Any, options: MaskOptions) -> bool | None:
+    """Whether every batch writes ``loss_weights``, decided once from the dataset's schema (batches of one dataset
+    can differ: a message field only some batches hold); None (each batch decides) when Ray cannot tell."""
+    from .jobs.batch_step import input_kind, writes_weights
+
+    try:
+        schema = dataset.schema()
+        schema = getattr(schema, "base_schema", schema)
+        if not isinstance(schema, pa.Schema):
+            return None
+        return writes_weights(schema, options, input_kind(schema, options, source="ray dataset"), source="ray dataset")
+    except (TypeError, AttributeError):
+        return None
+
+
+def _label_batch(batch: pa.Table, *, markers, options, tokenizer, write_weights=None) -> pa.Table:
     """One worker batch: labels via ``mask_batch``, then one row holding the batch's tally (JSON)."""
     tally = Tally()
-    out = mask_batch(batch, markers, options, tally, tokenizer=tokenizer, source="ray batch")
+    out = mask_batch(batch, markers, options, tally, tokenizer=tokenizer, source="ray batch",
+                     write_weights=write_weights)
     tally.invalid_examples = [_identify(batch, example) for example in tally.invalid_examples]
     tally.rejected_examples = [_identify(batch, example) for example in tally.rejected_examples]
     schema = pa.schema([field.with_nullable(True) for field in out.schema] + [pa.field(TALLY_COLUMN, pa.string())])

@@ -47,6 +47,7 @@ class EncodedBatch:
     media: Any = None  # rows rendered through a processor: its outputs for their images (chat/media.py)
     media_ids: tuple[int, ...] = ()  # ... and the ids of the media tokens (never trained)
     media_span: Any = None  # ... and a bool per token: inside an image's tokens, first to last (never trained)
+    weights: Any = None  # encode_rendered.PlannedWeights: what each row's messages ask to weigh (chat/weights.py)
 
 
 def chat_tokenizer(tokenizer: Any):
@@ -153,7 +154,7 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         return RenderedBatch(texts, chats, row_numbers, valid, errors, seconds=seconds, dropped=dropped, shapes=shapes,
                              check=check)
     located = locate_rendered(tok, texts, chats, special_tokens_in_content=options.special_tokens_in_content,
-                              row_numbers=row_numbers, check=check)
+                              row_numbers=row_numbers, check=check, weigh=options)
     seconds["locate"] = time.perf_counter() - rendered
     return RenderedBatch(texts, [], row_numbers, valid, errors, seconds=seconds, located=located, dropped=dropped,
                          shapes=shapes)
@@ -171,7 +172,7 @@ def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, 
         encoded = encode_rendered(
             tok, rendered.texts, rendered.chats,
             special_tokens_in_content=options.special_tokens_in_content, max_length=options.max_length,
-            row_numbers=rendered.rows, positions=positions, check=rendered.check,
+            row_numbers=rendered.rows, positions=positions, check=rendered.check, weigh=options,
         )
     valid = rendered.valid
     if not encoded.keep.all():
@@ -182,7 +183,7 @@ def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, 
         _as_list32(encoded.input_ids), valid, rendered.errors, seconds=seconds,
         in_content=encoded.in_content, dropped=sorted(rendered.dropped + encoded.dropped),
         special_rows=encoded.special_rows, special_example=encoded.special_example,
-        shapes=rendered.shapes, roles=encoded.roles,
+        shapes=rendered.shapes, roles=encoded.roles, weights=encoded.weights,
     )
 
 

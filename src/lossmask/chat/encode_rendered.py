@@ -31,6 +31,7 @@ import pyarrow as pa
 from ..engine.outcomes import CONTENT_DROPPED, SPECIAL_TOKENS
 from ..options import SPECIAL_TOKENS_IN_CONTENT
 from .locate import locate_messages
+from .weights import WeightReader, plan_row
 
 
 @dataclass
@@ -49,6 +50,18 @@ class EncodedRows:
     special_rows: int = 0
     special_example: str | None = None
     roles: "RoleTokens | None" = None
+    weights: "PlannedWeights | None" = None
+
+
+@dataclass
+class PlannedWeights:
+    """Each kept row's ``chat.weights.RowPlan`` (None: defaults), and for the ``exact`` rows (``rows``, in order) the
+    character span of each of their tokens (back to back, in the row's own text): ``starts``/``ends``."""
+
+    plans: list
+    rows: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
 
 
 @dataclass
@@ -90,6 +103,7 @@ class LocatedRows:
     special_example: str | None = None
     # per kept row: None (not checked), or ``(start, end, message index, role)`` of each text to check
     roles: list[tuple[tuple[int, int, int, str], ...] | None] = field(default_factory=list)
+    plans: list | None = None  # per kept row: its chat.weights.RowPlan (None: defaults); None when not weighing
 
 
 def encode_rendered(
@@ -102,6 +116,7 @@ def encode_rendered(
     row_numbers: Sequence[int] | None = None,
     positions: "bool | re.Pattern" = True,
     check: Sequence[bool] | None = None,
+    weigh: Any = None,
 ) -> EncodedRows:
     """Locate, check and tokenise rendered rows; ``row_numbers`` name the rows in messages (default: 0, 1, ...).
 
@@ -110,7 +125,7 @@ def encode_rendered(
     marker it could match (``text_can_match``); the other rows' tokens are never inside a match.
     """
     located = locate_rendered(ct, texts, conversations, special_tokens_in_content=special_tokens_in_content,
-                              row_numbers=row_numbers, check=check)
+                              row_numbers=row_numbers, check=check, weigh=weigh)
     return encode_located(ct, located, max_length=max_length, positions=positions)
 
 
@@ -122,10 +137,12 @@ def locate_rendered(
     special_tokens_in_content: str = "text",
     row_numbers: Sequence[int] | None = None,
     check: Sequence[bool] | None = None,
+    weigh: Any = None,
 ) -> LocatedRows:
     """Steps 1 and 2: where each row's message text lies, rows dropped, the special-token policy applied.
 
-    ``check``: a bool per row, the rows whose message text is kept by role for the invariant (step 5)."""
+    ``check``: a bool per row, the rows whose message text is kept by role for the invariant (step 5).
+    ``weigh``: the job's ``MaskOptions``, to read each row's weights (``chat.weights.plan_row``); None: no weights."""
     check_policy(special_tokens_in_content)
     tokens = ct.content_tokens
     n = len(texts)
@@ -135,6 +152,8 @@ def locate_rendered(
     spans: list[tuple[tuple[int, int], ...]] = []
     as_text: list[int] = []  # kept rows (local index among kept) to encode on the text path
     roles: list[tuple[tuple[int, int, int, str], ...] | None] = []
+    plans: list | None = [] if weigh is not None else None
+    reader = WeightReader.of(weigh) if weigh is not None else None
     special_rows, special_example = 0, None
     for r, (text, messages) in enumerate(zip(texts, conversations)):
         located = locate_messages(text, messages, system_optional=tokens.drops_system)
@@ -164,8 +183,10 @@ def locate_rendered(
                 as_text.append(len(spans))
         spans.append(located.spans)
         roles.append(_role_spans(messages, located) if check is not None and check[r] else None)
+        if plans is not None:
+            plans.append(plan_row(text, messages, located, reader, names[r]))
     return LocatedRows([t for t, k in zip(texts, keep) if k], spans, as_text, keep, dropped, special_rows,
-                       special_example, roles)
+                       special_example, roles, plans)
 
 
 def _role_spans(messages, located) -> tuple[tuple[int, int, int, str], ...]:
@@ -186,6 +207,8 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
     kept_texts, spans, as_text, keep = located.texts, located.spans, located.as_text, located.keep
     dropped, special_rows, special_example = located.dropped, located.special_rows, located.special_example
     checked = [r for r, row_roles in enumerate(located.roles) if row_roles is not None]
+    plans = located.plans
+    exact = [r for r, plan in enumerate(plans) if plan is not None and plan.exact] if plans is not None else []
     if positions is True:
         need = list(range(len(kept_texts)))
     elif not positions:
@@ -202,14 +225,16 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
         in_content = content_mask(ids, offsets, [len(t) for t in kept_texts], spans)
         lengths = np.fromiter((len(row) for row in ids), dtype=np.int64, count=len(ids))
         roles = _role_tokens(lengths, {r: (ids[r], offsets[r]) for r in checked}, kept_texts, located.roles)
-        return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example, roles)
+        weights = planned_weights(plans, exact, [offsets[r] for r in exact])
+        return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example, roles, weights)
     # the batch call without offsets; the rows that need them are encoded again, in one more call
     batch = ct.encode_texts(kept_texts, max_length=max_length)
     in_content = None
-    if not need and not as_text and not checked:
-        return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example)
+    if not need and not as_text and not checked and not exact:
+        return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example,
+                           weights=planned_weights(plans, exact, []))
     rows = np.split(batch.values.to_numpy(), batch.offsets.to_numpy()[1:-1]) if kept_texts else []
-    again = sorted(set(need) | set(as_text) | set(checked))
+    again = sorted(set(need) | set(as_text) | set(checked) | set(exact))
     sub_ids, sub_offsets = ct.encode_texts_with_offsets([kept_texts[r] for r in again])
     local = {r: k for k, r in enumerate(again)}
     _as_text(ct, [kept_texts[r] for r in again], sub_ids, sub_offsets, [spans[r] for r in again],
@@ -227,7 +252,25 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
         in_content[position] = mask
     lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
     roles = _role_tokens(lengths, {r: (rows[r], sub_offsets[local[r]]) for r in checked}, kept_texts, located.roles)
-    return EncodedRows(_large_list(rows), in_content, keep, dropped, special_rows, special_example, roles)
+    weights = planned_weights(plans, exact, [sub_offsets[local[r]] for r in exact])
+    return EncodedRows(_large_list(rows), in_content, keep, dropped, special_rows, special_example, roles, weights)
+
+
+def planned_weights(plans: list | None, exact: list[int], offsets: list[np.ndarray]) -> PlannedWeights | None:
+    """The plans, with the character span of each token of the exact rows (placed as ``span_index`` places them:
+    from the end of the previous token, since byte-level offsets may leave a merged leading space out)."""
+    if plans is None:
+        return None
+    if not exact:
+        return PlannedWeights(plans, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    starts, ends = [], []
+    for off in offsets:
+        off = np.asarray(off, dtype=np.int64).reshape(-1, 2)
+        end = off[:, 1]
+        previous = np.concatenate([[0], end[:-1]])
+        starts.append(np.minimum(off[:, 0], previous))
+        ends.append(end)
+    return PlannedWeights(plans, np.asarray(exact, dtype=np.int64), np.concatenate(starts), np.concatenate(ends))
 
 
 def _role_tokens(lengths: np.ndarray, encoded: dict, texts: Sequence[str], roles: Sequence[Any]) -> RoleTokens | None:

@@ -55,6 +55,9 @@ class Located:
     # ``(start, end, message index, required)`` of every piece found, unmerged: which message each span is
     # text of, for the role invariant (text of a user, system or tool message never trains, an assistant's does)
     pieces: tuple[tuple[int, int, int, bool], ...] = ()
+    # what each piece of ``pieces`` is (``message_pieces``'s ``what``: "content", "tool call arguments", a reasoning
+    # key...), for weights that apply to part of a message (content parts, reasoning)
+    kinds: tuple[str, ...] = ()
 
 
 def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
@@ -127,13 +130,14 @@ def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool
         spans.append(_core(text, (at, cursor)))
         pieces.append((*spans[-1], index, True))
     else:
-        return Located(_merge(spans), None, tuple(pieces))
+        return Located(_merge(spans), None, tuple(pieces), ("content",) * len(pieces))
     return _locate_pieces(text, messages, system_optional)
 
 
 def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, skip: frozenset = frozenset()) -> Located:
     spans: list[tuple[int, int]] = []
     pieces: list[tuple[int, int, int, bool]] = []
+    kinds: list[str] = []
     missing = None
     cursor = 0
     found_at: list[tuple[int, list[tuple[int, int]]]] = []  # per message: the cursor before it, its pieces' spans
@@ -163,10 +167,11 @@ def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, sk
             mine.append(found)
             spans.append(_core(text, found))
             pieces.append((*spans[-1], index, required))
+            kinds.append(what)
             after = found[1]
         found_at.append((cursor, mine))
         cursor = max(cursor, after)
-    return Located(_merge(spans), missing, tuple(pieces))
+    return Located(_merge(spans), missing, tuple(pieces), tuple(kinds))
 
 
 def _find_clear(text: str, piece: str, start: int, taken: Sequence[tuple[int, int]]) -> tuple[int, int] | None:

@@ -38,6 +38,9 @@ SHAREGPT_READ = "sharegpt_messages_read"
 SHAPES = (LEADING_ASSISTANT_DROPPED, ROLES_MERGED, EMPTY_MESSAGES_DROPPED, CONTENT_PARTS_JOINED, SHAREGPT_READ)
 MERGE_SEPARATOR = "\n\n"
 PART_SEPARATOR = "\n"
+# where each joined part lies in the joined content, kept when a part carries more than its text (a weight):
+# [(begin, end), part] pairs that chat/weights.py reads
+PART_SPANS = "lossmask_part_spans"
 _MERGEABLE = ("user", "assistant", "system")
 _PLAIN_KEYS = frozenset(("role", "content"))
 
@@ -156,9 +159,21 @@ def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, cha
                     )
                 texts.append(part["text"])
             message = {**message, "content": PART_SEPARATOR.join(texts)}
+            if any(set(part) - {"type", "text"} for part in message_parts(messages[index])):
+                at, spans = 0, []
+                for part, text in zip(message_parts(messages[index]), texts):
+                    spans.append(((at, at + len(text)), part))
+                    at += len(text) + len(PART_SEPARATOR)
+                message[PART_SPANS] = spans
             changed.add(CONTENT_PARTS_JOINED)
         out.append(message)
     return out
+
+
+def message_parts(message: Any) -> list:
+    """The content parts of a message (ShareGPT's ``value`` too)."""
+    content = message.get("content", message.get("value")) if isinstance(message, dict) else None
+    return content if isinstance(content, list) else []
 
 
 def _empty(message: Any) -> bool:

@@ -45,7 +45,8 @@ CUT_BY_TRUNCATION = "cut_by_truncation"  # the row reaches the maximum length: t
 MARKERS_MATCH_NOTHING = "markers_match_nothing"  # no response marker, though the row is whole (and has assistant turns when known)
 HEADER_ONLY = "header_only"  # a response marker with nothing after it, in a row that was not cut
 NO_TOKENS = "no_tokens"  # empty or null input_ids
-CAUSES = (NO_ASSISTANT_TURN, CUT_BY_TRUNCATION, MARKERS_MATCH_NOTHING, HEADER_ONLY, NO_TOKENS)
+WEIGHTS_ZERO = "weights_zero"  # the markers trained the row, and its weights (message fields, roles...) are all 0
+CAUSES = (NO_ASSISTANT_TURN, CUT_BY_TRUNCATION, MARKERS_MATCH_NOTHING, HEADER_ONLY, NO_TOKENS, WEIGHTS_ZERO)
 
 
 @dataclass
@@ -104,6 +105,7 @@ def classify_drops(
     *,
     has_assistant: np.ndarray | None = None,
     max_length: int | None = None,
+    zeroed: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The cause of each dropped row, from what the row shows (vectorised; rows that train get no cause).
 
@@ -120,4 +122,6 @@ def classify_drops(
         cause = np.where(cut, CAUSES.index(CUT_BY_TRUNCATION), cause)
     if has_assistant is not None:
         cause = np.where(~has_assistant[dropped] & (out != Outcome.EMPTY), CAUSES.index(NO_ASSISTANT_TURN), cause)
+    if zeroed is not None:
+        cause = np.where(zeroed[dropped], CAUSES.index(WEIGHTS_ZERO), cause)
     return dropped, cause

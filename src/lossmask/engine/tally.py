@@ -33,6 +33,9 @@ class Tally:
     drop_examples: dict[str, tuple[int, list[int], list[int]]] = field(default_factory=dict)  # cause -> (row, ids, labels)
     shapes: dict[str, int] = field(default_factory=dict)  # rows the conversation-shape policy changed, per shape
     media_tokens: int = 0  # image tokens of the rows labelled (placeholders, expansions, begin/end): never trained
+    # where weights were computed: role -> [trained tokens, weight mass]; source value -> [rows, trained tokens, mass]
+    weights_by_role: dict[str, list] = field(default_factory=dict)
+    weights_by_source: dict[str, list] = field(default_factory=dict)
 
     def __add__(self, other: "Tally") -> "Tally":
         seconds = dict(self.seconds)
@@ -55,7 +58,15 @@ class Tally:
             drop_examples={**other.drop_examples, **self.drop_examples},
             shapes={k: self.shapes.get(k, 0) + other.shapes.get(k, 0) for k in self.shapes | other.shapes},
             media_tokens=self.media_tokens + other.media_tokens,
+            weights_by_role=_add_lists(self.weights_by_role, other.weights_by_role),
+            weights_by_source=_add_lists(self.weights_by_source, other.weights_by_source),
         )
+
+    def add_weights(self, by_role: dict[str, list], by_source: dict[str, list] | None) -> None:
+        """Trained tokens and weight mass of one batch, per role and per value of the source column."""
+        self.weights_by_role = _add_lists(self.weights_by_role, by_role)
+        if by_source:
+            self.weights_by_source = _add_lists(self.weights_by_source, by_source)
 
     def add_invalid(self, row: int, message: str) -> None:
         self.invalid += 1
@@ -101,6 +112,8 @@ class Tally:
             "drop_causes": dict(self.drop_causes),
             "drop_examples": {c: list(e) for c, e in self.drop_examples.items()},
             "shapes": dict(self.shapes),
+            "weights_by_role": {k: list(v) for k, v in self.weights_by_role.items()},
+            "weights_by_source": {k: list(v) for k, v in self.weights_by_source.items()},
         }
 
     @classmethod
@@ -120,4 +133,14 @@ class Tally:
             drop_causes=dict(data.get("drop_causes", {})),
             drop_examples={c: tuple(e) for c, e in data.get("drop_examples", {}).items()},
             shapes=dict(data.get("shapes", {})),
+            weights_by_role={k: list(v) for k, v in data.get("weights_by_role", {}).items()},
+            weights_by_source={k: list(v) for k, v in data.get("weights_by_source", {}).items()},
         )
+
+
+def _add_lists(a: dict[str, list], b: dict[str, list]) -> dict[str, list]:
+    """Two ``{key: [numbers...]}`` tallies added key by key and place by place."""
+    out = {k: list(v) for k, v in a.items()}
+    for k, v in b.items():
+        out[k] = [x + y for x, y in zip(out[k], v)] if k in out else list(v)
+    return out

@@ -13,8 +13,8 @@ A batch comes in as a ``pyarrow.RecordBatch`` or ``Table`` with one of three inp
   (tokenised as prompt then completion plus EOS; the completion trains, the prompt does not, by position).
 
 The batch goes out with its columns in their order, ``input_ids`` added when it was tokenised here,
-then ``labels`` (and ``completion_mask`` on request); rows that train nothing are removed unless
-``keep_dropped``. What happened is added to a ``Tally``.
+then ``labels`` (and ``completion_mask`` on request, and ``loss_weights`` where weights apply: docs/weights.md);
+rows that train nothing are removed unless ``keep_dropped``. What happened is added to a ``Tally``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ..engine.outcomes import CAUSES, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCou
 from ..engine.patterns import Markers
 from ..engine.tally import Tally
 from ..options import MaskOptions
+from ..engine.weights import weigh_tokens, weight_field_types, weight_totals, weights_to_arrow
 
 INPUT_KINDS = ("input_ids", "messages", "prompt_completion")
 
@@ -97,6 +98,8 @@ def _is_message(arrow_type: pa.DataType) -> bool:
 def output_schema(schema: pa.Schema, options: MaskOptions, kind: str) -> pa.Schema:
     """The schema every output batch has: input columns, then input_ids (when tokenised), labels, completion_mask."""
     added = [options.labels_column] + ([options.completion_mask_column] if options.completion_mask_column else [])
+    if writes_weights(schema, options, kind):
+        added.append(options.loss_weights_column)
     if kind != "input_ids":
         added.insert(0, options.input_ids_column)
     clash = [name for name in added if name in schema.names and not (kind == "input_ids" and name == options.input_ids_column)]
@@ -115,7 +118,21 @@ def output_schema(schema: pa.Schema, options: MaskOptions, kind: str) -> pa.Sche
     fields.append(pa.field(options.labels_column, wrap(pa.from_numpy_dtype(np.dtype(options.label_dtype)))))
     if options.completion_mask_column:
         fields.append(pa.field(options.completion_mask_column, wrap(pa.int8())))
+    if writes_weights(schema, options, kind):
+        fields.append(pa.field(options.loss_weights_column, pa.list_(pa.float32())))
     return pa.schema(fields, metadata=schema.metadata)
+
+
+def writes_weights(schema: pa.Schema, options: MaskOptions, kind: str, *, source: str = "input") -> bool:
+    """Is a ``loss_weights`` column written for this input (docs/weights.md)? Raises when a message-level weight
+    option is given for pre-tokenised ids, which carry no messages."""
+    if kind == "input_ids" and options.message_weights():
+        raise ValueError(
+            f"{source}: roles_to_train, weights_by_role, reasoning and mask_empty_think weigh messages, and column "
+            f"{options.input_ids_column!r} holds token ids, which carry none; give the chat ({options.messages_column!r}) "
+            "instead, or keep to the options that apply to ids: prompt_weight, train_on_eos, last_turn_only"
+        )
+    return options.writes_loss_weights(weight_field_types(schema, options) if kind != "input_ids" else ())
 
 
 def mask_batch(
@@ -130,6 +147,7 @@ def mask_batch(
     source: str = "input",
     encoded: Any = None,
     truncated_at: int | None = None,
+    write_weights: bool | None = None,
 ) -> pa.Table:
     """Label one batch; return the rows to keep (as a Table) and add what happened to ``tally``.
 
@@ -139,10 +157,15 @@ def mask_batch(
     ``markers=None`` trains every token (the policy's "no masking" outcome, e.g. raw text).
     ``first_row`` is the batch's first row in the whole input, so that errors and invalid rows
     are named by the row the user knows. ``truncated_at``: the length the rows were cut to before
-    they came here (a trainer's ``max_length``), so that dropped rows are told as cut.
+    they came here (a trainer's ``max_length``), so that dropped rows are told as cut. ``write_weights``: whether
+    the job's output has a ``loss_weights`` column (decided once per job from its schema, ``writes_weights``;
+    default: decided from this batch's schema).
     """
     table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
     kind = kind or input_kind(table.schema, options, source=source)
+    if write_weights is None:
+        write_weights = writes_weights(table.schema, options, kind, source=source)
+    broken = zeroed = None
     keep_valid = None
     data_mask = None  # which tokens are message text (known only for rows rendered here)
     if kind == "input_ids":
@@ -212,30 +235,44 @@ def mask_batch(
             labels, trained, counts = _untrain(labels, trained, outcomes, media_span, options.ignore_index)
         tally.time("engine", time.perf_counter() - engine_started)
         roles = getattr(encoded, "roles", None) if kind != "input_ids" else None
-        if roles is not None:
+        if roles is not None:  # checked on the marker labels, before weights apply (docs/weights.md)
             broken = _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid)
-            if broken.any():  # these rows leave the batch before anything is counted or written
-                whole = ~broken
-                table, input_ids, labels = table.filter(pa.array(whole)), input_ids.filter(pa.array(whole)), \
-                    labels.filter(pa.array(whole))
-                outcomes, trained = outcomes[whole], trained[whole]
-                lengths = pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False)
-                counts = OutcomeCounts.from_rows(outcomes, trained, lengths)
-                keep_valid = keep_valid.copy()
-                keep_valid[np.flatnonzero(keep_valid)[broken]] = False
+    weights = None
+    if write_weights or _weighing(options, encoded if kind != "input_ids" else None):
+        started_weights = time.perf_counter()
+        planned = getattr(encoded, "weights", None) if kind != "input_ids" else None
+        labels, weights, trained, outcomes, zeroed = _apply_weights(
+            input_ids, labels, outcomes, planned, markers if prompt_lengths is None else None, options, tally, table,
+            tokenizer, media_span)
+        counts = OutcomeCounts.from_rows(outcomes, trained, _lengths(input_ids))
+        if not write_weights and weights is not None:
+            _check_binary(weights, options, source)
+        tally.time("weights", time.perf_counter() - started_weights)
+    if broken is not None and broken.any():  # these rows leave the batch before anything is counted or written
+        whole = ~broken
+        table, input_ids, labels = table.filter(pa.array(whole)), input_ids.filter(pa.array(whole)), \
+            labels.filter(pa.array(whole))
+        weights = weights.filter(pa.array(whole)) if weights is not None else None
+        zeroed = zeroed[whole] if zeroed is not None else None
+        outcomes, trained = outcomes[whole], trained[whole]
+        counts = OutcomeCounts.from_rows(outcomes, trained, _lengths(input_ids))
+        keep_valid = keep_valid.copy()
+        keep_valid[np.flatnonzero(keep_valid)[broken]] = False
     tally.counts = tally.counts + counts
     if tally.dropped_example is None and counts.rows_dropped:
         r = int(np.flatnonzero(outcomes != Outcome.TRAINED)[0])
         tally.dropped_example = (input_ids[r].as_py() or [], labels[r].as_py() or [])
     if counts.rows_dropped:
         limit = truncated_at or (options.max_length if kind != "input_ids" else None)
-        _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid)
+        _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid, zeroed)
     columns = {}
     if kind != "input_ids":
         columns[options.input_ids_column] = input_ids
     columns[options.labels_column] = labels
     if options.completion_mask_column:
         columns[options.completion_mask_column] = _mask_from_labels(labels, options.ignore_index)
+    if write_weights:
+        columns[options.loss_weights_column] = weights if weights is not None else _ones_where_trained(labels, options)
     for name, column in columns.items():
         table = table.append_column(name, column)
     if not options.keep_dropped:
@@ -258,6 +295,101 @@ def _untrain(labels: pa.Array, trained: np.ndarray, outcomes: np.ndarray, where:
     trained = trained - np.bincount(np.repeat(np.arange(lengths.shape[0]), lengths)[hit], minlength=lengths.shape[0])
     out = type(labels).from_arrays(pa.array(offsets - offsets[0], labels.offsets.type), pa.array(values, labels.type.value_type))
     return out, trained, OutcomeCounts.from_rows(outcomes, trained, lengths)
+
+
+def _lengths(input_ids) -> np.ndarray:
+    return pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False)
+
+
+def _weighing(options: MaskOptions, encoded: Any) -> bool:
+    """Do weights change anything in this batch: a marker-level choice, or a row whose messages ask for weights?"""
+    if options.token_weights() or options.source_column:
+        return True
+    planned = getattr(encoded, "weights", None)
+    return planned is not None and any(plan is not None for plan in planned.plans)
+
+
+def _apply_weights(input_ids, labels, outcomes, planned, markers, options, tally, table, tokenizer, media_span=None):
+    """Weights for a labelled batch (``engine/weights.py``); labels where they change. Returns the labels, the weights
+    (``list<float32>``), trained tokens and outcomes per row, and the rows the weights left with nothing trained.
+    ``media_span``: a bool per token inside an image (chats through a processor), weighed 0 whatever the options."""
+    if isinstance(input_ids, pa.ChunkedArray):
+        input_ids = input_ids.combine_chunks()
+    if isinstance(labels, pa.ChunkedArray):
+        labels = labels.combine_chunks()
+    lengths = _lengths(input_ids).astype(np.int64)
+    ids = pc.list_flatten(input_ids).to_numpy(zero_copy_only=False)  # null rows hold no tokens
+    flat_labels = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
+    trained = flat_labels != options.ignore_index
+    if markers is not None:
+        end = markers.end
+    else:  # no markers, or plain-text prompt/completion: the EOS appended after the completion stops it
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        end = ((eos,),) if eos is not None else ()
+    weighed = weigh_tokens(ids, lengths, trained, planned, end, options)
+    if media_span is not None:  # a prompt weight or a role's weight never reaches an image
+        weighed.weights[media_span] = 0
+    by_role, row_tokens, row_mass = weight_totals(weighed, lengths)
+    tally.add_weights(by_role, _sources(table, options, row_tokens, row_mass))
+    now = weighed.weights > 0
+    if not np.array_equal(now, trained):
+        labels = _rebuild(input_ids, np.where(now, ids, options.ignore_index).astype(options.label_dtype), lengths)
+    before = outcomes == Outcome.TRAINED
+    outcomes = np.where(row_tokens > 0, Outcome.TRAINED,
+                        np.where(before, Outcome.EMPTY_RESPONSE, outcomes)).astype(np.int8)
+    zeroed = before & (row_tokens == 0)
+    weights = weights_to_arrow(input_ids if not input_ids.null_count else _rebuild(input_ids, ids, lengths),
+                               weighed.weights)
+    return labels, weights, row_tokens, outcomes, zeroed
+
+
+def _rebuild(like, values, lengths) -> pa.Array:
+    """A list array of ``values`` with the rows of ``lengths``, null where ``like`` is (list or large list as it)."""
+    offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    mask = pa.array(~like.is_valid().to_numpy(zero_copy_only=False)) if like.null_count else None
+    arr = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(np.ascontiguousarray(values)), mask=mask)
+    return arr.cast(pa.list_(arr.type.value_type)) if not pa.types.is_large_list(like.type) else arr
+
+
+def _sources(table, options, row_tokens, row_mass) -> dict | None:
+    """Trained tokens and weight mass per value of ``options.source_column`` (rows, tokens, mass)."""
+    name = options.source_column
+    if not name:
+        return None
+    if name not in table.column_names:
+        raise ValueError(f"source_column={name!r} is not a column of the input; the columns are {table.column_names}")
+    column = table.column(name).combine_chunks()
+    if column.type != pa.string():
+        column = column.cast(pa.string())
+    encoded = pc.dictionary_encode(column)
+    index = pc.fill_null(encoded.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    labels = [str(v) for v in encoded.dictionary.to_pylist()] + ["(null)"]
+    index = np.where(index < 0, len(labels) - 1, index)
+    rows = np.bincount(index, minlength=len(labels))
+    tokens = np.bincount(index, weights=row_tokens, minlength=len(labels))
+    mass = np.bincount(index, weights=row_mass, minlength=len(labels))
+    return {labels[i]: [int(rows[i]), int(tokens[i]), float(mass[i])] for i in range(len(labels)) if rows[i]}
+
+
+def _check_binary(weights: pa.Array, options: MaskOptions, source: str) -> None:
+    values = pc.list_flatten(weights).to_numpy(zero_copy_only=False)
+    odd = (values != 0) & (values != 1)
+    if odd.any():
+        raise ValueError(
+            f"{source}: a weight of {float(values[odd][0])} occurs, but no {options.loss_weights_column!r} column is being "
+            "written (the options and the input's schema promised 0/1 weights only); pass loss_weights=True "
+            "(--loss-weights) so that the weights are written"
+        )
+
+
+def _ones_where_trained(labels, options: MaskOptions) -> pa.Array:
+    """Weights 1 where a label trains and 0 elsewhere (the column asked for, where no weight source applied)."""
+    if isinstance(labels, pa.ChunkedArray):
+        labels = labels.combine_chunks()
+    values = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
+    return weights_to_arrow(_rebuild(labels, values, _lengths(labels).astype(np.int64)),
+                            (values != options.ignore_index).astype(np.float32))
 
 
 _ROW = re.compile(r"\brow (\d+)\b")
@@ -300,7 +432,8 @@ def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid
     return broken
 
 
-def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid) -> None:
+def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid,
+                zeroed=None) -> None:
     """Count the dropped rows of a batch by what they show (``engine.outcomes.classify_drops``), one example each."""
     import pyarrow.compute as pc
 
@@ -322,7 +455,7 @@ def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit,
             parents = pc.list_parent_indices(chats).to_numpy(zero_copy_only=False)
             hits = parents[is_assistant.to_numpy(zero_copy_only=False)]
             has_assistant = np.bincount(hits, minlength=len(table)) > 0
-    dropped, causes = classify_drops(outcomes, lengths, has_assistant=has_assistant, max_length=limit)
+    dropped, causes = classify_drops(outcomes, lengths, has_assistant=has_assistant, max_length=limit, zeroed=zeroed)
     tally.tokens_dropped += int(lengths[dropped].sum())
     index = np.flatnonzero(keep_valid) if keep_valid is not None else None
     for code in np.unique(causes):

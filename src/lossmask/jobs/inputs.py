@@ -556,7 +556,29 @@ def json_lines_schema(path: str, *, name: str | None = None) -> pa.Schema:
     names: dict[str, None] = {}
     for row in rows:
         names.update(dict.fromkeys(row))
-    return pa.schema([pa.field(name, _infer_type([row.get(name) for row in rows])) for name in names])
+    return pa.schema([_json_field(name, [row.get(name) for row in rows]) for name in names])
+
+
+NUMERIC_KEYS = b"lossmask.numeric_keys"  # field metadata: keys of the JSON objects in it that hold numbers
+
+
+def _json_field(name: str, values: list) -> pa.Field:
+    """A column's field; for JSON text, the keys that held numbers in the rows read (weights, docs/weights.md:
+    whether a ``loss_weights`` column is written is decided from the schema, before the rows are read)."""
+    arrow_type = _infer_type(values)
+    if "json" not in str(arrow_type):
+        return pa.field(name, arrow_type)
+    keys: set[str] = set()
+    stack = [v for v in values if isinstance(v, (dict, list))]
+    while stack and len(keys) < 64:
+        value = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(item, (int, float)) and not isinstance(item, bool) and isinstance(key, str):
+                keys.add(key)
+            elif isinstance(item, (dict, list)):
+                stack.append(item)
+    return pa.field(name, arrow_type, metadata={NUMERIC_KEYS: ",".join(sorted(keys)).encode()} if keys else None)
 
 
 def _infer_type(values: list) -> pa.DataType:

@@ -46,6 +46,9 @@ class MaskReport:
     marker_texts: dict[str, list[str]] | None = None  # each marker pattern decoded, when a tokenizer was at hand
     shapes: dict[str, int] = field(default_factory=dict)  # rows the conversation-shape policy changed, per shape
     media_tokens: int = 0  # of tokens_in: image tokens (chats through a processor), never trained
+    # where weights applied (docs/weights.md): role -> {tokens, weight}; source value -> {rows, tokens, weight}
+    weights_by_role: dict[str, dict[str, float]] = field(default_factory=dict)
+    weights_by_source: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -89,6 +92,10 @@ class MaskReport:
             marker_texts=None if markers is None or decode is None else marker_texts(markers.to_dict(), decode),
             shapes={shape: rows for shape, rows in tally.shapes.items() if rows},
             media_tokens=tally.media_tokens,
+            weights_by_role={role: {"tokens": int(t), "weight": round(float(m), 6)}
+                             for role, (t, m) in tally.weights_by_role.items()},
+            weights_by_source={value: {"rows": int(r), "tokens": int(t), "weight": round(float(m), 6)}
+                               for value, (r, t, m) in sorted(tally.weights_by_source.items())},
         )
         if report.rows_in != report.rows_out + report.rows_dropped:
             raise AssertionError(  # a bug in lossmask, never the user's data
@@ -128,6 +135,8 @@ class MaskReport:
             "dropped_examples": list(self.dropped_examples),
             "shapes": dict(self.shapes),
             **({"media_tokens": self.media_tokens} if self.media_tokens else {}),  # only for chats with images
+            **({"weights_by_role": dict(self.weights_by_role)} if self.weights_by_role else {}),
+            **({"weights_by_source": dict(self.weights_by_source)} if self.weights_by_source else {}),
         }
 
     def to_json(self, path: str | os.PathLike | None = None, *, indent: int | None = 2) -> str:
@@ -164,6 +173,12 @@ class MaskReport:
             lines.append(f"  invalid {example} (rows counted from 0)")
         for example in self.dropped_examples:
             lines.append(f"  {example}")
+        if self.weights_by_role:
+            roles = ", ".join(f"{role} {v['tokens']:,} tokens / {v['weight']:,.1f}" for role, v in self.weights_by_role.items())
+            lines.append(f"trained tokens / weight mass by role: {roles}")
+        for value, v in self.weights_by_source.items():
+            lines.append(f"  source {value!r}: {v['rows']:,} rows, {v['tokens']:,} trained tokens, weight mass "
+                         f"{v['weight']:,.1f}")
         if self.shapes:
             changed = ", ".join(f"{shape} {n:,}" for shape, n in self.shapes.items())
             lines.append(f"conversation shapes changed before rendering (rows): {changed}; see docs/inputs.md")

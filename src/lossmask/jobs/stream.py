@@ -68,6 +68,10 @@ def mask_files(
     inside it, and a row whose message the template dropped is counted as ``content_dropped``.
     Pre-tokenised ``input_ids`` cannot be fixed that way: a marker's text inside a message acts as
     the marker there.
+    Weights (docs/weights.md): ``roles_to_train``, ``weights_by_role``, the messages' weight fields and spans,
+    ``reasoning``, ``prompt_weight`` and ``train_on_eos`` give a float per token, written as ``loss_weights``
+    when one can be other than 0 and 1 (or ``loss_weights=True``); labels train where it is > 0. Pre-tokenised
+    ``input_ids`` take only the marker-level ones (``prompt_weight``, ``train_on_eos``, ``last_turn_only``).
     Every output location is checked before any row is read (``output`` may not be an input, a folder, in a
     missing or unwritable folder, or named for another format than Parquet); the data and the report are
     committed together or not at all, and a failed job leaves neither (``OutputError`` names the path and the
@@ -136,6 +140,7 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
     try:
         import pyarrow.parquet as pq
 
+        # (loss_weights keeps them: a handful of distinct values, which a dictionary stores in a few bits each)
         token_columns = {options.input_ids_column, options.labels_column, options.completion_mask_column}
         other_columns = [name for name in schema.names if name not in token_columns]
         # Token columns are high-cardinality lists: dictionary encoding and statistics only cost time there.
@@ -151,7 +156,8 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
                     if isinstance(encoded, Future):  # tokenised on a thread or after a worker rendered it
                         encoded = encoded.result()
                     out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
-                                     first_row=first_row, source=source, encoded=encoded)
+                                     first_row=first_row, source=source, encoded=encoded,
+                                     write_weights=options.loss_weights_column in schema.names)
                 except (ValueError, TypeError) as exc:
                     raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
                 tally.invalid_examples[seen:] = [dataset.name_rows(e, count=1) for e in tally.invalid_examples[seen:]]

@@ -1,0 +1,245 @@
+"""What each message asks to weigh, read off the messages and their located text: one ``RowPlan`` per chat row.
+
+The labels come from the markers; weights refine them (docs/weights.md). This module reads, per message (Python
+over messages, as locating already is), the sources that only the messages know:
+
+- the role's weight (``MaskOptions.weights_by_role`` / ``roles_to_train``);
+- the message's own field (``weight``, ``train``, ``training``, ``loss``, ``loss_scale``, ``loss_weight``, or the
+  one ``weight_field`` names): a boolean is 1 or 0, a number its value;
+- character spans inside the content (axolotl ``[{begin_offset, end_offset, train[, weight]}]``, end inclusive),
+  and content parts carrying ``train`` / ``weight``;
+- the reasoning policy (reasoning text, and the template's text before the answer, take a weight) and the
+  empty-think rule (an empty ``<think></think>`` block before the answer is masked).
+
+Most rows need none of it: every assistant turn takes one weight (``uniform``) and no character offsets are
+needed. A row whose turns differ, or that weighs part of a message or another role's text, is ``exact``: its
+tokens are placed by their character offsets, and ``engine/weights.py`` applies the plan to the labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .locate import REASONING_KEYS, THINK_CLOSE, THINK_OPEN
+from .shapes import PART_SPANS
+
+REASONING_KINDS = frozenset((*REASONING_KEYS, "reasoning in content"))
+
+
+@dataclass
+class RowPlan:
+    """The weights one row asks for.
+
+    ``uniform``: the weight of every assistant turn (used when not ``exact``). ``exact`` rows also carry:
+    ``weights`` and ``roles`` per message; ``pieces``: ``(start, end, message)`` of the located text, sorted;
+    ``segments``: ``(start, end, weight, message, assistant)``: characters whose tokens take ``weight`` (a token
+    that straddles a segment's edge takes the lower of the two weights); ``leads``: ``(message, answer_start,
+    weight)``: the trained tokens of that message's turn before ``answer_start`` (reasoning) take ``weight``."""
+
+    uniform: float = 1.0
+    exact: bool = False
+    weights: list[float] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)
+    segments: list[tuple[int, int, float, int, bool]] = field(default_factory=list)
+    leads: list[tuple[int, int, float]] = field(default_factory=list)
+
+
+DEFAULT_PLAN = RowPlan()
+
+
+@dataclass(frozen=True)
+class WeightReader:
+    """What ``plan_row`` reads from ``MaskOptions``, read once per batch."""
+
+    fields: tuple[str, ...]
+    keys: frozenset
+    detail_key: str | None
+    role_weights: dict
+    plain_roles: bool
+    assistant_weight: float
+    reasoning_weight: float | None
+    mask_empty_think: bool
+
+    @classmethod
+    def of(cls, options: Any) -> "WeightReader":
+        if isinstance(options, cls):
+            return options
+        roles = options.role_weights()
+        reasoning = options.reasoning
+        return cls(options.weight_fields(), frozenset(options.weight_fields()), options.detail_field, roles,
+                   roles == {"assistant": 1.0}, roles.get("assistant", 1.0),
+                   None if reasoning == "train" else 0.0 if reasoning == "mask" else float(reasoning),
+                   bool(options.mask_empty_think))
+
+
+def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row: int = 0) -> RowPlan | None:
+    """The weights of one rendered row (None: every assistant turn weighs 1 and nothing else applies).
+    ``options``: the job's ``MaskOptions``, or its ``WeightReader`` (made once per batch)."""
+    reader = WeightReader.of(options)
+    fields, detail_key, role_weights = reader.fields, reader.detail_key, reader.role_weights
+    has_reasoning = not REASONING_KINDS.isdisjoint(located.kinds)
+    carries = _carries(messages, reader.keys, detail_key)  # "fields", True (spans or parts too) or False
+    if reader.plain_roles and not has_reasoning and not reader.mask_empty_think and not carries:
+        return None
+    assistant_weight = reader.assistant_weight
+    weights, roles = [], []
+    for index, message in enumerate(messages):
+        role = str(message.get("role")) if isinstance(message, dict) else "?"
+        value = _field(message, fields, row, index) if carries else None
+        if role == "assistant":
+            weight = assistant_weight if value is None else value
+        elif role in role_weights:
+            weight = role_weights[role] if value is None else value
+        else:
+            weight = 0.0  # weights never make other roles' text train unless a role option asks for that role
+        weights.append(weight)
+        roles.append(role)
+    turns = {w for w, r in zip(weights, roles) if r == "assistant"}
+    uniform = next(iter(turns)) if len(turns) == 1 else assistant_weight
+    others = any(w > 0 for w, r in zip(weights, roles) if r != "assistant")
+    if len(turns) <= 1 and not others and not has_reasoning and not reader.mask_empty_think and carries is not True:
+        return RowPlan(uniform=uniform)  # one weight for every turn: no characters to look at
+    plan = RowPlan(uniform=uniform, weights=weights, roles=roles)
+    by_message: dict[int, list[tuple[int, int, str]]] = {}
+    for (start, end, index, _), kind in zip(located.pieces, located.kinds):
+        by_message.setdefault(index, []).append((start, end, kind))
+        plan.pieces.append((start, end, index))
+    plan.pieces.sort()
+    reasoning_weight = reader.reasoning_weight
+    previous_end = 0
+    for index, message in enumerate(messages):
+        own = by_message.get(index, [])
+        role, weight = roles[index], weights[index]
+        if role != "assistant" and weight > 0:
+            plan.segments += [(s, e, weight, index, False) for s, e, _ in own]
+        if carries is True and isinstance(message, dict):
+            plan.segments += _detail_segments(text, message, own, detail_key, weight, role == "assistant", index, row)
+            plan.segments += _part_segments(text, message, own, fields, weight, role == "assistant", index, row)
+        if role == "assistant":
+            thinking = [p for p in own if p[2] in REASONING_KINDS]
+            answers = [s for s, _, kind in own if kind not in REASONING_KINDS and (not thinking or s >= thinking[0][1])]
+            answer_start = min(answers) if answers else len(text)
+            if thinking and reasoning_weight is not None:
+                plan.leads.append((index, answer_start, reasoning_weight))
+            elif not thinking and reader.mask_empty_think and own and _empty_think(text, previous_end, min(answers or [0])):
+                plan.leads.append((index, answer_start, 0.0))
+        if own:
+            previous_end = max(e for _, e, _ in own)
+    plan.exact = bool(len(turns) > 1 or plan.segments or plan.leads or has_reasoning)
+    return plan
+
+
+def _carries(messages: Sequence[Any], keys: frozenset, detail_key: str | None) -> bool | str:
+    """Does any message carry a weight field (``"fields"``), or character spans or weighted parts (True)?"""
+    found: bool | str = False
+    for message in messages:
+        if type(message) is not dict or len(message) <= 2 and type(message.get("content")) is not list:
+            continue
+        if detail_key and message.get(detail_key) or PART_SPANS in message:
+            return True
+        if not keys.isdisjoint(message.keys()):
+            found = "fields"
+        content = message.get("content")
+        if type(content) is list and any(type(p) is dict and not keys.isdisjoint(p.keys()) for p in content):
+            return True
+    return found
+
+
+def _field(message: Any, fields: tuple[str, ...], row: int, index: int, where: str = "") -> float | None:
+    """The first of ``fields`` the message (or part) has, as a weight; None when it has none."""
+    if not isinstance(message, Mapping):
+        return None
+    for key in fields if len(message) > 2 or where else ():
+        value = message.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            return float(value)
+        if isinstance(value, (int, float)) and value >= 0 and np.isfinite(value):
+            return float(value)
+        raise ValueError(f"row {row}, message {index}{where}: {key}={value!r} is not a weight; a message's {key!r} "
+                         "must be true/false or a number >= 0 (pass weight_field=None to ignore such fields, or "
+                         "weight_field='NAME' to read another)")
+    return None
+
+
+def _content_start(text: str, message: Mapping, own: list[tuple[int, int, str]]) -> int | None:
+    """Where character 0 of a string content lies in ``text``, when the template wrote it verbatim (or trimmed)."""
+    content = message.get("content")
+    if not isinstance(content, str) or THINK_CLOSE in content:
+        return None
+    found = [(s, e) for s, e, kind in own if kind == "content"]
+    if len(found) != 1:
+        return None
+    start, end = found[0]
+    lead = len(content) - len(content.lstrip())
+    if text[start:end] != content.strip():
+        return None
+    return start - lead
+
+
+def _detail_segments(text, message, own, detail_key, weight, assistant, index, row) -> list:
+    """axolotl's character spans (``end_offset`` inclusive) as segments of the rendered text."""
+    details = message.get(detail_key) if detail_key else None
+    if not details:
+        return []
+    if not isinstance(details, (list, tuple)):
+        raise ValueError(f"row {row}, message {index}: {detail_key!r} must be a list of "
+                         "{begin_offset, end_offset, train} objects (or pass detail_field=None)")
+    origin = _content_start(text, message, own)
+    out = []
+    for detail in details:
+        if not isinstance(detail, Mapping) or not {"begin_offset", "end_offset"} <= set(detail):
+            raise ValueError(f"row {row}, message {index}: {detail_key!r} holds {detail!r}; each span needs "
+                             "begin_offset and end_offset (inclusive), and train or weight")
+        if detail.get("weight") is not None:
+            value = _field(detail, ("weight",), row, index, f", {detail_key}")
+        else:
+            value = (weight or 1.0) if detail.get("train", True) else 0.0
+        if origin is None:  # the template rewrote the content: the whole content takes the lower weight
+            out += [(s, e, min(value, weight), index, assistant) for s, e, kind in own if kind == "content"]
+            continue
+        begin, end = int(detail["begin_offset"]), int(detail["end_offset"]) + 1
+        out.append((origin + begin, origin + end, value, index, assistant))
+    return out
+
+
+def _part_segments(text, message, own, fields, weight, assistant, index, row) -> list:
+    """Content parts carrying a weight field: their located text takes it (text parts are located in order; parts
+    that the shape policy joined into one string are placed by their spans in it)."""
+    if PART_SPANS in message:
+        origin = _content_start(text, message, own)
+        out = []
+        for k, ((begin, end), part) in enumerate(message[PART_SPANS]):
+            value = _field(part, fields, row, index, f", content part {k}")
+            if value is None:
+                continue
+            value = (weight or 1.0) if value == 1.0 else value
+            if origin is None:
+                out += [(s, e, min(value, weight), index, assistant) for s, e, kind in own if kind == "content"]
+            else:
+                out.append((origin + begin, origin + end, value, index, assistant))
+        return out
+    content = message.get("content")
+    if not isinstance(content, (list, tuple)):
+        return []
+    texts = [p for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str) and p["text"].strip()]
+    found = [(s, e) for s, e, kind in own if kind == "content"]
+    out = []
+    for k, (part, (start, end)) in enumerate(zip(texts, found)):
+        value = _field(part, fields, row, index, f", content part {k}")
+        if value is not None:
+            out.append((start, end, (weight or 1.0) if value == 1.0 else value, index, assistant))
+    return out
+
+
+def _empty_think(text: str, start: int, end: int) -> bool:
+    """Does the template's text before an answer hold an empty ``<think></think>`` block?"""
+    before = text[start:end]
+    opened = before.rfind(THINK_OPEN)
+    return opened >= 0 and before.find(THINK_CLOSE, opened) >= 0 and \
+        not before[opened + len(THINK_OPEN):before.find(THINK_CLOSE, opened)].strip()

@@ -1,0 +1,294 @@
+"""A float weight per token, from the marker labels and what the messages ask (docs/weights.md).
+
+The markers decide where assistant turns train (a *run*: consecutive trained tokens). Weights refine that, in
+this order, each source over the ones before it:
+
+1. every run takes its message's weight: the role's, or the message's own field (``chat/weights.py``); rows
+   whose turns all weigh the same take it without looking at characters (``RowPlan.uniform``);
+2. on ``exact`` rows, runs are tied to their message by the located text: two runs of one assistant message with
+   no message text between them are one turn, and the template's text between them trains (gpt-oss writes
+   ``<|start|>assistant`` between the analysis and the final channel, and the model generates it);
+3. character segments (spans, content parts, the text of other roles that ``roles_to_train`` trains) and the
+   reasoning policy's lead (a turn's trained tokens before its answer); a token that straddles a segment's edge
+   takes the lower of the two weights;
+4. the stop-token policy (``train_on_eos``): ``turn`` keeps each run's stop token, ``last`` only the row's last
+   run's, ``none`` none, ``all`` also every stop token outside the runs (weight 1);
+5. ``prompt_weight`` for every token nothing above claimed, in the rows where something trains.
+
+Labels are the ids where the weight is > 0. Everything here is vectorised over the batch's tokens; the only
+Python loops run over rows and messages to gather the plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+ROLE_NAMES = ("", "assistant", "prompt", "stop token")  # role codes 0..3; other roles follow (RoleWeights.names)
+_ASSISTANT, _PROMPT, _STOP = 1, 2, 3
+_STRIDE = np.int64(1) << np.int64(36)  # rows' characters placed apart on one axis (no text is this long)
+
+
+@dataclass
+class Weighed:
+    """``weights``: float32 per token (rows back to back); ``role``: a code per token into ``names`` (0: none)."""
+
+    weights: np.ndarray
+    role: np.ndarray
+    names: tuple[str, ...]
+
+
+def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, trained: np.ndarray, planned: Any,
+                 end_patterns: Sequence[Sequence[int]], options: Any) -> Weighed:
+    """The weight of every token of a batch (flat ``ids``, ``lengths`` per row, ``trained`` from the marker labels).
+
+    ``planned``: the messages' ``encode_rendered.PlannedWeights`` (None for pre-tokenised ids: only the stop-token
+    policy and the prompt weight apply). ``end_patterns``: the markers' stop-token patterns."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    row_starts = np.zeros(lengths.shape[0], dtype=np.int64)
+    np.cumsum(lengths[:-1], out=row_starts[1:]) if lengths.shape[0] > 1 else None
+    in_run = trained.astype(bool, copy=True)
+    weights = in_run.astype(np.float32)
+    role = in_run.astype(np.int16)  # _ASSISTANT where the markers train
+    names = list(ROLE_NAMES)
+    if planned is not None and planned.plans:
+        uniform = np.fromiter((1.0 if p is None else p.uniform for p in planned.plans), dtype=np.float32,
+                              count=len(planned.plans))
+        if (uniform != 1.0).any():  # weights are 1 on the runs: scaling by the row's weight sets it
+            weights *= np.repeat(uniform, lengths)
+        if planned.rows.size:
+            _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names)
+    if options.train_on_eos != "turn" and end_patterns and ids.shape[0]:
+        row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
+        _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, options.train_on_eos)
+    if options.prompt_weight:  # in rows where something else trains: a row with no turn is not made to train
+        busy = row_sums((weights > 0).view(np.int8), row_starts, lengths) > 0
+        free = (role == 0) & np.repeat(busy, lengths)
+        weights[free] = options.prompt_weight
+        role[free] = _PROMPT
+    return Weighed(weights, role, tuple(names))
+
+
+def row_sums(values: np.ndarray, row_starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The sum of ``values`` over each row (rows back to back; empty rows sum to 0), without a per-token row index."""
+    out = np.zeros(lengths.shape[0], dtype=np.float64 if values.dtype.kind == "f" else np.int64)
+    full = lengths > 0
+    if values.shape[0] and full.any():
+        acc = np.float64 if values.dtype.kind == "f" else np.int64
+        out[full] = np.add.reduceat(values, row_starts[full], dtype=acc)
+    return out
+
+
+def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> None:
+    """Steps 2 and 3 on the exact rows, in place."""
+    rows = planned.rows
+    plans = [planned.plans[r] for r in rows]
+    lens = lengths[rows]
+    total = int(lens.sum())
+    k_of = np.repeat(np.arange(rows.shape[0]), lens)
+    pos = row_starts[rows][k_of] + (np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens))
+    base = k_of.astype(np.int64) * _STRIDE
+    cs, ce = planned.starts + base, planned.ends + base
+    # the plans' messages and pieces on one axis (Python over messages)
+    msg_weight, msg_role, pieces, segments, leads = [], [], [], [], []
+    for k, plan in enumerate(plans):
+        first = len(msg_weight)
+        offset = int(k) * int(_STRIDE)
+        msg_weight += plan.weights
+        msg_role += plan.roles
+        pieces += [(s + offset, e + offset, m + first) for s, e, m in plan.pieces]
+        segments += [(s + offset, e + offset, w, m + first, a) for s, e, w, m, a in plan.segments]
+        leads += [(m + first, a + offset, w) for m, a, w in plan.leads]
+    msg_weight = np.asarray(msg_weight, dtype=np.float32)
+    is_assistant = np.asarray([r == "assistant" for r in msg_role], dtype=bool)
+    piece_arr = np.asarray(pieces, dtype=np.int64).reshape(-1, 3)
+    tr = in_run[pos]
+    # step 2: tie runs to messages, join the runs of one message, tie again
+    starts_at, ends_at, message = _runs(tr, k_of, cs, ce, piece_arr, is_assistant)
+    same = (message[:-1] >= 0) & (message[:-1] == message[1:]) & (k_of[starts_at[1:]] == k_of[ends_at[:-1]]) \
+        if message.size > 1 else np.zeros(0, dtype=bool)
+    if same.any() and piece_arr.size:
+        between = np.searchsorted(piece_arr[:, 0], ce[ends_at[:-1]], "left") == \
+            np.searchsorted(piece_arr[:, 0], cs[starts_at[1:]], "left")
+        join = np.flatnonzero(same & between)
+        if join.size:
+            delta = np.zeros(total + 1, dtype=np.int64)
+            np.add.at(delta, ends_at[:-1][join] + 1, 1)
+            np.add.at(delta, starts_at[1:][join], -1)
+            tr = tr | (np.cumsum(delta)[:-1] > 0)
+            starts_at, ends_at, message = _runs(tr, k_of, cs, ce, piece_arr, is_assistant)
+    begins = np.zeros(total, dtype=bool)
+    begins[starts_at] = True
+    run_id = np.cumsum(begins) - 1
+    tok_msg = np.where(tr, message[np.maximum(run_id, 0)] if message.size else -1, -1)
+    w = weights[pos]
+    uniform_w = w.copy()
+    w = np.where(tr, np.where(tok_msg >= 0, msg_weight[np.maximum(tok_msg, 0)] if msg_weight.size else 0, uniform_w), 0)
+    w = w.astype(np.float32)
+    r = np.where(tr, _ASSISTANT, role[pos])
+    # step 3: the reasoning policy's leads
+    if leads:
+        lead = np.asarray(leads, dtype=np.float64)
+        lead_at = np.full(msg_weight.shape[0], np.inf)
+        lead_w = np.zeros(msg_weight.shape[0], dtype=np.float32)
+        lead_at[lead[:, 0].astype(np.int64)] = lead[:, 1]
+        lead_w[lead[:, 0].astype(np.int64)] = lead[:, 2]
+        m = np.maximum(tok_msg, 0)
+        before = tr & (tok_msg >= 0) & (cs < lead_at[m])
+        whole = before & (ce <= lead_at[m])
+        w = np.where(whole, lead_w[m], np.where(before, np.minimum(w, lead_w[m]), w)).astype(np.float32)
+    # step 3: character segments
+    if segments:
+        seg_s = np.asarray([s[0] for s in segments], dtype=np.int64)
+        seg_e = np.asarray([s[1] for s in segments], dtype=np.int64)
+        seg_w = np.asarray([s[2] for s in segments], dtype=np.float32)
+        seg_m = np.asarray([s[3] for s in segments], dtype=np.int64)
+        seg_a = np.asarray([s[4] for s in segments], dtype=bool)
+        first = np.searchsorted(ce, seg_s, "right")
+        last = np.searchsorted(cs, seg_e, "left")
+        counts = np.maximum(last - first, 0)
+        seg_of = np.repeat(np.arange(seg_s.shape[0]), counts)
+        idx = first[seg_of] + (np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
+        eligible = np.where(seg_a[seg_of], tr[idx] & (tok_msg[idx] == seg_m[seg_of]), ~tr[idx])
+        whole = eligible & (cs[idx] >= seg_s[seg_of]) & (ce[idx] <= seg_e[seg_of]) & (ce[idx] > cs[idx])
+        w[idx[whole]] = seg_w[seg_of[whole]]
+        other = whole & ~seg_a[seg_of]
+        if other.any():
+            role_names = [msg_role[int(m)] for m in seg_m]
+            codes = np.empty(seg_s.shape[0], dtype=np.int16)
+            for j, name in enumerate(role_names):
+                if name not in names:
+                    names.append(name)
+                codes[j] = names.index(name)
+            r[idx[other]] = codes[seg_of[other]]
+        straddle = eligible & ~whole & seg_a[seg_of]
+        np.minimum.at(w, idx[straddle], seg_w[seg_of[straddle]])
+    in_run[pos] = tr
+    weights[pos] = w
+    role[pos] = r
+
+
+def _runs(tr, k_of, cs, ce, pieces, is_assistant):
+    """First and last token of each run (in order), and the message each is tied to: the first located piece that
+    ends after the run starts, when it also starts before the run ends and belongs to an assistant (else -1)."""
+    total = tr.shape[0]
+    prev = np.zeros(total, dtype=bool)
+    prev[1:] = tr[:-1] & (k_of[1:] == k_of[:-1])
+    nxt = np.zeros(total, dtype=bool)
+    nxt[:-1] = tr[1:] & (k_of[1:] == k_of[:-1])
+    starts_at = np.flatnonzero(tr & ~prev)
+    ends_at = np.flatnonzero(tr & ~nxt)
+    if not pieces.size or not starts_at.size:
+        return starts_at, ends_at, np.full(starts_at.shape[0], -1, dtype=np.int64)
+    # pieces are sorted by start and disjoint, so their ends are sorted too
+    k = np.searchsorted(pieces[:, 1], cs[starts_at], "right")
+    ok = k < pieces.shape[0]
+    kk = np.minimum(k, pieces.shape[0] - 1)
+    ok &= pieces[kk, 0] < ce[ends_at]
+    message = np.where(ok, pieces[kk, 2], -1)
+    message = np.where((message >= 0) & is_assistant[np.maximum(message, 0)], message, -1)
+    return starts_at, ends_at, message
+
+
+def _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, policy) -> None:
+    """Step 4, in place: the stop-token policy over every row."""
+    total = ids.shape[0]
+    nxt = np.zeros(total, dtype=bool)
+    nxt[:-1] = in_run[1:] & (row_of[1:] == row_of[:-1])
+    run_end = in_run & ~nxt
+    stop = np.zeros(total, dtype=bool)  # every token of a stop-token match that closes a run
+    outside = np.zeros(total, dtype=bool)  # every token of a match outside the runs
+    for pattern in end_patterns:
+        pattern = np.asarray(pattern, dtype=ids.dtype)
+        n = pattern.shape[0]
+        if n > total:
+            continue
+        hit = np.ones(total - n + 1, dtype=bool)
+        for j in range(n):
+            hit &= ids[j:total - n + 1 + j] == pattern[j]
+        begin = np.flatnonzero(hit)
+        begin = begin[row_of[begin] == row_of[begin + n - 1]]
+        end = begin + n - 1
+        closes = run_end[end]
+        for j in range(n):
+            stop[begin[closes] + j] = True
+            outside[begin[~closes & ~in_run[end]] + j] = True
+    if policy == "none":
+        weights[stop] = 0.0
+    elif policy == "last":  # the stop tokens of every run but the row's last
+        prev = np.zeros(total, dtype=bool)
+        prev[1:] = in_run[:-1] & (row_of[1:] == row_of[:-1])
+        starts = np.flatnonzero(in_run & ~prev)
+        last_start = np.full(row_starts.shape[0], -1, dtype=np.int64)
+        np.maximum.at(last_start, row_of[starts], starts)
+        stops = np.flatnonzero(stop)
+        weights[stops[stops < last_start[row_of[stops]]]] = 0.0
+    elif policy == "all":
+        weights[outside] = 1.0
+        role[outside] = _STOP
+        in_run |= outside
+
+
+def weight_totals(weighed: Weighed, lengths: np.ndarray) -> tuple[dict[str, list], np.ndarray, np.ndarray]:
+    """``{role: [trained tokens, weight mass]}``, and per row its trained tokens and weight mass."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    row_starts = np.zeros(lengths.shape[0], dtype=np.int64)
+    np.cumsum(lengths[:-1], out=row_starts[1:]) if lengths.shape[0] > 1 else None
+    trained = weighed.weights > 0
+    row_tokens = row_sums(trained.view(np.int8), row_starts, lengths)
+    row_mass = row_sums(weighed.weights, row_starts, lengths)
+    codes = weighed.role
+    if codes.shape[0] and int(codes.max()) <= _ASSISTANT:  # only the assistant's turns: no per-token grouping
+        total = int(row_tokens.sum())
+        by_role = {"assistant": [total, float(row_mass.sum())]} if total else {}
+        return by_role, row_tokens, row_mass
+    codes = codes.astype(np.int64)
+    count = np.bincount(codes[trained], minlength=len(weighed.names))
+    mass = np.bincount(codes[trained], weights=weighed.weights[trained].astype(np.float64), minlength=len(weighed.names))
+    by_role = {weighed.names[c]: [int(count[c]), float(mass[c])] for c in range(1, len(weighed.names)) if count[c]}
+    return by_role, row_tokens, row_mass
+
+
+def weights_to_arrow(like: pa.Array, values: np.ndarray) -> pa.Array:
+    """A ``list<float32>`` array shaped like ``like`` (a list array of the same rows, no nulls) holding ``values``."""
+    offsets = like.offsets
+    if pa.types.is_large_list(like.type):
+        offsets = offsets.cast(pa.int32()) if int(offsets[-1].as_py()) < 2 ** 31 else offsets
+    first = int(offsets[0].as_py())
+    rebased = pa.array(np.asarray(offsets.to_numpy(zero_copy_only=False), dtype=np.int64) - first)
+    values = pa.array(np.ascontiguousarray(values, dtype=np.float32))
+    if rebased.type == pa.int64():
+        if int(rebased[-1].as_py()) >= 2 ** 31:
+            return pa.LargeListArray.from_arrays(rebased, values)
+        rebased = rebased.cast(pa.int32())
+    return pa.ListArray.from_arrays(rebased, values)
+
+
+def weight_field_types(schema: pa.Schema, options: Any) -> list[pa.DataType]:
+    """The Arrow types of the weight fields a chat column's messages (their content parts, their spans) carry."""
+    names = set(options.weight_fields())
+    found: list[pa.DataType] = []
+
+    def walk(arrow_type: pa.DataType, depth: int, keys: set) -> None:
+        if depth > 4:
+            return
+        if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+            walk(arrow_type.value_type, depth + 1, keys)
+        elif pa.types.is_struct(arrow_type):
+            for i in range(arrow_type.num_fields):
+                child = arrow_type.field(i)
+                if child.name in keys and not (pa.types.is_struct(child.type) or pa.types.is_list(child.type)):
+                    found.append(child.type)
+                # a span's own weight (detail_field) counts whatever the message fields are
+                walk(child.type, depth + 1, keys | {"weight"} if child.name == options.detail_field else keys)
+
+    for name in {options.chat_column(schema.names), options.prompt_column, options.completion_column}:
+        if name in schema.names:
+            walk(schema.field(name).type, 0, names)
+            # JSON text (JSON Lines input): the keys that held numbers in the rows read for the schema
+            keys = (schema.field(name).metadata or {}).get(b"lossmask.numeric_keys", b"").decode().split(",")
+            found += [pa.float64() for key in keys if key in names]
+    return found

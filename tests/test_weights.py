@@ -1,0 +1,367 @@
+"""Weights per token (issue 20, docs/weights.md), against hand-labelled rows on six template families.
+
+Each expectation is written from the rule, not read off the code: the trained text of a row as maximal runs of one
+weight, ``[(text, weight), ...]`` in order (tokens of weight 0 left out). A family's stop token and what it trains
+before the content come from docs/masking-rule.md's table.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import chat_tokenizer, detected_markers
+from lossmask.engine.tally import Tally
+from lossmask.jobs.batch_step import mask_batch
+from lossmask.options import MaskOptions
+
+FAMILIES = ("chatml", "llama-3.1", "gemma-3", "mistral-v3", "gpt-oss", "qwen3")
+# what each family trains around a last assistant turn's content (docs/masking-rule.md)
+BEFORE = {"chatml": "", "llama-3.1": "", "gemma-3": "", "mistral-v3": "", "qwen3": "<think>\n\n</think>\n\n",
+          "gpt-oss": "<|channel|>final<|message|>"}
+STOP = {"chatml": "<|im_end|>", "llama-3.1": "<|eot_id|>", "gemma-3": "<end_of_turn>", "mistral-v3": "</s>",
+        "qwen3": "<|im_end|>", "gpt-oss": "<|return|>"}
+# the user's text "Hi there" as it trains when its role does: Mistral's template writes "[INST] " before it, and
+# "▁Hi" merges that space with "Hi": the token straddles template and text, so it takes the lower weight (0)
+USER_TEXT = {"mistral-v3": "there"}
+# the stop token after an earlier turn (gpt-oss ends an earlier final answer with <|end|>)
+STOP_EARLIER = {**STOP, "gpt-oss": "<|end|>"}
+
+
+def label(family, rows, **fields):
+    """Mask ``rows`` (lists of messages) with ``family``; return the output table and its tally."""
+    tally = Tally()
+    markers, _ = detected_markers(family)
+    out = mask_batch(pa.table({"messages": rows}), markers, MaskOptions(**fields), tally,
+                     tokenizer=chat_tokenizer(family))
+    return out, tally
+
+
+def weighted_text(family, out, row=0):
+    """``[(text, weight)]``: the trained tokens of one output row, as runs of one weight, decoded."""
+    tok = chat_tokenizer(family)
+    ids = out["input_ids"][row].as_py()
+    labels = out["labels"][row].as_py()
+    if "loss_weights" in out.column_names:
+        weights = out["loss_weights"][row].as_py()
+        assert all((w > 0) == (l != -100) for w, l in zip(weights, labels)), "labels and weights disagree"
+        assert all(l in (-100, i) for l, i in zip(labels, ids))
+    else:
+        weights = [float(l != -100) for l in labels]
+    runs: list[tuple[list[int], float]] = []
+    for i, (t, w) in enumerate(zip(ids, weights)):
+        if w <= 0:
+            continue
+        if runs and runs[-1][1] == pytest.approx(w) and i > 0 and weights[i - 1] > 0:
+            runs[-1][0].append(t)
+        else:
+            runs.append(([t], round(float(w), 6)))
+    return [(tok.decode(r).strip(" "), w) for r, w in runs]
+
+
+def chat(*turns, **first_assistant):
+    """user/assistant messages from texts; ``first_assistant`` adds fields to the first assistant message."""
+    messages = []
+    for k, text in enumerate(turns):
+        message = {"role": "user" if k % 2 == 0 else "assistant", "content": text}
+        if k == 1:
+            message.update(first_assistant)
+        messages.append(message)
+    return messages
+
+
+def last_turn(family, content, weight=1.0):
+    return (f"{BEFORE[family]}{content}{STOP[family]}", weight)
+
+
+# -- defaults are today's outputs ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_weight_option_no_column(family):
+    out, tally = label(family, [chat("Hi there", "Hello back")])
+    assert "loss_weights" not in out.column_names
+    assert weighted_text(family, out) == [last_turn(family, "Hello back")]
+    assert tally.weights_by_role == {}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_weights_asked_for_is_the_label_mask(family):
+    out, _ = label(family, [chat("Hi there", "Hello back")], loss_weights=True)
+    labels = out["labels"][0].as_py()
+    assert out["loss_weights"][0].as_py() == [float(l != -100) for l in labels]
+    assert weighted_text(family, out) == [last_turn(family, "Hello back")]
+
+
+# -- the message's own field ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_openai_weight_zero_masks_that_turn(family):
+    out, _ = label(family, [chat("Hi there", "First answer", "And then?", "Second answer", weight=0)])
+    assert weighted_text(family, out) == [last_turn(family, "Second answer")]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_scale_weighs_a_turn(family):
+    out, _ = label(family, [chat("Hi there", "First answer", "And then?", "Second answer", loss_scale=0.25)])
+    first = "First answer" + STOP_EARLIER[family]
+    if family == "gpt-oss":
+        first = "<|channel|>final<|message|>" + first
+    assert "loss_weights" in out.column_names
+    assert weighted_text(family, out) == [(first, 0.25), last_turn(family, "Second answer")]
+
+
+@pytest.mark.parametrize("field,value,weight", [
+    ("train", False, 0.0), ("training", False, 0.0), ("loss", False, 0.0), ("loss_weight", 2.0, 2.0),
+    ("weight", 0.5, 0.5), ("loss_scale", 3, 3.0),
+])
+def test_each_recognised_field(field, value, weight):
+    out, _ = label("chatml", [chat("Hi there", "First answer", "And then?", "Second answer", **{field: value})])
+    expected = ([("First answer<|im_end|>", weight)] if weight else []) + [("Second answer<|im_end|>", 1.0)]
+    assert weighted_text("chatml", out) == expected
+
+
+def test_named_field_and_no_field():
+    rows = [chat("Hi there", "First answer", "And then?", "Second answer", keep=False, weight=0)]
+    out, _ = label("chatml", rows, weight_field="keep")
+    assert weighted_text("chatml", out) == [("Second answer<|im_end|>", 1.0)]
+    out, _ = label("chatml", rows, weight_field=None)
+    assert weighted_text("chatml", out) == [("First answer<|im_end|>", 1.0), ("Second answer<|im_end|>", 1.0)]
+
+
+def test_a_bad_field_value_names_row_and_message():
+    with pytest.raises(ValueError, match="message 1: weight='x' is not a weight"):
+        label("chatml", [chat("Hi there", "Answer", weight="x")])
+
+
+def test_all_turns_weighed_zero_drop_the_row_with_its_cause():
+    out, tally = label("chatml", [chat("Hi there", "Answer", weight=0), chat("Hi there", "Answer")])
+    assert out.num_rows == 1
+    assert tally.drop_causes == {"weights_zero": 1}
+
+
+# -- roles ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_roles_to_train_trains_user_text(family):
+    out, tally = label(family, [chat("Hi there", "Hello back")], roles_to_train=["user", "assistant"])
+    # the user's text trains; the template around it (header, stop token) does not
+    assert weighted_text(family, out) == [(USER_TEXT.get(family, "Hi there"), 1.0), last_turn(family, "Hello back")]
+    assert tally.weights_by_role["user"][0] >= 1 and tally.weights_by_role["user"][1] == tally.weights_by_role["user"][0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_by_role_and_prompt_weight(family):
+    out, tally = label(family, [chat("Hi there", "Hello back")], weights_by_role={"user": 0.5, "assistant": 2})
+    assert weighted_text(family, out) == [(USER_TEXT.get(family, "Hi there"), 0.5), last_turn(family, "Hello back", 2.0)]
+    out, tally = label(family, [chat("Hi there", "Hello back")], prompt_weight=0.1)
+    weights = np.asarray(out["loss_weights"][0].as_py())
+    labels = np.asarray(out["labels"][0].as_py())
+    assert set(np.unique(weights).round(6)) == {0.1, 1.0}  # every token trains: the prompt lightly
+    assert (labels != -100).all()
+    assert last_turn(family, "Hello back") in weighted_text(family, out)
+    assert tally.weights_by_role["prompt"][0] == int((weights == np.float32(0.1)).sum())
+
+
+def test_roles_to_train_without_assistant_masks_assistant():
+    out, _ = label("chatml", [chat("Hi there", "Hello back")], roles_to_train="user", keep_dropped=True)
+    assert weighted_text("chatml", out) == [("Hi there", 1.0)]
+
+
+# -- character spans and content parts ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_axolotl_spans(family):
+    # "Keep this. Drop this." : characters 0..9 ("Keep this.") train, 11..20 ("Drop this.") do not (end inclusive)
+    detail = [{"begin_offset": 0, "end_offset": 9, "train": True}, {"begin_offset": 11, "end_offset": 20, "train": False}]
+    out, _ = label(family, [chat("Hi there", "Keep this. Drop this.", train_detail=detail)])
+    text = weighted_text(family, out)
+    assert text[0][0].startswith(BEFORE[family] + "Keep this.") and "Drop" not in text[0][0]
+    assert text[-1] == (STOP[family], 1.0)  # the stop token keeps the message's weight
+
+
+def test_span_weight_and_straddling_token_takes_the_lower():
+    # a span that ends inside the token "answer" (characters 4..6 of "the answer"): that token takes 0.2
+    detail = [{"begin_offset": 4, "end_offset": 6, "weight": 0.2}]
+    out, _ = label("chatml", [chat("Hi there", "the answer", train_detail=detail)])
+    assert weighted_text("chatml", out) == [("the", 1.0), ("answer", 0.2), ("<|im_end|>", 1.0)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)  # gemma-3 and mistral-v3 take parts; the others' are joined first
+def test_content_parts_with_train(family):
+    parts = [{"type": "text", "text": "Step one.", "train": False}, {"type": "text", "text": "Step two.", "weight": 0.5}]
+    out, _ = label(family, [[{"role": "user", "content": [{"type": "text", "text": "Go"}]},
+                             {"role": "assistant", "content": parts}]])
+    text = weighted_text(family, out)
+    assert ("Step two.", 0.5) in text and all("one" not in t for t, _ in text)
+    assert text[-1] == (STOP[family], 1.0)
+
+
+# -- stop tokens -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_on_eos(family):
+    rows = [chat("Hi there", "First answer", "And then?", "Second answer")]
+    first = ("<|channel|>final<|message|>" if family == "gpt-oss" else "") + "First answer"
+    out, _ = label(family, rows, train_on_eos="none")
+    assert weighted_text(family, out) == [(first, 1.0), (BEFORE[family] + "Second answer", 1.0)]
+    out, _ = label(family, rows, train_on_eos="last")
+    assert weighted_text(family, out) == [(first, 1.0), last_turn(family, "Second answer")]
+
+
+def test_train_on_eos_all_trains_stop_tokens_after_user_turns():
+    out, _ = label("chatml", [chat("Hi there", "Answer")], train_on_eos="all")
+    assert weighted_text("chatml", out) == [("<|im_end|>", 1.0), ("Answer<|im_end|>", 1.0)]
+
+
+# -- reasoning ---------------------------------------------------------------------------------------------------
+
+def reasoning_chat(key="reasoning_content"):
+    return [{"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello back", key: "They greet me."}]
+
+
+def test_gpt_oss_trains_the_header_between_analysis_and_final():
+    out, _ = label("gpt-oss", [reasoning_chat("thinking")])
+    assert weighted_text("gpt-oss", out) == [(
+        "<|channel|>analysis<|message|>They greet me.<|end|><|start|>assistant<|channel|>final<|message|>Hello back"
+        "<|return|>", 1.0)]
+
+
+@pytest.mark.parametrize("family,think", [
+    ("qwen3", "<think>\nThey greet me.\n</think>\n\n"),
+    ("gpt-oss", "<|channel|>analysis<|message|>They greet me.<|end|><|start|>assistant<|channel|>final<|message|>"),
+])
+def test_reasoning_policy(family, think):
+    out, _ = label(family, [reasoning_chat()], reasoning="mask")
+    assert weighted_text(family, out) == [(f"Hello back{STOP[family]}", 1.0)]
+    out, _ = label(family, [reasoning_chat()], reasoning=0.3)
+    assert weighted_text(family, out) == [(think, 0.3), (f"Hello back{STOP[family]}", 1.0)]
+    out, _ = label(family, [reasoning_chat()])
+    assert weighted_text(family, out) == [(think + f"Hello back{STOP[family]}", 1.0)]
+
+
+def test_mask_empty_think():
+    out, _ = label("qwen3", [chat("Hi there", "Hello back")], mask_empty_think=True)
+    assert weighted_text("qwen3", out) == [("Hello back<|im_end|>", 1.0)]
+    out, _ = label("qwen3", [reasoning_chat()], mask_empty_think=True)  # a block with reasoning stays
+    assert weighted_text("qwen3", out)[0][0].startswith("<think>\nThey greet me.")
+
+
+# -- pre-tokenised ids -------------------------------------------------------------------------------------------
+
+def test_input_ids_take_marker_level_choices_only():
+    markers, _ = detected_markers("chatml")
+    tok = chat_tokenizer("chatml")
+    ids = tok.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nYo<|im_end|>\n")
+    table = pa.table({"input_ids": pa.array([ids], pa.list_(pa.int32()))})
+    out = mask_batch(table, markers, MaskOptions(prompt_weight=0.1, train_on_eos="none"), Tally())
+    weights = out["loss_weights"][0].as_py()
+    trained = [i for i, w in zip(ids, weights) if w == 1.0]
+    assert tok.decode(trained) == "Yo"
+    # every token but "Yo" (1.0) and its <|im_end|> (0: train_on_eos="none" claims it) takes the prompt weight
+    assert sum(w == np.float32(0.1) for w in weights) == len(ids) - len(trained) - 1
+    with pytest.raises(ValueError, match="carry none"):
+        mask_batch(table, markers, MaskOptions(roles_to_train=["user"]), Tally())
+
+
+# -- options -----------------------------------------------------------------------------------------------------
+
+def test_options_checked():
+    with pytest.raises(ValueError, match="train_on_eos"):
+        MaskOptions(train_on_eos="sometimes")
+    with pytest.raises(ValueError, match="prompt_weight"):
+        MaskOptions(prompt_weight=-1)
+    with pytest.raises(ValueError, match="reasoning"):
+        MaskOptions(reasoning="skip")
+    assert MaskOptions(weights_by_role="assistant=1,user=0.1").role_weights() == {"assistant": 1.0, "user": 0.1}
+    assert MaskOptions(roles_to_train="user").role_weights() == {"user": 1.0, "assistant": 0.0}
+
+
+def test_cli_documents_every_weight_flag():
+    from lossmask.cli import build_parser
+
+    text = build_parser()._subparsers._group_actions[0].choices["mask"].format_help()
+    for flag in ("--roles-to-train", "--weights-by-role", "--weight-field", "--detail-field", "--prompt-weight",
+                 "--train-on-eos", "--reasoning", "--mask-empty-think", "--loss-weights", "--source-column"):
+        assert flag in text
+
+
+# -- every path: files, Hugging Face datasets, Ray ------------------------------------------------------------------
+
+ROWS = [
+    {"messages": chat("Hi there", "First answer", "And then?", "Second answer", loss_scale=0.5), "dataset": "a"},
+    {"messages": chat("Hello", "Answer"), "dataset": "b"},
+]
+
+
+def test_parquet_round_trip_and_report(tmp_path):
+    from lossmask import mask_files
+    from conftest import tokenizer_path
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    report = mask_files(str(src), str(tmp_path / "out.parquet"), tokenizer=str(tokenizer_path("chatml")),
+                        source_column="dataset", progress=False)
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.schema.field("loss_weights").type == pa.list_(pa.float32())
+    out, _ = label("chatml", [r["messages"] for r in ROWS])
+    assert table["loss_weights"].to_pylist() == out["loss_weights"].to_pylist()
+    assert table["labels"].to_pylist() == out["labels"].to_pylist()
+    assert set(report.weights_by_source) == {"a", "b"}
+    assert report.weights_by_source["a"]["rows"] == 1
+    assert report.weights_by_role["assistant"]["tokens"] == report.tokens_trained
+    assert "weights_by_source" in report.to_dict()
+
+
+def test_hf_round_trip():
+    datasets = pytest.importorskip("datasets")
+    from lossmask import hf
+    from conftest import tokenizer_path
+
+    ds = datasets.Dataset.from_list(ROWS)
+    masked = hf.mask_dataset(ds, str(tokenizer_path("chatml")), loss_weights=True)
+    out, _ = label("chatml", [r["messages"] for r in ROWS])
+    assert masked["loss_weights"] == [[pytest.approx(w) for w in row] for row in out["loss_weights"].to_pylist()]
+    assert masked["labels"] == out["labels"].to_pylist()
+
+
+def test_ray_round_trip():
+    ray = pytest.importorskip("ray")
+    from lossmask import ray as lossmask_ray
+    from conftest import tokenizer_path
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ds = ray.data.from_items(ROWS)
+    masked, report = lossmask_ray.mask_dataset(ds, tokenizer=str(tokenizer_path("chatml")), source_column="dataset")
+    assert set(report.weights_by_source) == {"a", "b"}
+    rows = sorted(masked.take_all(), key=lambda r: r["dataset"])
+    out, _ = label("chatml", [r["messages"] for r in ROWS])
+    expected = out["loss_weights"].to_pylist()
+    assert [list(np.asarray(r["loss_weights"], dtype=np.float32)) for r in rows] == \
+        [list(np.asarray(w, dtype=np.float32)) for w in expected]
+
+
+def test_jsonl_in_many_batches_writes_one_schema(tmp_path):
+    from lossmask import mask_files
+    from conftest import tokenizer_path
+
+    rows = [{"messages": chat("Hi there", f"Answer {k}")} for k in range(5)]
+    rows.append({"messages": chat("Hi there", "Last answer", loss_scale=0.5)})
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mask_files(str(src), str(tmp_path / "out.parquet"), tokenizer=str(tokenizer_path("chatml")), batch_size=2,
+               progress=False)
+    weights = pq.read_table(tmp_path / "out.parquet")["loss_weights"].to_pylist()
+    assert {w for row in weights[:5] for w in row} == {0.0, 1.0} and 0.5 in weights[5]
+
+
+def test_a_fraction_where_no_column_was_promised_is_an_error():
+    markers, _ = detected_markers("chatml")
+    table = pa.table({"messages": [chat("Hi there", "Answer", loss_scale=0.5)]})
+    with pytest.raises(ValueError, match="loss_weights=True"):
+        mask_batch(table, markers, MaskOptions(), Tally(), tokenizer=chat_tokenizer("chatml"), write_weights=False)
