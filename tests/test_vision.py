@@ -28,7 +28,7 @@ FAMILIES = ("qwen2-vl", "gemma-3", "idefics3")
 # what the rule says for each family, written by hand here (the code derives them from the processor): the assistant
 # header's tokens (a last "\n" stands for the token holding the header's newline), the stop token, the media tokens.
 # Idefics3 writes its tile and global-image tags (<row_1_col_1>, <global-img>) and the newlines between tile rows as
-# plain text inside the image: part of the image, never trained. Gemma-3's blank lines around an image are outside it.
+# plain text inside the image, and Gemma-3 a blank line on each side of it: part of the image, never trained.
 HEADER = {"qwen2-vl": ("<|im_start|>", "assistant", "\n"), "gemma-3": ("<start_of_turn>", "model", "\n"),
           "idefics3": ("Assistant", ":")}
 STOP = {"qwen2-vl": "<|im_end|>", "gemma-3": "<end_of_turn>", "idefics3": "<end_of_utterance>"}
@@ -114,7 +114,11 @@ def reference_labels(family, ids, tokens, inside_only=False):
         if open_at is None and token == IMAGE_OPEN[family]:
             open_at, seen = k, ""
         elif open_at is not None and token == IMAGE_CLOSE[family] and (family != "idefics3" or "global" in seen):
-            inside[open_at:k + 1], open_at = True, None
+            lo, hi = open_at, k + 1
+            if family == "gemma-3":  # a blank line on each side of the image: the tokens holding them are the image's
+                lo -= tokens[lo - 1].strip() == "" and "\n" in tokens[lo - 1]
+                hi += hi < len(tokens) and tokens[hi].strip() == "" and "\n" in tokens[hi]
+            inside[lo:hi], open_at = True, None
         elif open_at is not None:
             seen += token
     assert open_at is None

@@ -328,6 +328,9 @@ class ExpandedRows:
     # per row, the number of media tokens each of its images writes (in order): each image's span of tokens, from
     # its first media token to its last, is never trained (Idefics3's tile tags are plain text inside it)
     per_image: list[list[int]] = field(default_factory=list)
+    # per row, the characters of each image's expansion in its text: with character offsets, the plain text the
+    # processor writes at an expansion's edges (Gemma-3's blank lines) is the image's too
+    char_spans: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Sequence[Any] | None) -> ExpandedRows:
@@ -340,6 +343,7 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
     refused: list[tuple[int, str]] = []
     expected = np.zeros(len(texts), dtype=np.int64)
     per_image: list[list[int]] = [[] for _ in texts]
+    char_spans: list[list[tuple[int, int]]] = [[] for _ in texts]
     flat, owners = [], []
     for k, (text, chat) in enumerate(zip(texts, chats)):
         messages = chat["messages"] if isinstance(chat, dict) else chat
@@ -373,7 +377,35 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
             out[k] = pieces[0] + "".join(r + p for r, p in zip(row_replacements, pieces[1:]))
             expected[k] = media.expected(row_replacements)
             per_image[k] = [media.per_image(tok, r) for r in row_replacements]
-    return ExpandedRows(out, refused, expected, dict(features), len(flat), per_image)
+            at = len(pieces[0])
+            for r, p in zip(row_replacements, pieces[1:]):
+                char_spans[k].append((at, at + len(r)))
+                at += len(r) + len(p)
+    return ExpandedRows(out, refused, expected, dict(features), len(flat), per_image, char_spans)
+
+
+def expansion_tokens(tok: Any, texts: Sequence[str], ids: np.ndarray, offsets: np.ndarray,
+                     char_spans: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
+    """A bool per token (``ids`` flat, ``offsets`` per row): True where a token holds a character of an image's
+    expansion (its edges' plain text too: a token that straddles the edge goes with the image, never trained).
+
+    Character offsets come from tokenising the rows with images again; a row whose ids differ from ``ids`` (message
+    text re-encoded as text) is left out here: ``media_spans`` still covers its media tokens."""
+    out = np.zeros(ids.shape[0], dtype=bool)
+    rows = [r for r, spans in enumerate(char_spans) if spans]
+    if not rows:
+        return out
+    again, chars = tok.encode_texts_with_offsets([texts[r] for r in rows])
+    for r, row_ids, row_chars in zip(rows, again, chars):
+        start, end = int(offsets[r]), int(offsets[r + 1])
+        if not np.array_equal(row_ids[:end - start], ids[start:end]):
+            continue
+        row_chars = row_chars[:end - start]
+        hit = np.zeros(end - start, dtype=bool)
+        for lo, hi in char_spans[r]:
+            hit |= (row_chars[:, 0] < hi) & (row_chars[:, 1] > lo)
+        out[start:end] = hit
+    return out
 
 
 def media_spans(ids: np.ndarray, offsets: np.ndarray, media_ids: Sequence[int], per_image: Sequence[Sequence[int]]) -> np.ndarray:
