@@ -221,10 +221,18 @@ class MediaTokens:
     def per_image(self, tok: Any, replacement: str) -> int:
         """How many media tokens one image writes into a row: its part, with the placeholder expanded. Media
         tokens are special tokens, so their number does not depend on the text around them."""
-        cache = self.__dict__.setdefault("_per_image", {})
+        return self._expansion(tok, replacement)[0]
+
+    def plain_edges(self, tok: Any, replacement: str) -> bool:
+        """Does the expansion begin or end with plain text (Gemma-3's blank lines), not with a media token?"""
+        return self._expansion(tok, replacement)[1]
+
+    def _expansion(self, tok: Any, replacement: str) -> tuple[int, bool]:
+        cache = self.__dict__.setdefault("_expansions", {})
         if replacement not in cache:
             ids = set(self.ids)
-            cache[replacement] = sum(int(t) in ids for t in tok.encode(self.part_text.replace(self.placeholder, replacement)))
+            expanded = [int(t) in ids for t in tok.encode(self.part_text.replace(self.placeholder, replacement))]
+            cache[replacement] = (sum(expanded), not (expanded and expanded[0] and expanded[-1]))
         return cache[replacement]
 
 
@@ -379,7 +387,8 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
             per_image[k] = [media.per_image(tok, r) for r in row_replacements]
             at = len(pieces[0])
             for r, p in zip(row_replacements, pieces[1:]):
-                char_spans[k].append((at, at + len(r)))
+                if media.plain_edges(tok, r):  # else the media-token span covers it all, no offsets needed
+                    char_spans[k].append((at, at + len(r)))
                 at += len(r) + len(p)
     return ExpandedRows(out, refused, expected, dict(features), len(flat), per_image, char_spans)
 
