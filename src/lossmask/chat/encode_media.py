@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .encode_batch import chat_tokenizer, encode_table, render_table, tokenize_rendered
-from .media import count_media, expand_rows, expansion_tokens, media_spans, media_tokens
+from .media import count_media, expand_rows, media_spans, media_tokens
 
 
 def encode_rows(tokenizer: Any, table: Any, kind: str, options: Any, *, first_row: int = 0, markers: Any = "unknown"):
@@ -48,7 +48,7 @@ def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0
     errors = list(rendered.errors)
     valid = rendered.valid.copy()
     texts, chats, rows, check, expected = expanded.texts, list(rendered.chats), list(rendered.rows), rendered.check, expanded.expected
-    per_image, char_spans = expanded.per_image, expanded.char_spans
+    per_image = expanded.per_image
     if expanded.refused:
         gone = {k for k, _ in expanded.refused}
         errors += [(rows[k], message) for k, message in expanded.refused]
@@ -57,7 +57,7 @@ def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0
             valid[rows[k] - first_row] = False
         keep = [k for k in range(len(texts)) if k not in gone]
         texts, chats, rows = [texts[k] for k in keep], [chats[k] for k in keep], [rows[k] for k in keep]
-        per_image, char_spans = [per_image[k] for k in keep], [char_spans[k] for k in keep]
+        per_image = [per_image[k] for k in keep]
         check = [check[k] for k in keep] if check is not None else None
         expected = expected[keep]
     seconds = {**rendered.seconds, "images": time.perf_counter() - started}
@@ -77,8 +77,5 @@ def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0
             f"{want[bad]} for its images (max_length={options.max_length} may cut an image: raise it, or leave it unset)")
     offsets = ids.offsets.to_numpy()
     values = ids.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
-    row_offsets = offsets - offsets[0]
-    spans = media_spans(values, row_offsets, media.ids, [c for c, k in zip(per_image, kept) if k])
-    spans |= expansion_tokens(tok, [t for t, k in zip(texts, kept) if k], values, row_offsets,
-                              [c for c, k in zip(char_spans, kept) if k])
+    spans = media_spans(values, offsets - offsets[0], media.ids, [c for c, k in zip(per_image, kept) if k])
     return dataclasses.replace(encoded, media=expanded.features, media_ids=media.ids, media_span=spans)

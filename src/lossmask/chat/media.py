@@ -218,21 +218,17 @@ class MediaTokens:
         """How many counted tokens the processor's replacement strings for one row's images hold."""
         return sum(r.count(t) for r in replacements for t in self.counted_text)
 
-    def per_image(self, tok: Any, replacement: str) -> int:
-        """How many media tokens one image writes into a row: its part, with the placeholder expanded. Media
-        tokens are special tokens, so their number does not depend on the text around them."""
-        return self._expansion(tok, replacement)[0]
-
-    def plain_edges(self, tok: Any, replacement: str) -> bool:
-        """Does the expansion begin or end with plain text (Gemma-3's blank lines), not with a media token?"""
-        return self._expansion(tok, replacement)[1]
-
-    def _expansion(self, tok: Any, replacement: str) -> tuple[int, bool]:
-        cache = self.__dict__.setdefault("_expansions", {})
+    def per_image(self, tok: Any, replacement: str) -> tuple[int, bool, bool]:
+        """What one image writes into a row: its media tokens (its part, with the placeholder expanded; they are
+        special tokens, so their number does not depend on the text around them), and whether the expansion begins,
+        and ends, with plain text (Gemma-3's blank lines) rather than a media token: the processor's own expansion,
+        not the text the template writes around the part (LLaVA's newline after ``<image>``)."""
+        cache = self.__dict__.setdefault("_per_image", {})
         if replacement not in cache:
             ids = set(self.ids)
-            expanded = [int(t) in ids for t in tok.encode(self.part_text.replace(self.placeholder, replacement))]
-            cache[replacement] = (sum(expanded), not (expanded and expanded[0] and expanded[-1]))
+            part = [int(t) in ids for t in tok.encode(self.part_text.replace(self.placeholder, replacement))]
+            own = [int(t) in ids for t in tok.encode(replacement)]
+            cache[replacement] = (sum(part), bool(own) and not own[0], bool(own) and not own[-1])
         return cache[replacement]
 
 
@@ -333,12 +329,10 @@ class ExpandedRows:
     expected: np.ndarray
     features: dict
     images: int
-    # per row, the number of media tokens each of its images writes (in order): each image's span of tokens, from
-    # its first media token to its last, is never trained (Idefics3's tile tags are plain text inside it)
-    per_image: list[list[int]] = field(default_factory=list)
-    # per row, the characters of each image's expansion in its text: with character offsets, the plain text the
-    # processor writes at an expansion's edges (Gemma-3's blank lines) is the image's too
-    char_spans: list[list[tuple[int, int]]] = field(default_factory=list)
+    # per row, ``MediaTokens.per_image`` of each of its images (in order): each image's span of tokens, from its first
+    # media token to its last (Idefics3's tile tags are plain text inside it), and the token next to it where the
+    # expansion has plain text at that edge (Gemma-3's blank lines), is never trained
+    per_image: list[list[tuple[int, bool, bool]]] = field(default_factory=list)
 
 
 def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Sequence[Any] | None) -> ExpandedRows:
@@ -350,8 +344,7 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
     out = list(texts)
     refused: list[tuple[int, str]] = []
     expected = np.zeros(len(texts), dtype=np.int64)
-    per_image: list[list[int]] = [[] for _ in texts]
-    char_spans: list[list[tuple[int, int]]] = [[] for _ in texts]
+    per_image: list[list[tuple[int, bool, bool]]] = [[] for _ in texts]
     flat, owners = [], []
     for k, (text, chat) in enumerate(zip(texts, chats)):
         messages = chat["messages"] if isinstance(chat, dict) else chat
@@ -385,55 +378,33 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
             out[k] = pieces[0] + "".join(r + p for r, p in zip(row_replacements, pieces[1:]))
             expected[k] = media.expected(row_replacements)
             per_image[k] = [media.per_image(tok, r) for r in row_replacements]
-            at = len(pieces[0])
-            for r, p in zip(row_replacements, pieces[1:]):
-                if media.plain_edges(tok, r):  # else the media-token span covers it all, no offsets needed
-                    char_spans[k].append((at, at + len(r)))
-                at += len(r) + len(p)
-    return ExpandedRows(out, refused, expected, dict(features), len(flat), per_image, char_spans)
+    return ExpandedRows(out, refused, expected, dict(features), len(flat), per_image)
 
 
-def expansion_tokens(tok: Any, texts: Sequence[str], ids: np.ndarray, offsets: np.ndarray,
-                     char_spans: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
-    """A bool per token (``ids`` flat, ``offsets`` per row): True where a token holds a character of an image's
-    expansion (its edges' plain text too: a token that straddles the edge goes with the image, never trained).
+def media_spans(ids: np.ndarray, offsets: np.ndarray, media_ids: Sequence[int],
+                per_image: Sequence[Sequence[tuple[int, bool, bool]]]) -> np.ndarray:
+    """A bool per token (``ids`` flat, ``offsets`` per row): True from each image's first media token to its last,
+    and on the token just before (after) it where the expansion begins (ends) with plain text. Media tokens are
+    special, so the tokeniser splits at them: that token holds the edge's text (merged, at most, with a neighbour's
+    whitespace: Gemma-3's ``model\n`` + blank line is ``model`` + ``\n\n\n``).
 
-    Character offsets come from tokenising the rows with images again; a row whose ids differ from ``ids`` (message
-    text re-encoded as text) is left out here: ``media_spans`` still covers its media tokens."""
-    out = np.zeros(ids.shape[0], dtype=bool)
-    rows = [r for r, spans in enumerate(char_spans) if spans]
-    if not rows:
-        return out
-    again, chars = tok.encode_texts_with_offsets([texts[r] for r in rows])
-    for r, row_ids, row_chars in zip(rows, again, chars):
-        start, end = int(offsets[r]), int(offsets[r + 1])
-        if not np.array_equal(row_ids[:end - start], ids[start:end]):
-            continue
-        row_chars = row_chars[:end - start]
-        hit = np.zeros(end - start, dtype=bool)
-        for lo, hi in char_spans[r]:
-            hit |= (row_chars[:, 0] < hi) & (row_chars[:, 1] > lo)
-        out[start:end] = hit
-    return out
-
-
-def media_spans(ids: np.ndarray, offsets: np.ndarray, media_ids: Sequence[int], per_image: Sequence[Sequence[int]]) -> np.ndarray:
-    """A bool per token (``ids`` flat, ``offsets`` per row): True from each image's first media token to its last.
-
-    ``per_image``: per row, the media tokens of each of its images, in order (``ExpandedRows.per_image``). A row
-    whose media tokens are not that many (never after the count check) raises."""
+    ``per_image``: per row, ``(media tokens, plain start, plain end)`` of each of its images, in order
+    (``ExpandedRows.per_image``). A row whose media tokens are not that many (never after the count check) raises."""
     span = np.zeros(ids.shape[0] + 1, dtype=np.int32)
     at = np.flatnonzero(np.isin(ids, np.asarray(media_ids, dtype=ids.dtype)))
     row_of = np.searchsorted(offsets, at, side="right") - 1
-    for r, counts in enumerate(per_image):
-        if not counts:
+    for r, images in enumerate(per_image):
+        if not images:
             continue
+        counts, lead, trail = (np.asarray(column) for column in zip(*images))
         mine = at[row_of == r]
         ends = np.cumsum(counts)
         if mine.shape[0] != ends[-1]:
             raise ValueError(f"row {r}: {mine.shape[0]} media tokens in its ids, its images write {int(ends[-1])}")
-        span[mine[ends - np.asarray(counts)]] += 1
-        span[mine[ends - 1] + 1] -= 1
+        starts = np.maximum(mine[ends - counts] - lead, offsets[r])
+        stops = np.minimum(mine[ends - 1] + 1 + trail, offsets[r + 1])
+        np.add.at(span, starts, 1)
+        np.add.at(span, stops, -1)
     return np.cumsum(span[:-1]) > 0
 
 
