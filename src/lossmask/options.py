@@ -221,13 +221,7 @@ def parse_role_map(role_map: Any) -> tuple[tuple[str, str], ...]:
     elif role_map is None:
         given = {}
     elif isinstance(role_map, str):
-        given = {}
-        for item in filter(None, (part.strip() for part in role_map.split(","))):
-            speaker, sep, role = item.partition("=")
-            if not sep or not speaker.strip() or not role.strip():
-                raise ValueError(f"role_map={role_map!r}: {item!r} is not SPEAKER=ROLE; write it as "
-                                 "'human=user,gpt=assistant'")
-            given[speaker.strip()] = role.strip()
+        given = _pairs("role_map", role_map, "SPEAKER=ROLE", "human=user,gpt=assistant")
     elif isinstance(role_map, dict):
         given = dict(role_map)
     else:
@@ -235,6 +229,20 @@ def parse_role_map(role_map: Any) -> tuple[tuple[str, str], ...]:
     if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in given.items()):
         raise ValueError(f"role_map={role_map!r}: speakers and roles must be non-empty strings")
     return tuple(sorted({**SHAREGPT_ROLES, **given}.items()))
+
+
+def _pairs(name: str, text: str, form: str, example: str, convert: Any = str) -> dict:
+    """``"k=v,k=v"`` (the CLI's form of a mapping) as a dict, each value through ``convert``."""
+    given = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        try:
+            given[key] = convert(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key or not value:
+            raise ValueError(f"{name}={text!r}: {item!r} is not {form}; write it as {example!r}") from None
+    return given
 
 
 def parse_roles(roles: Any) -> list[str]:
@@ -256,16 +264,7 @@ def parse_role_weights(roles_to_train: Any, weights_by_role: Any) -> tuple[tuple
     if weights_by_role is None:
         given = {}
     elif isinstance(weights_by_role, str):
-        given = {}
-        for item in filter(None, (part.strip() for part in weights_by_role.split(","))):
-            role, sep, value = item.partition("=")
-            try:
-                given[role.strip()] = float(value)
-            except ValueError:
-                sep = ""
-            if not sep or not role.strip():
-                raise ValueError(f"weights_by_role={weights_by_role!r}: {item!r} is not ROLE=WEIGHT; write it as "
-                                 "'assistant=1,user=0.1'") from None
+        given = _pairs("weights_by_role", weights_by_role, "ROLE=WEIGHT", "assistant=1,user=0.1", float)
     elif isinstance(weights_by_role, dict):
         given = dict(weights_by_role)
     elif isinstance(weights_by_role, tuple):

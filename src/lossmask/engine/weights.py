@@ -48,8 +48,7 @@ def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, trained: np.ndarray, plan
     ``planned``: the messages' ``encode_rendered.PlannedWeights`` (None for pre-tokenised ids: only the stop-token
     policy and the prompt weight apply). ``end_patterns``: the markers' stop-token patterns."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    row_starts = np.zeros(lengths.shape[0], dtype=np.int64)
-    np.cumsum(lengths[:-1], out=row_starts[1:]) if lengths.shape[0] > 1 else None
+    row_starts = _row_starts(lengths)
     in_run = trained.astype(bool, copy=True)
     weights = in_run.astype(np.float32)
     role = in_run.astype(np.int16)  # _ASSISTANT where the markers train
@@ -70,6 +69,13 @@ def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, trained: np.ndarray, plan
         weights[free] = options.prompt_weight
         role[free] = _PROMPT
     return Weighed(weights, role, tuple(names))
+
+
+def _row_starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each row begins in the flat tokens (rows back to back)."""
+    starts = np.zeros(lengths.shape[0], dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
 
 
 def row_sums(values: np.ndarray, row_starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -124,9 +130,8 @@ def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> 
     begins[starts_at] = True
     run_id = np.cumsum(begins) - 1
     tok_msg = np.where(tr, message[np.maximum(run_id, 0)] if message.size else -1, -1)
-    w = weights[pos]
-    uniform_w = w.copy()
-    w = np.where(tr, np.where(tok_msg >= 0, msg_weight[np.maximum(tok_msg, 0)] if msg_weight.size else 0, uniform_w), 0)
+    w = weights[pos]  # a fancy index: a copy already
+    w = np.where(tr, np.where(tok_msg >= 0, msg_weight[np.maximum(tok_msg, 0)] if msg_weight.size else 0, w), 0)
     w = w.astype(np.float32)
     r = np.where(tr, _ASSISTANT, role[pos])
     # step 3: the reasoning policy's leads
@@ -235,8 +240,7 @@ def _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, p
 def weight_totals(weighed: Weighed, lengths: np.ndarray) -> tuple[dict[str, list], np.ndarray, np.ndarray]:
     """``{role: [trained tokens, weight mass]}``, and per row its trained tokens and weight mass."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    row_starts = np.zeros(lengths.shape[0], dtype=np.int64)
-    np.cumsum(lengths[:-1], out=row_starts[1:]) if lengths.shape[0] > 1 else None
+    row_starts = _row_starts(lengths)
     trained = weighed.weights > 0
     row_tokens = row_sums(trained.view(np.int8), row_starts, lengths)
     row_mass = row_sums(weighed.weights, row_starts, lengths)

@@ -287,14 +287,12 @@ def mask_batch(
 def _untrain(labels: pa.Array, trained: np.ndarray, outcomes: np.ndarray, where: np.ndarray, ignore_index: int):
     """``labels`` with the tokens ``where`` is True (a bool per token, back to back) set to ``ignore_index``, and the
     trained tokens and counts that follow."""
-    offsets = labels.offsets.to_numpy()
-    values = labels.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].copy()
+    values = pc.list_flatten(labels).to_numpy(zero_copy_only=False).copy()
     hit = where & (values != ignore_index)
     values[hit] = ignore_index
-    lengths = np.diff(offsets)
+    lengths = _lengths(labels).astype(np.int64)
     trained = trained - np.bincount(np.repeat(np.arange(lengths.shape[0]), lengths)[hit], minlength=lengths.shape[0])
-    out = type(labels).from_arrays(pa.array(offsets - offsets[0], labels.offsets.type), pa.array(values, labels.type.value_type))
-    return out, trained, OutcomeCounts.from_rows(outcomes, trained, lengths)
+    return _rebuild(labels, values, lengths), trained, OutcomeCounts.from_rows(outcomes, trained, lengths)
 
 
 def _lengths(input_ids) -> np.ndarray:
@@ -402,7 +400,7 @@ def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid
 
     With ``last_turn_only`` earlier assistant turns are meant to stay untrained, so only the first half is checked.
     """
-    lengths = pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    lengths = _lengths(input_ids).astype(np.int64)
     flat = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
     if flat.shape[0] != roles.role.shape[0]:  # never: both come from the same ids
         raise AssertionError(f"lossmask: {flat.shape[0]} labels but {roles.role.shape[0]} role marks; please report this")
@@ -438,7 +436,7 @@ def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit,
     import pyarrow.compute as pc
 
 
-    lengths = pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False)
+    lengths = _lengths(input_ids)
     has_assistant = None
     chat_column = options.chat_column(table.column_names)
     if kind == "messages" and chat_column in table.column_names:
