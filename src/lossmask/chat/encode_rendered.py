@@ -228,13 +228,25 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
         weights = planned_weights(plans, exact, [offsets[r] for r in exact])
         return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example, roles, weights)
     # the batch call without offsets; the rows that need them are encoded again, in one more call
-    batch = ct.encode_texts(kept_texts, max_length=max_length)
+    flat = ct.encode_flat(kept_texts)
+    batch = flat.to_arrow(max_length=max_length)
     in_content = None
     if not need and not as_text and not checked and not exact:
         return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example,
                            weights=planned_weights(plans, exact, []))
+    # The weighed rows' spans, read off their ids' bytes where those are the text's (``token_text``): no second call.
+    by_bytes = sorted(set(exact) - set(need) - set(as_text) - set(checked))
+    read: dict[int, np.ndarray] = {}
+    if by_bytes:
+        some = flat.take(by_bytes)
+        token_spans, ok = ct.spans_of([kept_texts[r] for r in by_bytes], some)
+        read = {r: token_spans[some.offsets[k]:some.offsets[k + 1]][:max_length]
+                for k, r in enumerate(by_bytes) if ok[k]}
+    again = sorted((set(need) | set(as_text) | set(checked) | set(exact)) - set(read))
+    if not again:
+        return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example,
+                           weights=planned_weights(plans, exact, [read[r] for r in exact]))
     rows = np.split(batch.values.to_numpy(), batch.offsets.to_numpy()[1:-1]) if kept_texts else []
-    again = sorted(set(need) | set(as_text) | set(checked) | set(exact))
     sub_ids, sub_offsets = ct.encode_texts_with_offsets([kept_texts[r] for r in again])
     local = {r: k for k, r in enumerate(again)}
     _as_text(ct, [kept_texts[r] for r in again], sub_ids, sub_offsets, [spans[r] for r in again],
@@ -252,7 +264,7 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
         in_content[position] = mask
     lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
     roles = _role_tokens(lengths, {r: (rows[r], sub_offsets[local[r]]) for r in checked}, kept_texts, located.roles)
-    weights = planned_weights(plans, exact, [sub_offsets[local[r]] for r in exact])
+    weights = planned_weights(plans, exact, [read[r] if r in read else sub_offsets[local[r]] for r in exact])
     return EncodedRows(_large_list(rows), in_content, keep, dropped, special_rows, special_example, roles, weights)
 
 

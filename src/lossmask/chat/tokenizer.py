@@ -65,6 +65,15 @@ class FlatIds:
     offsets: np.ndarray
     spans: np.ndarray | None = None
 
+    def take(self, rows: Sequence[int]) -> "FlatIds":
+        """The ids of ``rows`` only, flat in that order (without ``spans``)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        lengths = np.diff(self.offsets)[rows]
+        offsets = np.zeros(rows.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        where = np.repeat(self.offsets[:-1][rows] - offsets[:-1], lengths) + np.arange(int(offsets[-1]), dtype=np.int64)
+        return FlatIds(self.ids[where], offsets)
+
     def to_arrow(self, *, max_length: int | None = None) -> pa.LargeListArray:
         """A ``LargeList<int32>`` array over the same buffers; ``max_length`` keeps each row's first tokens."""
         arr = pa.LargeListArray.from_arrays(pa.array(self.offsets), pa.array(self.ids))
@@ -123,7 +132,7 @@ class ChatTokenizer:
 
     def __getstate__(self) -> dict:
         """What a worker process gets: no serialised copy of the vocabulary, no fast tokeniser (it loads its own)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("tokenizer_json", "fast_tokens", "direct_render")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("tokenizer_json", "fast_tokens", "direct_render", "token_text")}
 
     # -- facts about the vocabulary --------------------------------------------------------
 
@@ -267,6 +276,22 @@ class ChatTokenizer:
     def tokenizer_json(self) -> str:
         """The tokenizer serialised as ``tokenizer.json`` (its live state: added tokens included)."""
         return self.tokenizer.backend_tokenizer.to_str()
+
+    @cached_property
+    def token_text(self):
+        """The bytes each id stands for (``token_text.TokenText``), or None where they cannot be read off the vocabulary:
+        tokens' character spans without tokenising again with offsets."""
+        from .token_text import TokenText
+
+        return TokenText.of(self.tokenizer_json, sorted(self.added_ids))
+
+    def spans_of(self, texts: Sequence[str], flat: "FlatIds") -> tuple[np.ndarray, np.ndarray]:
+        """``(spans, exact)`` of texts already encoded (``flat``): each token's character span, read off the bytes its
+        id stands for, and a bool per text (False: its spans mean nothing; ask ``encode_texts_with_offsets``)."""
+        table = self.token_text
+        if table is None:
+            return np.zeros((flat.ids.shape[0], 2), np.int32), np.zeros(len(texts), dtype=bool)
+        return table.spans(texts, flat.ids, flat.offsets)
 
     @cached_property
     def fast_tokens(self):

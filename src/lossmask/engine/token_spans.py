@@ -1,0 +1,28 @@
+"""Each token's character span in its row's text, from the bytes each id stands for (``kernels/token_spans.py``).
+
+The engine's side of ``lossmask.chat.token_text``: that module reads which bytes a vocabulary's ids stand for; this
+one lays a batch's ids against its texts in one kernel pass, with no per-token Python.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .kernels.token_spans import token_spans as _kernel
+
+
+def token_spans(pieces: np.ndarray, piece_starts: np.ndarray, piece_lengths: np.ndarray, piece_chars: np.ndarray,
+                added: np.ndarray,
+                prepend: int, ids: np.ndarray, offsets: np.ndarray, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``(spans, exact)``: an ``(n, 2)`` int32 array of each token's ``[start, end)`` characters in its own text, and a
+    bool per text (do its tokens' bytes, back to back, equal its bytes?). See ``kernels/token_spans.py``."""
+    joined = "".join(texts)
+    text = np.frombuffer(joined.encode("utf-8"), dtype=np.uint8)
+    char_lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
+    ids = np.ascontiguousarray(ids)
+    if ids.dtype not in (np.int32, np.int64):
+        ids = ids.astype(np.int64)
+    return _kernel(pieces, piece_starts, piece_lengths, piece_chars, added, np.int64(prepend), ids,
+                   np.ascontiguousarray(offsets, dtype=np.int64), text, char_lengths)
