@@ -289,3 +289,18 @@ def test_item1_cli_property_every_messy_run_adds_up_and_keeps_the_roles(chats, m
             for message in messages_from_arrow(table.column("messages"))[row]:
                 if message["role"] != "assistant" and message["content"].strip():
                     assert message["content"] not in trained, (family, message, trained)
+
+
+def test_a_weight_on_a_message_keeps_the_shape_plain():
+    """OpenAI's ``weight`` (or any weight field holding a number or boolean) changes no rendering: such rows are not
+    singled out for the role check; a weight field holding anything else, or another key, still is."""
+    from lossmask.chat.shapes import normalise_shapes
+    from lossmask.options import MaskOptions
+
+    def shaped(assistant):
+        return normalise_shapes([[{"role": "user", "content": "hi"}, assistant]], MaskOptions()).unusual[0]
+
+    assert not shaped({"role": "assistant", "content": "ok", "weight": 0})
+    assert not shaped({"role": "assistant", "content": "ok", "loss": True, "loss_scale": 2.5})
+    assert shaped({"role": "assistant", "content": "ok", "weight": "0"})
+    assert shaped({"role": "assistant", "content": "ok", "name": "bot"})

@@ -177,3 +177,39 @@ def test_weights_the_same_by_bytes_and_by_offsets(tmp_path):
         assert by_bytes.column("labels").to_pylist() == by_offsets.column("labels").to_pylist(), family
         weights = by_bytes.column("loss_weights").to_pylist()[0]
         assert any(abs(w - 0.3) < 1e-6 for w in weights), family  # the user text does train
+
+
+def test_a_batch_mixing_rows_by_bytes_by_offsets_and_unweighed(tmp_path):
+    """Rows whose two turns weigh differently (placed by their bytes) between rows with one weight, and rows whose text
+    holds a special-token string (re-encoded with tokenizers' offsets): the same weights as with offsets only."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    import lossmask
+
+    def row(k):
+        first = {"role": "assistant", "content": f"draft {k} ü"}
+        if k % 3 != 2:
+            first["weight"] = 0
+        messages = [{"role": "user", "content": f"question {k}: 東京?"}, first,
+                    {"role": "user", "content": "again"}, {"role": "assistant", "content": f"answer {k}"}]
+        if k % 7 == 5:
+            messages[0]["content"] += " <|im_start|> <|eot_id|>"
+        return {"messages": messages}
+
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(row(k)) + "\n" for k in range(40)))
+    options = dict(loss_weights=True, prompt_weight=0.25, max_drop_fraction=1.0, progress=False)
+    for family in ("qwen2.5", "llama-3.1"):
+        ct = chat_tokenizer(family)
+        lossmask.mask_files(source, tmp_path / "bytes.parquet", tokenizer=ct, **options)
+        fresh = lossmask.load_tokenizer(ct.tokenizer)
+        fresh.__dict__["token_text"] = None
+        lossmask.mask_files(source, tmp_path / "offsets.parquet", tokenizer=fresh, **options)
+        by_bytes, by_offsets = pq.read_table(tmp_path / "bytes.parquet"), pq.read_table(tmp_path / "offsets.parquet")
+        assert by_bytes.num_rows == 40
+        assert by_bytes.column("loss_weights").to_pylist() == by_offsets.column("loss_weights").to_pylist(), family
+        assert by_bytes.column("labels").to_pylist() == by_offsets.column("labels").to_pylist(), family
+        ones = [sum(w == 1.0 for w in ws) for ws in by_bytes.column("loss_weights").to_pylist()]
+        assert ones[0] < ones[2], family  # the draft turn weighs 0 (the prompt weight) where its weight says 0

@@ -13,6 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import chat_tokenizer, detected_markers
 from lossmask.engine.tally import Tally
@@ -365,3 +367,39 @@ def test_a_fraction_where_no_column_was_promised_is_an_error():
     table = pa.table({"messages": [chat("Hi there", "Answer", loss_scale=0.5)]})
     with pytest.raises(ValueError, match="loss_weights=True"):
         mask_batch(table, markers, MaskOptions(), Tally(), tokenizer=chat_tokenizer("chatml"), write_weights=False)
+
+
+# -- the per-token kernels against their NumPy references ----------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 9), max_size=7), seed=st.integers(0, 2**32 - 1),
+       prompt=st.sampled_from([0.0, 0.05, 1.0]), with_never=st.booleans())
+def test_weight_row_kernels_equal_their_references(lengths, seed, prompt, with_never):
+    from lossmask.engine.kernels import weight_rows as k
+
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if lengths.size else lengths
+    n = int(lengths.sum())
+    ids = rng.integers(0, 50, n).astype(np.int32)
+    labels = np.where(rng.random(n) < 0.5, ids, -100).astype(np.int64)
+    uniform = rng.choice(np.array([0.0, 0.5, 1.0, 2.0], dtype=np.float32), lengths.shape[0])
+    got = k.start_weights(labels, np.int64(-100), uniform, starts, lengths)
+    want = k.reference_start(labels, np.int64(-100), uniform, starts, lengths)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    weights, role = got
+    extra = rng.random(n) < 0.2  # what exact rows and the stop policy leave: other roles, other weights
+    role[extra] = rng.integers(0, 5, int(extra.sum()))
+    weights[extra] = rng.choice(np.array([0.0, 0.3, 1.0], dtype=np.float32), int(extra.sum()))
+    never = rng.random(n) < 0.1 if with_never else np.zeros(0, dtype=bool)
+    w1, r1, o1 = weights.copy(), role.copy(), np.empty(n, np.int64)
+    w2, r2, o2 = weights.copy(), role.copy(), np.empty(n, np.int64)
+    got = k.finish_weights(w1, r1, labels, np.int64(-100), ids, starts, lengths, np.float32(prompt), never, 6, o1)
+    want = k.reference_finish(w2, r2, labels, np.int64(-100), ids, starts, lengths, np.float32(prompt), never, 6, o2)
+    np.testing.assert_array_equal(w1, w2)
+    np.testing.assert_array_equal(r1, r2)
+    np.testing.assert_array_equal(o1, o2)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), rtol=1e-6)

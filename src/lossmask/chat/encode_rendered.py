@@ -236,16 +236,21 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
                            weights=planned_weights(plans, exact, []))
     # The weighed rows' spans, read off their ids' bytes where those are the text's (``token_text``): no second call.
     by_bytes = sorted(set(exact) - set(need) - set(as_text) - set(checked))
-    read: dict[int, np.ndarray] = {}
-    if by_bytes:
+    some, token_spans, ok = None, None, np.zeros(0, dtype=bool)
+    if 2 * len(by_bytes) >= len(kept_texts):  # most rows: read them all rather than gather some
+        wanted = np.zeros(len(kept_texts), dtype=bool)
+        wanted[by_bytes] = True
+        some, by_bytes = flat, list(range(len(kept_texts)))
+        token_spans, ok = ct.spans_of(kept_texts, some)
+        ok &= wanted
+    elif by_bytes:
         some = flat.take(by_bytes)
         token_spans, ok = ct.spans_of([kept_texts[r] for r in by_bytes], some)
-        read = {r: token_spans[some.offsets[k]:some.offsets[k + 1]][:max_length]
-                for k, r in enumerate(by_bytes) if ok[k]}
-    again = sorted((set(need) | set(as_text) | set(checked) | set(exact)) - set(read))
+    read = {r for r, placed in zip(by_bytes, ok) if placed}
+    again = sorted((set(need) | set(as_text) | set(checked) | set(exact)) - read)
     if not again:
         return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example,
-                           weights=planned_weights(plans, exact, [read[r] for r in exact]))
+                           weights=_planned(plans, exact, by_bytes, some, token_spans, ok, {}, max_length))
     rows = np.split(batch.values.to_numpy(), batch.offsets.to_numpy()[1:-1]) if kept_texts else []
     sub_ids, sub_offsets = ct.encode_texts_with_offsets([kept_texts[r] for r in again])
     local = {r: k for k, r in enumerate(again)}
@@ -264,8 +269,45 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
         in_content[position] = mask
     lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
     roles = _role_tokens(lengths, {r: (rows[r], sub_offsets[local[r]]) for r in checked}, kept_texts, located.roles)
-    weights = planned_weights(plans, exact, [read[r] if r in read else sub_offsets[local[r]] for r in exact])
+    weights = _planned(plans, exact, by_bytes, some, token_spans, ok,
+                       {r: sub_offsets[local[r]] for r in exact if r not in read}, max_length)
     return EncodedRows(_large_list(rows), in_content, keep, dropped, special_rows, special_example, roles, weights)
+
+
+def _planned(plans: list | None, exact: list[int], by_bytes: list[int], flat: Any, spans: np.ndarray | None,
+             placed: np.ndarray, others: dict, max_length: int | None) -> PlannedWeights | None:
+    """``planned_weights`` where most exact rows' spans were read off their bytes (``ChatTokenizer.spans_of``: ``flat``
+    holds the ids of the ``by_bytes`` rows, ``placed`` says which of them it placed, each token already starting where
+    the one before it ends) and the rest (``others``: row -> its ``(n, 2)`` offsets) come from ``tokenizers``. Runs of
+    rows read off the bytes are taken as whole slices, not row by row."""
+    if plans is None:
+        return None
+    if not by_bytes or (max_length is not None and int(np.diff(flat.offsets).max()) > max_length):
+        read = {}
+        for k, r in enumerate(by_bytes):
+            if placed[k]:
+                read[r] = spans[flat.offsets[k]:flat.offsets[k + 1]][:max_length]
+        return planned_weights(plans, exact, [read[r] if r in read else others[r] for r in exact])
+    position = {r: k for k, r in enumerate(by_bytes)}
+    pieces, run = [], None  # run: (first, last + 1) of consecutive rows read off the bytes
+    for r in exact:
+        k = position.get(r, -1)
+        if k >= 0 and placed[k]:
+            if run is not None and run[1] != k:  # rows between that are not weighed end the run
+                pieces.append(spans[flat.offsets[run[0]]:flat.offsets[run[1]]])
+                run = None
+            run = (run[0], k + 1) if run is not None else (k, k + 1)
+            continue
+        if run is not None:
+            pieces.append(spans[flat.offsets[run[0]]:flat.offsets[run[1]]])
+            run = None
+        off = np.asarray(others[r], dtype=np.int64).reshape(-1, 2)
+        previous = np.concatenate([[0], off[:-1, 1]])
+        pieces.append(np.stack([np.minimum(off[:, 0], previous), off[:, 1]], axis=1).astype(np.int32))
+    if run is not None:
+        pieces.append(spans[flat.offsets[run[0]]:flat.offsets[run[1]]])
+    joined = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+    return PlannedWeights(plans, np.asarray(exact, dtype=np.int64), joined[:, 0], joined[:, 1])
 
 
 def planned_weights(plans: list | None, exact: list[int], offsets: list[np.ndarray]) -> PlannedWeights | None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..engine.outcomes import NO_EXCHANGE
+from ..options import WEIGHT_FIELDS
 
 ROLES_MERGED = "roles_merged"
 LEADING_ASSISTANT_DROPPED = "leading_assistant_dropped"
@@ -43,6 +44,7 @@ PART_SEPARATOR = "\n"
 PART_SPANS = "lossmask_part_spans"
 _MERGEABLE = ("user", "assistant", "system")
 _PLAIN_KEYS = frozenset(("role", "content"))
+_WEIGHT_KEYS = frozenset(WEIGHT_FIELDS)  # a message's own weight, read by chat/weights.py, never by a template
 
 
 @dataclass
@@ -112,12 +114,15 @@ def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts:
 
 
 def _plain_alternating(messages: list) -> bool:
-    """An optional system message, then user and assistant alternating, each ``{role, content}`` with text."""
+    """An optional system message, then user and assistant alternating, each ``{role, content}`` with text (and
+    perhaps a weight: a number or boolean under a weight field's name, which no template reads)."""
     start = 1 if messages and type(messages[0]) is dict and messages[0].get("role") == "system" else 0
     if (len(messages) - start) % 2 or len(messages) == start:
         return False
     for i, message in enumerate(messages):
-        if type(message) is not dict or message.keys() != _PLAIN_KEYS:
+        if type(message) is not dict:
+            return False
+        if message.keys() != _PLAIN_KEYS and not _weighed_only(message):
             return False
         content = message["content"]
         if type(content) is not str or not content.strip():
@@ -126,6 +131,13 @@ def _plain_alternating(messages: list) -> bool:
         if message["role"] != expected:
             return False
     return True
+
+
+def _weighed_only(message: dict) -> bool:
+    """``{role, content}`` and weight fields holding a number or a boolean, nothing else."""
+    extra = message.keys() - _PLAIN_KEYS
+    return len(message) == len(extra) + 2 and extra <= _WEIGHT_KEYS and \
+        all(type(message[key]) in (bool, int, float) for key in extra)
 
 
 def _role(message: Any) -> Any:

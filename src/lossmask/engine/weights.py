@@ -15,8 +15,9 @@ this order, each source over the ones before it:
    run's, ``none`` none, ``all`` also every stop token outside the runs (weight 1);
 5. ``prompt_weight`` for every token nothing above claimed, in the rows where something trains.
 
-Labels are the ids where the weight is > 0. Everything here is vectorised over the batch's tokens; the only
-Python loops run over rows and messages to gather the plans.
+Labels are the ids where the weight is > 0. The passes every weighed batch makes (the run weights, the prompt weight,
+the labels and the totals) are two numba kernels (``kernels/weight_rows.py``); the exact rows and the stop-token policy
+are vectorised NumPy over the batch's tokens, with Python loops over rows and messages only to gather the plans.
 """
 
 from __future__ import annotations
@@ -34,41 +35,60 @@ _STRIDE = np.int64(1) << np.int64(36)  # rows' characters placed apart on one ax
 
 @dataclass
 class Weighed:
-    """``weights``: float32 per token (rows back to back); ``role``: a code per token into ``names`` (0: none)."""
+    """A batch's weights and what follows from them, rows back to back.
+
+    ``weights``: float32 per token; ``role``: a code per token into ``names`` (0: none); ``labels``: the id where the
+    weight is > 0, else ``ignore_index``; ``changed``: do they differ from the marker labels; ``row_tokens`` and
+    ``row_mass``: trained tokens and weight mass per row; ``by_role``: ``{role: [trained tokens, weight mass]}``;
+    ``odd``: does a weight other than 0 or 1 occur?"""
 
     weights: np.ndarray
     role: np.ndarray
     names: tuple[str, ...]
+    labels: np.ndarray
+    changed: bool
+    row_tokens: np.ndarray
+    row_mass: np.ndarray
+    by_role: dict
+    odd: bool
 
 
-def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, trained: np.ndarray, planned: Any,
-                 end_patterns: Sequence[Sequence[int]], options: Any) -> Weighed:
-    """The weight of every token of a batch (flat ``ids``, ``lengths`` per row, ``trained`` from the marker labels).
+def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, labels: np.ndarray, ignore_index: int, planned: Any,
+                 end_patterns: Sequence[Sequence[int]], options: Any, never: np.ndarray | None = None) -> Weighed:
+    """The weight of every token of a batch (flat ``ids`` and marker ``labels``, ``lengths`` per row).
 
     ``planned``: the messages' ``encode_rendered.PlannedWeights`` (None for pre-tokenised ids: only the stop-token
-    policy and the prompt weight apply). ``end_patterns``: the markers' stop-token patterns."""
+    policy and the prompt weight apply). ``end_patterns``: the markers' stop-token patterns. ``never``: a bool per
+    token that weighs 0 whatever the options (inside an image). The passes every batch makes are two kernels
+    (``kernels/weight_rows.py``); only the exact rows and a stop-token policy other than ``turn`` add NumPy passes."""
+    from .kernels.weight_rows import finish_weights, start_weights  # numba loads when a batch is weighed, not on import
+
     lengths = np.asarray(lengths, dtype=np.int64)
     row_starts = _row_starts(lengths)
-    in_run = trained.astype(bool, copy=True)
-    weights = in_run.astype(np.float32)
-    role = in_run.astype(np.int16)  # _ASSISTANT where the markers train
-    names = list(ROLE_NAMES)
+    labels = np.ascontiguousarray(labels)
     if planned is not None and planned.plans:
         uniform = np.fromiter((1.0 if p is None else p.uniform for p in planned.plans), dtype=np.float32,
                               count=len(planned.plans))
-        if (uniform != 1.0).any():  # weights are 1 on the runs: scaling by the row's weight sets it
-            weights *= np.repeat(uniform, lengths)
-        if planned.rows.size:
-            _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names)
+    else:
+        uniform = np.ones(lengths.shape[0], dtype=np.float32)
+    ignore = labels.dtype.type(ignore_index)
+    weights, role = start_weights(labels, ignore, uniform, row_starts, lengths)
+    names = list(ROLE_NAMES)
+    in_run = None
+    if planned is not None and planned.plans and planned.rows.size:
+        in_run = labels != ignore
+        _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names)
     if options.train_on_eos != "turn" and end_patterns and ids.shape[0]:
+        in_run = labels != ignore if in_run is None else in_run
         row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
         _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, options.train_on_eos)
-    if options.prompt_weight:  # in rows where something else trains: a row with no turn is not made to train
-        busy = row_sums((weights > 0).view(np.int8), row_starts, lengths) > 0
-        free = (role == 0) & np.repeat(busy, lengths)
-        weights[free] = options.prompt_weight
-        role[free] = _PROMPT
-    return Weighed(weights, role, tuple(names))
+    out = np.empty(labels.shape[0], dtype=labels.dtype)
+    never = np.zeros(0, dtype=bool) if never is None else np.ascontiguousarray(never, dtype=bool)
+    row_tokens, row_mass, role_tokens, role_mass, changed, odd = finish_weights(
+        weights, role, labels, ignore, np.ascontiguousarray(ids), row_starts, lengths,
+        np.float32(options.prompt_weight or 0), never, len(names), out)
+    by_role = {names[c]: [int(role_tokens[c]), float(role_mass[c])] for c in range(1, len(names)) if role_tokens[c]}
+    return Weighed(weights, role, tuple(names), out, bool(changed), row_tokens, row_mass, by_role, bool(odd))
 
 
 def _row_starts(lengths: np.ndarray) -> np.ndarray:
@@ -76,16 +96,6 @@ def _row_starts(lengths: np.ndarray) -> np.ndarray:
     starts = np.zeros(lengths.shape[0], dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
     return starts
-
-
-def row_sums(values: np.ndarray, row_starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The sum of ``values`` over each row (rows back to back; empty rows sum to 0), without a per-token row index."""
-    out = np.zeros(lengths.shape[0], dtype=np.float64 if values.dtype.kind == "f" else np.int64)
-    full = lengths > 0
-    if values.shape[0] and full.any():
-        acc = np.float64 if values.dtype.kind == "f" else np.int64
-        out[full] = np.add.reduceat(values, row_starts[full], dtype=acc)
-    return out
 
 
 def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> None:
@@ -235,25 +245,6 @@ def _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, p
         weights[outside] = 1.0
         role[outside] = _STOP
         in_run |= outside
-
-
-def weight_totals(weighed: Weighed, lengths: np.ndarray) -> tuple[dict[str, list], np.ndarray, np.ndarray]:
-    """``{role: [trained tokens, weight mass]}``, and per row its trained tokens and weight mass."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    row_starts = _row_starts(lengths)
-    trained = weighed.weights > 0
-    row_tokens = row_sums(trained.view(np.int8), row_starts, lengths)
-    row_mass = row_sums(weighed.weights, row_starts, lengths)
-    codes = weighed.role
-    if codes.shape[0] and int(codes.max()) <= _ASSISTANT:  # only the assistant's turns: no per-token grouping
-        total = int(row_tokens.sum())
-        by_role = {"assistant": [total, float(row_mass.sum())]} if total else {}
-        return by_role, row_tokens, row_mass
-    codes = codes.astype(np.int64)
-    count = np.bincount(codes[trained], minlength=len(weighed.names))
-    mass = np.bincount(codes[trained], weights=weighed.weights[trained].astype(np.float64), minlength=len(weighed.names))
-    by_role = {weighed.names[c]: [int(count[c]), float(mass[c])] for c in range(1, len(weighed.names)) if count[c]}
-    return by_role, row_tokens, row_mass
 
 
 def weights_to_arrow(like: pa.Array, values: np.ndarray) -> pa.Array:

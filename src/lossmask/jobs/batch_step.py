@@ -34,7 +34,7 @@ from ..engine.outcomes import CAUSES, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCou
 from ..engine.patterns import Markers
 from ..engine.tally import Tally
 from ..options import MaskOptions
-from ..engine.weights import weigh_tokens, weight_field_types, weight_totals, weights_to_arrow
+from ..engine.weights import weigh_tokens, weight_field_types, weights_to_arrow
 
 INPUT_KINDS = ("input_ids", "messages", "prompt_completion")
 
@@ -241,11 +241,11 @@ def mask_batch(
     if write_weights or _weighing(options, encoded if kind != "input_ids" else None):
         started_weights = time.perf_counter()
         planned = getattr(encoded, "weights", None) if kind != "input_ids" else None
-        labels, weights, trained, outcomes, zeroed = _apply_weights(
+        labels, weights, trained, outcomes, zeroed, odd = _apply_weights(
             input_ids, labels, outcomes, planned, markers if prompt_lengths is None else None, options, tally, table,
             tokenizer, media_span)
         counts = OutcomeCounts.from_rows(outcomes, trained, _lengths(input_ids))
-        if not write_weights and weights is not None:
+        if not write_weights and odd:
             _check_binary(weights, options, source)
         tally.time("weights", time.perf_counter() - started_weights)
     if broken is not None and broken.any():  # these rows leave the batch before anything is counted or written
@@ -309,8 +309,9 @@ def _weighing(options: MaskOptions, encoded: Any) -> bool:
 
 def _apply_weights(input_ids, labels, outcomes, planned, markers, options, tally, table, tokenizer, media_span=None):
     """Weights for a labelled batch (``engine/weights.py``); labels where they change. Returns the labels, the weights
-    (``list<float32>``), trained tokens and outcomes per row, and the rows the weights left with nothing trained.
-    ``media_span``: a bool per token inside an image (chats through a processor), weighed 0 whatever the options."""
+    (``list<float32>``), trained tokens and outcomes per row, the rows the weights left with nothing trained, and
+    whether a weight other than 0 or 1 occurs. ``media_span``: a bool per token inside an image (chats through a
+    processor), weighed 0 whatever the options."""
     if isinstance(input_ids, pa.ChunkedArray):
         input_ids = input_ids.combine_chunks()
     if isinstance(labels, pa.ChunkedArray):
@@ -318,27 +319,23 @@ def _apply_weights(input_ids, labels, outcomes, planned, markers, options, tally
     lengths = _lengths(input_ids).astype(np.int64)
     ids = pc.list_flatten(input_ids).to_numpy(zero_copy_only=False)  # null rows hold no tokens
     flat_labels = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
-    trained = flat_labels != options.ignore_index
     if markers is not None:
         end = markers.end
     else:  # no markers, or plain-text prompt/completion: the EOS appended after the completion stops it
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         end = ((eos,),) if eos is not None else ()
-    weighed = weigh_tokens(ids, lengths, trained, planned, end, options)
-    if media_span is not None:  # a prompt weight or a role's weight never reaches an image
-        weighed.weights[media_span] = 0
-    by_role, row_tokens, row_mass = weight_totals(weighed, lengths)
-    tally.add_weights(by_role, _sources(table, options, row_tokens, row_mass))
-    now = weighed.weights > 0
-    if not np.array_equal(now, trained):
-        labels = _rebuild(input_ids, np.where(now, ids, options.ignore_index).astype(options.label_dtype), lengths)
+    weighed = weigh_tokens(ids, lengths, flat_labels, options.ignore_index, planned, end, options, never=media_span)
+    row_tokens = weighed.row_tokens
+    tally.add_weights(weighed.by_role, _sources(table, options, row_tokens, weighed.row_mass))
+    if weighed.changed:
+        labels = _rebuild(input_ids, weighed.labels, lengths)
     before = outcomes == Outcome.TRAINED
     outcomes = np.where(row_tokens > 0, Outcome.TRAINED,
                         np.where(before, Outcome.EMPTY_RESPONSE, outcomes)).astype(np.int8)
     zeroed = before & (row_tokens == 0)
     weights = weights_to_arrow(input_ids if not input_ids.null_count else _rebuild(input_ids, ids, lengths),
                                weighed.weights)
-    return labels, weights, row_tokens, outcomes, zeroed
+    return labels, weights, row_tokens, outcomes, zeroed, weighed.odd
 
 
 def _rebuild(like, values, lengths) -> pa.Array:

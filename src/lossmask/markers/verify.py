@@ -566,7 +566,7 @@ def _as_messages_path(labels: np.ndarray, truth: GroundTruth, markers: Markers) 
     if plan is None or not plan.exact:
         return labels
     planned = planned_weights([plan], [0], [truth.offsets])
-    weighed = weigh_tokens(truth.ids, np.array([len(truth.ids)]), labels != -100, planned, markers.end, MaskOptions())
+    weighed = weigh_tokens(truth.ids, np.array([len(truth.ids)]), labels, -100, planned, markers.end, MaskOptions())
     return np.where(weighed.weights > 0, truth.ids.astype(np.int64), -100)
 
 
