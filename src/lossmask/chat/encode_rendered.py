@@ -30,6 +30,7 @@ import pyarrow as pa
 
 from ..engine.outcomes import CONTENT_DROPPED, SPECIAL_TOKENS
 from ..options import SPECIAL_TOKENS_IN_CONTENT
+from .gc_pause import paused_collection
 from .locate import locate_messages
 from .weights import WeightReader, plan_row
 
@@ -155,36 +156,37 @@ def locate_rendered(
     plans: list | None = [] if weigh is not None else None
     reader = WeightReader.of(weigh) if weigh is not None else None
     special_rows, special_example = 0, None
-    for r, (text, messages) in enumerate(zip(texts, conversations)):
-        located = locate_messages(text, messages, system_optional=tokens.drops_system)
-        if located.missing is not None:
-            index, role, what = located.missing
-            keep[r] = False
-            dropped.append((names[r], CONTENT_DROPPED,
-                            f"message {index} ({role}): its {what} is not in the rendered row (the chat template "
-                            "dropped or rewrote it)"))
-            continue
-        hit = _first_special(tokens, text, located)
-        if hit is not None:
-            index, role, token = _owner(messages, located, text, hit)
-            where = f"row {names[r]}, message {index} ({role}) holds the special-token string {token!r}"
-            if special_tokens_in_content == "error":
-                raise ValueError(
-                    f"{where}; pass special_tokens_in_content='text' to encode it as ordinary text (the default), "
-                    "'keep' to keep it a control token, or 'drop' to drop such rows"
-                )
-            special_rows += 1
-            special_example = special_example or where
-            if special_tokens_in_content == "drop":
+    with paused_collection():  # per-row Python over every message: see gc_pause
+        for r, (text, messages) in enumerate(zip(texts, conversations)):
+            located = locate_messages(text, messages, system_optional=tokens.drops_system)
+            if located.missing is not None:
+                index, role, what = located.missing
                 keep[r] = False
-                dropped.append((names[r], SPECIAL_TOKENS, f"message {index} ({role}) holds {token!r}"))
+                dropped.append((names[r], CONTENT_DROPPED,
+                                f"message {index} ({role}): its {what} is not in the rendered row (the chat template "
+                                "dropped or rewrote it)"))
                 continue
-            if special_tokens_in_content == "text":
-                as_text.append(len(spans))
-        spans.append(located.spans)
-        roles.append(_role_spans(messages, located) if check is not None and check[r] else None)
-        if plans is not None:
-            plans.append(plan_row(text, messages, located, reader, names[r]))
+            hit = _first_special(tokens, text, located)
+            if hit is not None:
+                index, role, token = _owner(messages, located, text, hit)
+                where = f"row {names[r]}, message {index} ({role}) holds the special-token string {token!r}"
+                if special_tokens_in_content == "error":
+                    raise ValueError(
+                        f"{where}; pass special_tokens_in_content='text' to encode it as ordinary text (the default), "
+                        "'keep' to keep it a control token, or 'drop' to drop such rows"
+                    )
+                special_rows += 1
+                special_example = special_example or where
+                if special_tokens_in_content == "drop":
+                    keep[r] = False
+                    dropped.append((names[r], SPECIAL_TOKENS, f"message {index} ({role}) holds {token!r}"))
+                    continue
+                if special_tokens_in_content == "text":
+                    as_text.append(len(spans))
+            spans.append(located.spans)
+            roles.append(_role_spans(messages, located) if check is not None and check[r] else None)
+            if plans is not None:
+                plans.append(plan_row(text, messages, located, reader, names[r]))
     return LocatedRows([t for t, k in zip(texts, keep) if k], spans, as_text, keep, dropped, special_rows,
                        special_example, roles, plans)
 

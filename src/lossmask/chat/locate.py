@@ -40,6 +40,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from ..options import WEIGHT_FIELDS
+
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -107,6 +109,17 @@ def _leaves(value: Any) -> list[Any]:
     return [value]
 
 
+_PLAIN_KEYS = frozenset(("role", "content"))
+_WEIGHT_KEYS = frozenset(WEIGHT_FIELDS)  # a message's own weight, read by chat/weights.py, never by a template
+
+
+def weighed_only(message: dict) -> bool:
+    """``{role, content}`` and weight fields holding a number or a boolean, nothing else: rendered as a plain message."""
+    extra = message.keys() - _PLAIN_KEYS
+    return len(message) == len(extra) + 2 and extra <= _WEIGHT_KEYS and \
+        all(type(message[key]) in (bool, int, float) for key in extra)
+
+
 def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool = False) -> Located:
     """Find every message's pieces in ``text`` (in order); see the module docstring for the rule."""
     # Most rows are {role, content} messages whose content the template writes as it is: each found by
@@ -116,7 +129,8 @@ def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool
     pieces: list[tuple[int, int, int, bool]] = []
     cursor = 0
     for index, message in enumerate(messages):
-        content = message.get("content") if type(message) is dict and len(message) <= 2 else None
+        content = message.get("content") if type(message) is dict and (len(message) <= 2 or weighed_only(message)) \
+            else None
         if type(content) is not str or THINK_CLOSE in content:
             break
         if not content.strip():

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..engine.outcomes import NO_EXCHANGE
-from ..options import WEIGHT_FIELDS
+from .locate import weighed_only
 
 ROLES_MERGED = "roles_merged"
 LEADING_ASSISTANT_DROPPED = "leading_assistant_dropped"
@@ -44,7 +44,6 @@ PART_SEPARATOR = "\n"
 PART_SPANS = "lossmask_part_spans"
 _MERGEABLE = ("user", "assistant", "system")
 _PLAIN_KEYS = frozenset(("role", "content"))
-_WEIGHT_KEYS = frozenset(WEIGHT_FIELDS)  # a message's own weight, read by chat/weights.py, never by a template
 
 
 @dataclass
@@ -122,7 +121,7 @@ def _plain_alternating(messages: list) -> bool:
     for i, message in enumerate(messages):
         if type(message) is not dict:
             return False
-        if message.keys() != _PLAIN_KEYS and not _weighed_only(message):
+        if message.keys() != _PLAIN_KEYS and not weighed_only(message):
             return False
         content = message["content"]
         if type(content) is not str or not content.strip():
@@ -131,13 +130,6 @@ def _plain_alternating(messages: list) -> bool:
         if message["role"] != expected:
             return False
     return True
-
-
-def _weighed_only(message: dict) -> bool:
-    """``{role, content}`` and weight fields holding a number or a boolean, nothing else."""
-    extra = message.keys() - _PLAIN_KEYS
-    return len(message) == len(extra) + 2 and extra <= _WEIGHT_KEYS and \
-        all(type(message[key]) in (bool, int, float) for key in extra)
 
 
 def _role(message: Any) -> Any:

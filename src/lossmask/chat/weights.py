@@ -18,6 +18,7 @@ tokens are placed by their character offsets, and ``engine/weights.py`` applies 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -104,12 +105,15 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
     if len(turns) <= 1 and not others and not has_reasoning and not reader.mask_empty_think and carries is not True:
         return RowPlan(uniform=uniform)  # one weight for every turn: no characters to look at
     plan = RowPlan(uniform=uniform, weights=weights, roles=roles)
+    plan.pieces = sorted([(start, end, index) for start, end, index, _ in located.pieces])
+    if not others and not has_reasoning and not reader.mask_empty_think and carries is not True:
+        plan.exact = len(turns) > 1  # turns that weigh differently: nothing more to read per message
+        return plan
     by_message: dict[int, list[tuple[int, int, str]]] = {}
     for (start, end, index, _), kind in zip(located.pieces, located.kinds):
         by_message.setdefault(index, []).append((start, end, kind))
-        plan.pieces.append((start, end, index))
-    plan.pieces.sort()
     reasoning_weight = reader.reasoning_weight
+    leading = has_reasoning or reader.mask_empty_think  # can an assistant turn have a lead (reasoning, empty think)?
     previous_end = 0
     for index, message in enumerate(messages):
         own = by_message.get(index, [])
@@ -119,7 +123,7 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
         if carries is True and isinstance(message, dict):
             plan.segments += _detail_segments(text, message, own, detail_key, weight, role == "assistant", index, row)
             plan.segments += _part_segments(text, message, own, fields, weight, role == "assistant", index, row)
-        if role == "assistant":
+        if role == "assistant" and leading:
             thinking = [p for p in own if p[2] in REASONING_KINDS]
             answers = [s for s, _, kind in own if kind not in REASONING_KINDS and (not thinking or s >= thinking[0][1])]
             answer_start = min(answers) if answers else len(text)
@@ -127,7 +131,7 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
                 plan.leads.append((index, answer_start, reasoning_weight))
             elif not thinking and reader.mask_empty_think and own and _empty_think(text, previous_end, min(answers or [0])):
                 plan.leads.append((index, answer_start, 0.0))
-        if own:
+        if own and leading:
             previous_end = max(e for _, e, _ in own)
     plan.exact = bool(len(turns) > 1 or plan.segments or plan.leads or has_reasoning)
     return plan
@@ -151,15 +155,17 @@ def _carries(messages: Sequence[Any], keys: frozenset, detail_key: str | None) -
 
 def _field(message: Any, fields: tuple[str, ...], row: int, index: int, where: str = "") -> float | None:
     """The first of ``fields`` the message (or part) has, as a weight; None when it has none."""
-    if not isinstance(message, Mapping):
+    if type(message) is not dict and not isinstance(message, Mapping):
         return None
-    for key in fields if len(message) > 2 or where else ():
+    if len(message) <= 2 and not where:  # {role, content}: no field (most messages; parts always look)
+        return None
+    for key in fields:
         value = message.get(key)
         if value is None:
             continue
-        if isinstance(value, bool):
+        if type(value) is bool:
             return float(value)
-        if isinstance(value, (int, float)) and value >= 0 and np.isfinite(value):
+        if isinstance(value, (int, float)) and value >= 0 and math.isfinite(value):
             return float(value)
         raise ValueError(f"row {row}, message {index}{where}: {key}={value!r} is not a weight; a message's {key!r} "
                          "must be true/false or a number >= 0 (pass weight_field=None to ignore such fields, or "

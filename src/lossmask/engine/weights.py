@@ -108,19 +108,16 @@ def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> 
     pos = row_starts[rows][k_of] + (np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens))
     base = k_of.astype(np.int64) * _STRIDE
     cs, ce = planned.starts + base, planned.ends + base
-    # the plans' messages and pieces on one axis (Python over messages)
-    msg_weight, msg_role, pieces, segments, leads = [], [], [], [], []
-    for k, plan in enumerate(plans):
-        first = len(msg_weight)
-        offset = int(k) * int(_STRIDE)
-        msg_weight += plan.weights
-        msg_role += plan.roles
-        pieces += [(s + offset, e + offset, m + first) for s, e, m in plan.pieces]
-        segments += [(s + offset, e + offset, w, m + first, a) for s, e, w, m, a in plan.segments]
-        leads += [(m + first, a + offset, w) for m, a, w in plan.leads]
-    msg_weight = np.asarray(msg_weight, dtype=np.float32)
-    is_assistant = np.asarray([r == "assistant" for r in msg_role], dtype=bool)
-    piece_arr = np.asarray(pieces, dtype=np.int64).reshape(-1, 3)
+    # the plans' messages, pieces, segments and leads on one axis: each row's characters placed _STRIDE apart and its
+    # messages numbered after the rows' before it (flattened in Python, placed with NumPy)
+    n_messages = np.fromiter((len(p.weights) for p in plans), dtype=np.int64, count=len(plans))
+    first = np.cumsum(n_messages) - n_messages
+    msg_weight = np.fromiter((w for p in plans for w in p.weights), dtype=np.float32, count=int(n_messages.sum()))
+    msg_role = [name for p in plans for name in p.roles]
+    is_assistant = np.fromiter((name == "assistant" for name in msg_role), dtype=bool, count=len(msg_role))
+    piece_arr = _on_one_axis(plans, "pieces", 3, first, chars=(0, 1), message=2)
+    segment_arr = _on_one_axis(plans, "segments", 5, first, chars=(0, 1), message=3)
+    lead_arr = _on_one_axis(plans, "leads", 3, first, chars=(1,), message=0)
     tr = in_run[pos]
     # step 2: tie runs to messages, join the runs of one message, tie again
     starts_at, ends_at, message = _runs(tr, k_of, cs, ce, piece_arr, is_assistant)
@@ -145,8 +142,8 @@ def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> 
     w = w.astype(np.float32)
     r = np.where(tr, _ASSISTANT, role[pos])
     # step 3: the reasoning policy's leads
-    if leads:
-        lead = np.asarray(leads, dtype=np.float64)
+    if lead_arr.shape[0]:
+        lead = lead_arr
         lead_at = np.full(msg_weight.shape[0], np.inf)
         lead_w = np.zeros(msg_weight.shape[0], dtype=np.float32)
         lead_at[lead[:, 0].astype(np.int64)] = lead[:, 1]
@@ -156,12 +153,12 @@ def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> 
         whole = before & (ce <= lead_at[m])
         w = np.where(whole, lead_w[m], np.where(before, np.minimum(w, lead_w[m]), w)).astype(np.float32)
     # step 3: character segments
-    if segments:
-        seg_s = np.asarray([s[0] for s in segments], dtype=np.int64)
-        seg_e = np.asarray([s[1] for s in segments], dtype=np.int64)
-        seg_w = np.asarray([s[2] for s in segments], dtype=np.float32)
-        seg_m = np.asarray([s[3] for s in segments], dtype=np.int64)
-        seg_a = np.asarray([s[4] for s in segments], dtype=bool)
+    if segment_arr.shape[0]:
+        seg_s = segment_arr[:, 0].astype(np.int64)
+        seg_e = segment_arr[:, 1].astype(np.int64)
+        seg_w = segment_arr[:, 2].astype(np.float32)
+        seg_m = segment_arr[:, 3].astype(np.int64)
+        seg_a = segment_arr[:, 4].astype(bool)
         first = np.searchsorted(ce, seg_s, "right")
         last = np.searchsorted(cs, seg_e, "left")
         counts = np.maximum(last - first, 0)
@@ -184,6 +181,22 @@ def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> 
     in_run[pos] = tr
     weights[pos] = w
     role[pos] = r
+
+
+def _on_one_axis(plans, name: str, width: int, first: np.ndarray, *, chars: tuple, message: int) -> np.ndarray:
+    """The ``name`` tuples of every plan as one ``(n, width)`` array: the columns in ``chars`` moved to their row's
+    place on the one axis (``k * _STRIDE``), the ``message`` column numbered after the rows' before it. Float64 when a
+    column holds a weight (exact for the characters: they stay below 2**53)."""
+    counts = np.fromiter((len(getattr(p, name)) for p in plans), dtype=np.int64, count=len(plans))
+    items = [item for p in plans for item in getattr(p, name)]
+    floats = name != "pieces"
+    out = np.asarray(items, dtype=np.float64 if floats else np.int64).reshape(-1, width)
+    if out.shape[0]:
+        k = np.repeat(np.arange(len(plans), dtype=np.int64), counts)
+        for column in chars:
+            out[:, column] += k * _STRIDE
+        out[:, message] += np.repeat(first, counts)
+    return out
 
 
 def _runs(tr, k_of, cs, ce, pieces, is_assistant):
