@@ -403,3 +403,33 @@ def test_weight_row_kernels_equal_their_references(lengths, seed, prompt, with_n
     np.testing.assert_array_equal(o1, o2)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), rtol=1e-6)
+
+
+def test_collection_paused_while_locating_and_restored():
+    """gc_pause: nested and concurrent pauses give collection back once, and only if it was on before."""
+    import gc
+    import threading
+
+    from lossmask.chat.gc_pause import paused_collection
+
+    assert gc.isenabled()
+    with paused_collection():
+        assert not gc.isenabled()
+        seen = []
+
+        def other_thread():
+            with paused_collection():
+                seen.append(gc.isenabled())
+
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        assert seen == [False] and not gc.isenabled()  # the other thread's pause ended; this one's has not
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_collection():
+            pass
+        assert not gc.isenabled()  # it was off: it stays off
+    finally:
+        gc.enable()
