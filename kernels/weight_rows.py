@@ -101,3 +101,132 @@ def reference_finish(weights, role, labels, ignore_index, ids, row_starts, lengt
             np.bincount(role.astype(np.int64), weights=mass, minlength=n_roles),
             bool((trained != (labels != ignore_index)).any()),
             bool(((weights != 0) & (weights != 1)).any()))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _first_end_after(piece_e, lo, hi, x):
+    """The first piece in ``[lo, hi)`` whose end is > ``x`` (ends are sorted: pieces are disjoint), or ``hi``."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if piece_e[mid] <= x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _starts_before(piece_s, lo, hi, x):
+    """How many pieces in ``[lo, hi)`` start before ``x``."""
+    first = lo
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if piece_s[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - first
+
+
+@njit(cache=True, nogil=True)
+def weigh_exact(row_pos, lens, cs, ce, msg_off, msg_weight, msg_assistant, msg_code, lead_at, lead_w,
+                piece_off, piece_s, piece_e, piece_m, seg_off, seg_s, seg_e, seg_w, seg_m, seg_a,
+                in_run, weights, role):
+    """Steps 2 and 3 of ``engine/weights.py`` on the exact rows, in place (its ``_weigh_exact_numpy`` is the reference).
+
+    Row ``k`` (an exact row) is ``in_run/weights/role[row_pos[k]:row_pos[k] + lens[k]]``; its tokens' characters are
+    ``cs/ce`` from ``sum(lens[:k])``; its messages ``msg_*[msg_off[k]:msg_off[k + 1]]`` (``lead_at``: where the
+    message's answer starts, for its reasoning lead; -inf for none), its located pieces and its segments likewise, each
+    naming its message by its index in the row.
+    """
+    longest = 0
+    for k in range(lens.shape[0]):
+        longest = max(longest, lens[k])
+    tr = np.zeros(longest, np.bool_)
+    tok_msg = np.empty(longest, np.int64)
+    run_s = np.empty(longest, np.int64)
+    run_e = np.empty(longest, np.int64)
+    run_m = np.empty(longest, np.int64)
+    c0 = 0
+    for k in range(lens.shape[0]):
+        p0, n, m0 = row_pos[k], lens[k], msg_off[k]
+        q0, q1 = piece_off[k], piece_off[k + 1]
+        # runs of trained tokens, each tied to the first piece ending after it starts (if that piece starts before
+        # the run ends and is an assistant's)
+        n_runs = 0
+        for t in range(n):
+            tr[t] = in_run[p0 + t]
+            if tr[t] and (t == 0 or not tr[t - 1]):
+                run_s[n_runs] = t
+                n_runs += 1
+            if tr[t]:
+                run_e[n_runs - 1] = t
+        for i in range(n_runs):
+            q = _first_end_after(piece_e, q0, q1, cs[c0 + run_s[i]])
+            m = -1
+            if q < q1 and piece_s[q] < ce[c0 + run_e[i]] and msg_assistant[m0 + piece_m[q]]:
+                m = piece_m[q]
+            run_m[i] = m
+        # runs of one message with no message text between them are one turn: the tokens between train
+        for t in range(n):
+            tok_msg[t] = -1
+        i = 0
+        while i < n_runs:
+            m = run_m[i]
+            j = i
+            while j + 1 < n_runs and m >= 0 and run_m[j + 1] == m and \
+                    _starts_before(piece_s, q0, q1, ce[c0 + run_e[j]]) == \
+                    _starts_before(piece_s, q0, q1, cs[c0 + run_s[j + 1]]):
+                j += 1
+            for t in range(run_s[i], run_e[j] + 1):
+                tr[t] = True
+                tok_msg[t] = m
+            i = j + 1
+        # each trained token takes its message's weight (or keeps the row's), the rest weigh 0
+        for t in range(n):
+            if tr[t]:
+                m = tok_msg[t]
+                w = msg_weight[m0 + m] if m >= 0 else weights[p0 + t]
+                role[p0 + t] = 1
+                if m >= 0 and cs[c0 + t] < lead_at[m0 + m]:  # before the answer: the reasoning lead's weight
+                    lw = lead_w[m0 + m]
+                    w = lw if ce[c0 + t] <= lead_at[m0 + m] else min(w, lw)
+                weights[p0 + t] = w
+            else:
+                weights[p0 + t] = 0
+            in_run[p0 + t] = tr[t]
+        # segments: a token wholly inside takes the segment's weight (other roles' text: their role too); then an
+        # assistant token that straddles an edge keeps the lower weight
+        for second in range(2):
+            for g in range(seg_off[k], seg_off[k + 1]):
+                lo, hi = 0, n  # the first token ending after the segment starts
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    if ce[c0 + mid] <= seg_s[g]:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                first = lo
+                lo, hi = first, n  # the first token starting at or after its end
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    if cs[c0 + mid] < seg_e[g]:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                for t in range(first, lo):
+                    if seg_a[g]:
+                        eligible = tr[t] and tok_msg[t] == seg_m[g]
+                    else:
+                        eligible = not tr[t]
+                    if not eligible:
+                        continue
+                    s, e = cs[c0 + t], ce[c0 + t]
+                    whole = s >= seg_s[g] and e <= seg_e[g] and e > s
+                    if second == 0 and whole:
+                        weights[p0 + t] = seg_w[g]
+                        if not seg_a[g]:
+                            role[p0 + t] = msg_code[m0 + seg_m[g]]
+                    elif second == 1 and not whole and seg_a[g]:
+                        weights[p0 + t] = min(weights[p0 + t], seg_w[g])
+        c0 += n

@@ -34,6 +34,25 @@ USER_TEXT = {"mistral-v3": "there"}
 STOP_EARLIER = {**STOP, "gpt-oss": "<|end|>"}
 
 
+@pytest.fixture(autouse=True)
+def exact_rows_checked_against_numpy(monkeypatch):
+    """Every test here also holds the exact rows' kernel (``kernels/weight_rows.weigh_exact``) equal to its NumPy
+    reference (``engine/weights._weigh_exact_numpy``) on the batch it weighs."""
+    from lossmask.engine import weights as engine_weights
+
+    kernel = engine_weights._weigh_exact
+
+    def both(planned, lengths, row_starts, in_run, weights, role, names):
+        want = [in_run.copy(), weights.copy(), role.copy(), list(names)]
+        engine_weights._weigh_exact_numpy(planned, lengths, row_starts, *want)
+        kernel(planned, lengths, row_starts, in_run, weights, role, names)
+        np.testing.assert_array_equal(in_run, want[0])
+        np.testing.assert_array_equal(weights, want[1])
+        assert [names[c] for c in role] == [want[3][c] for c in want[2]]
+
+    monkeypatch.setattr(engine_weights, "_weigh_exact", both)
+
+
 def label(family, rows, **fields):
     """Mask ``rows`` (lists of messages) with ``family``; return the output table and its tally."""
     tally = Tally()
@@ -433,3 +452,17 @@ def test_collection_paused_while_locating_and_restored():
         assert not gc.isenabled()  # it was off: it stays off
     finally:
         gc.enable()
+
+
+def test_reasoning_policy_leaves_a_turn_without_reasoning_alone():
+    """reasoning='mask' masks the reasoning of the turns that have it; another turn of the row (here one whose
+    reasoning the template dropped) and another exact row of the batch train as they would without the policy."""
+    first = [{"role": "user", "content": "Is 7 prime?"},
+             {"role": "assistant", "content": "Yes.", "reasoning_content": "It has no divisors."},
+             {"role": "user", "content": "And 9?"},
+             {"role": "assistant", "content": "No, 3 x 3.", "reasoning_content": "Three times three."}]
+    second = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Draft", "weight": 0},
+              {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Final"}]
+    out, _ = label("qwen3", [first, second], reasoning="mask")
+    assert weighted_text("qwen3", out, 0) == [("Yes.<|im_end|>", 1.0), ("No, 3 x 3.<|im_end|>", 1.0)]
+    assert weighted_text("qwen3", out, 1) == [(BEFORE["qwen3"] + "Final<|im_end|>", 1.0)]

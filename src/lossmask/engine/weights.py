@@ -99,7 +99,54 @@ def _row_starts(lengths: np.ndarray) -> np.ndarray:
 
 
 def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> None:
-    """Steps 2 and 3 on the exact rows, in place."""
+    """Steps 2 and 3 on the exact rows, in place: the plans gathered into flat arrays (Python over rows, NumPy over
+    their messages, pieces and segments), then one kernel pass over the rows' tokens (``kernels/weight_rows.py``)."""
+    from .kernels.weight_rows import weigh_exact
+
+    rows = planned.rows
+    plans = [planned.plans[r] for r in rows]
+    n_messages = np.fromiter((len(p.weights) for p in plans), dtype=np.int64, count=len(plans))
+    msg_off = np.zeros(len(plans) + 1, dtype=np.int64)
+    np.cumsum(n_messages, out=msg_off[1:])
+    msg_weight = np.fromiter((w for p in plans for w in p.weights), dtype=np.float32, count=int(msg_off[-1]))
+    msg_role = [name for p in plans for name in p.roles]
+    msg_assistant = np.fromiter((name == "assistant" for name in msg_role), dtype=bool, count=len(msg_role))
+    pieces, piece_off = _flat(plans, "pieces", 3)
+    segments, seg_off = _flat(plans, "segments", 5)
+    leads, lead_off = _flat(plans, "leads", 3)
+    lead_at = np.full(msg_weight.shape[0], -np.inf)  # no lead: nothing lies before it
+    lead_w = np.zeros(msg_weight.shape[0], dtype=np.float32)
+    if leads.shape[0]:
+        at = msg_off[:-1][np.repeat(np.arange(len(plans)), np.diff(lead_off))] + leads[:, 0].astype(np.int64)
+        lead_at[at], lead_w[at] = leads[:, 1], leads[:, 2]
+    msg_code = np.zeros(msg_weight.shape[0], dtype=np.int16)  # the role code a segment of another role gives
+    seg_m = segments[:, 3].astype(np.int64)
+    seg_a = segments[:, 4].astype(bool)
+    if (~seg_a).any():
+        at = msg_off[:-1][np.repeat(np.arange(len(plans)), np.diff(seg_off))] + seg_m
+        for g in np.flatnonzero(~seg_a):
+            name = msg_role[int(at[g])]
+            if name not in names:
+                names.append(name)
+            msg_code[at[g]] = names.index(name)
+    weigh_exact(row_starts[rows], lengths[rows], planned.starts, planned.ends, msg_off, msg_weight, msg_assistant,
+                msg_code, lead_at, lead_w, piece_off, pieces[:, 0].astype(np.int64), pieces[:, 1].astype(np.int64),
+                pieces[:, 2].astype(np.int64), seg_off, segments[:, 0].astype(np.int64),
+                segments[:, 1].astype(np.int64), segments[:, 2].astype(np.float32), seg_m, seg_a, in_run, weights,
+                role)
+
+
+def _flat(plans, name: str, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``name`` tuples of every plan as one ``(n, width)`` float64 array, and where each plan's begin."""
+    counts = np.fromiter((len(getattr(p, name)) for p in plans), dtype=np.int64, count=len(plans))
+    offsets = np.zeros(len(plans) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    items = [item for p in plans for item in getattr(p, name)]
+    return np.asarray(items, dtype=np.float64).reshape(-1, width), offsets
+
+
+def _weigh_exact_numpy(planned, lengths, row_starts, in_run, weights, role, names) -> None:
+    """``_weigh_exact`` in NumPy over the exact rows' tokens, the reference its kernel is tested against."""
     rows = planned.rows
     plans = [planned.plans[r] for r in rows]
     lens = lengths[rows]
@@ -144,7 +191,7 @@ def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> 
     # step 3: the reasoning policy's leads
     if lead_arr.shape[0]:
         lead = lead_arr
-        lead_at = np.full(msg_weight.shape[0], np.inf)
+        lead_at = np.full(msg_weight.shape[0], -np.inf)
         lead_w = np.zeros(msg_weight.shape[0], dtype=np.float32)
         lead_at[lead[:, 0].astype(np.int64)] = lead[:, 1]
         lead_w[lead[:, 0].astype(np.int64)] = lead[:, 2]
