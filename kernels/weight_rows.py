@@ -196,13 +196,23 @@ def weigh_exact(row_pos, lens, cs, ce, msg_off, msg_weight, msg_assistant, msg_c
                 weights[p0 + t] = 0
             in_run[p0 + t] = tr[t]
         # segments: a token wholly inside takes the segment's weight (other roles' text: their role too); then an
-        # assistant token that straddles an edge keeps the lower weight
+        # assistant token that straddles an edge keeps the lower weight. First come the pieces of other roles'
+        # messages that weigh > 0 (roles_to_train), then the plan's own segments.
         for second in range(2):
-            for g in range(seg_off[k], seg_off[k + 1]):
+            for g in range(q0 - q1 if second == 0 else 0, seg_off[k + 1] - seg_off[k]):
+                if g < 0:  # a piece, as a segment of its message's weight
+                    q = q1 + g
+                    m = piece_m[q]
+                    if msg_assistant[m0 + m] or msg_weight[m0 + m] <= 0:
+                        continue
+                    g_s, g_e, g_w, g_m, g_a = piece_s[q], piece_e[q], msg_weight[m0 + m], m, False
+                else:
+                    h = seg_off[k] + g
+                    g_s, g_e, g_w, g_m, g_a = seg_s[h], seg_e[h], seg_w[h], seg_m[h], seg_a[h]
                 lo, hi = 0, n  # the first token ending after the segment starts
                 while lo < hi:
                     mid = (lo + hi) >> 1
-                    if ce[c0 + mid] <= seg_s[g]:
+                    if ce[c0 + mid] <= g_s:
                         lo = mid + 1
                     else:
                         hi = mid
@@ -210,23 +220,23 @@ def weigh_exact(row_pos, lens, cs, ce, msg_off, msg_weight, msg_assistant, msg_c
                 lo, hi = first, n  # the first token starting at or after its end
                 while lo < hi:
                     mid = (lo + hi) >> 1
-                    if cs[c0 + mid] < seg_e[g]:
+                    if cs[c0 + mid] < g_e:
                         lo = mid + 1
                     else:
                         hi = mid
                 for t in range(first, lo):
-                    if seg_a[g]:
-                        eligible = tr[t] and tok_msg[t] == seg_m[g]
+                    if g_a:
+                        eligible = tr[t] and tok_msg[t] == g_m
                     else:
                         eligible = not tr[t]
                     if not eligible:
                         continue
                     s, e = cs[c0 + t], ce[c0 + t]
-                    whole = s >= seg_s[g] and e <= seg_e[g] and e > s
+                    whole = s >= g_s and e <= g_e and e > s
                     if second == 0 and whole:
-                        weights[p0 + t] = seg_w[g]
-                        if not seg_a[g]:
-                            role[p0 + t] = msg_code[m0 + seg_m[g]]
-                    elif second == 1 and not whole and seg_a[g]:
-                        weights[p0 + t] = min(weights[p0 + t], seg_w[g])
+                        weights[p0 + t] = g_w
+                        if not g_a:
+                            role[p0 + t] = msg_code[m0 + g_m]
+                    elif second == 1 and not whole and g_a:
+                        weights[p0 + t] = min(weights[p0 + t], g_w)
         c0 += n

@@ -35,8 +35,9 @@ class RowPlan:
     """The weights one row asks for.
 
     ``uniform``: the weight of every assistant turn (used when not ``exact``). ``exact`` rows also carry:
-    ``weights`` and ``roles`` per message; ``pieces``: ``(start, end, message)`` of the located text, sorted;
-    ``segments``: ``(start, end, weight, message, assistant)``: characters whose tokens take ``weight`` (a token
+    ``weights`` and ``roles`` per message; ``pieces``: ``(start, end, message)`` of the located text, sorted (the
+    pieces of a message of another role that weighs > 0 are characters whose tokens take its weight, before any
+    segment); ``segments``: ``(start, end, weight, message, assistant)``: characters whose tokens take ``weight`` (a token
     that straddles a segment's edge takes the lower of the two weights); ``leads``: ``(message, answer_start,
     weight)``: the trained tokens of that message's turn before ``answer_start`` (reasoning) take ``weight``."""
 
@@ -106,8 +107,10 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
         return RowPlan(uniform=uniform)  # one weight for every turn: no characters to look at
     plan = RowPlan(uniform=uniform, weights=weights, roles=roles)
     plan.pieces = sorted([(start, end, index) for start, end, index, _ in located.pieces])
-    if not others and not has_reasoning and not reader.mask_empty_think and carries is not True:
-        plan.exact = len(turns) > 1  # turns that weigh differently: nothing more to read per message
+    if not has_reasoning and not reader.mask_empty_think and carries is not True:
+        # turns that weigh differently, or other roles' text that trains (its pieces weigh as its message does:
+        # engine/weights reads them off the pieces): nothing more to read per message
+        plan.exact = True
         return plan
     by_message: dict[int, list[tuple[int, int, str]]] = {}
     for (start, end, index, _), kind in zip(located.pieces, located.kinds):
@@ -118,8 +121,6 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
     for index, message in enumerate(messages):
         own = by_message.get(index, [])
         role, weight = roles[index], weights[index]
-        if role != "assistant" and weight > 0:
-            plan.segments += [(s, e, weight, index, False) for s, e, _ in own]
         if carries is True and isinstance(message, dict):
             plan.segments += _detail_segments(text, message, own, detail_key, weight, role == "assistant", index, row)
             plan.segments += _part_segments(text, message, own, fields, weight, role == "assistant", index, row)
@@ -133,7 +134,7 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
                 plan.leads.append((index, answer_start, 0.0))
         if own and leading:
             previous_end = max(e for _, e, _ in own)
-    plan.exact = bool(len(turns) > 1 or plan.segments or plan.leads or has_reasoning)
+    plan.exact = bool(len(turns) > 1 or others or plan.segments or plan.leads or has_reasoning)
     return plan
 
 

@@ -119,16 +119,15 @@ def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> 
     if leads.shape[0]:
         at = msg_off[:-1][np.repeat(np.arange(len(plans)), np.diff(lead_off))] + leads[:, 0].astype(np.int64)
         lead_at[at], lead_w[at] = leads[:, 1], leads[:, 2]
-    msg_code = np.zeros(msg_weight.shape[0], dtype=np.int16)  # the role code a segment of another role gives
     seg_m = segments[:, 3].astype(np.int64)
     seg_a = segments[:, 4].astype(bool)
-    if (~seg_a).any():
-        at = msg_off[:-1][np.repeat(np.arange(len(plans)), np.diff(seg_off))] + seg_m
-        for g in np.flatnonzero(~seg_a):
-            name = msg_role[int(at[g])]
+    msg_code = np.zeros(msg_weight.shape[0], dtype=np.int16)  # the role code other roles' text takes where it trains
+    if (~seg_a).any() or (~msg_assistant & (msg_weight > 0)).any():
+        for name in dict.fromkeys(name for name in msg_role if name != "assistant"):
             if name not in names:
                 names.append(name)
-            msg_code[at[g]] = names.index(name)
+        msg_code = np.fromiter((names.index(name) if name != "assistant" else 0 for name in msg_role),
+                               dtype=np.int16, count=len(msg_role))
     weigh_exact(row_starts[rows], lengths[rows], planned.starts, planned.ends, msg_off, msg_weight, msg_assistant,
                 msg_code, lead_at, lead_w, piece_off, pieces[:, 0].astype(np.int64), pieces[:, 1].astype(np.int64),
                 pieces[:, 2].astype(np.int64), seg_off, segments[:, 0].astype(np.int64),
@@ -199,7 +198,12 @@ def _weigh_exact_numpy(planned, lengths, row_starts, in_run, weights, role, name
         before = tr & (tok_msg >= 0) & (cs < lead_at[m])
         whole = before & (ce <= lead_at[m])
         w = np.where(whole, lead_w[m], np.where(before, np.minimum(w, lead_w[m]), w)).astype(np.float32)
-    # step 3: character segments
+    # step 3: character segments, after the pieces of other roles' messages that weigh > 0 (roles_to_train)
+    if piece_arr.shape[0]:
+        role_pieces = piece_arr[~is_assistant[piece_arr[:, 2]] & (msg_weight[piece_arr[:, 2]] > 0)]
+        as_segments = np.column_stack([role_pieces[:, 0], role_pieces[:, 1], msg_weight[role_pieces[:, 2]],
+                                       role_pieces[:, 2], np.zeros(role_pieces.shape[0])]).astype(np.float64)
+        segment_arr = np.concatenate([as_segments, segment_arr])
     if segment_arr.shape[0]:
         seg_s = segment_arr[:, 0].astype(np.int64)
         seg_e = segment_arr[:, 1].astype(np.int64)
