@@ -10,7 +10,11 @@ Not a labelling backend (no ``label_rows``): ``engine/weights.py`` calls these t
   the labels (the id where the weight is > 0) and the totals: trained tokens and weight mass per row and per role
   code, whether any token's training changed from the marker labels', and whether a weight other than 0 or 1 occurs.
 
-``reference_start`` and ``reference_finish`` say the same in NumPy; ``tests/test_weights.py`` holds them equal.
+- ``weigh_exact``: between the two, the rows whose weights speak about characters (turns that differ, other roles'
+  text, spans, parts, reasoning): runs tied to their messages, leads and segments, one row at a time.
+
+``reference_start`` and ``reference_finish`` say the same in NumPy, as ``engine/weights._weigh_exact_numpy`` does for
+``weigh_exact``; ``tests/test_weights.py`` holds each pair equal.
 """
 
 from __future__ import annotations
@@ -104,11 +108,11 @@ def reference_finish(weights, role, labels, ignore_index, ids, row_starts, lengt
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _first_end_after(piece_e, lo, hi, x):
-    """The first piece in ``[lo, hi)`` whose end is > ``x`` (ends are sorted: pieces are disjoint), or ``hi``."""
+def _first_end_after(ends, lo, hi, x):
+    """The first index in ``[lo, hi)`` whose end is > ``x`` (``ends`` sorted there), or ``hi``."""
     while lo < hi:
         mid = (lo + hi) >> 1
-        if piece_e[mid] <= x:
+        if ends[mid] <= x:
             lo = mid + 1
         else:
             hi = mid
@@ -116,12 +120,12 @@ def _first_end_after(piece_e, lo, hi, x):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _starts_before(piece_s, lo, hi, x):
-    """How many pieces in ``[lo, hi)`` start before ``x``."""
+def _starts_before(starts, lo, hi, x):
+    """How many indices in ``[lo, hi)`` start before ``x`` (``starts`` sorted there)."""
     first = lo
     while lo < hi:
         mid = (lo + hi) >> 1
-        if piece_s[mid] < x:
+        if starts[mid] < x:
             lo = mid + 1
         else:
             hi = mid
@@ -209,22 +213,10 @@ def weigh_exact(row_pos, lens, cs, ce, msg_off, msg_weight, msg_assistant, msg_c
                 else:
                     h = seg_off[k] + g
                     g_s, g_e, g_w, g_m, g_a = seg_s[h], seg_e[h], seg_w[h], seg_m[h], seg_a[h]
-                lo, hi = 0, n  # the first token ending after the segment starts
-                while lo < hi:
-                    mid = (lo + hi) >> 1
-                    if ce[c0 + mid] <= g_s:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                first = lo
-                lo, hi = first, n  # the first token starting at or after its end
-                while lo < hi:
-                    mid = (lo + hi) >> 1
-                    if cs[c0 + mid] < g_e:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                for t in range(first, lo):
+                # its tokens: from the first that ends after it starts, to the first that starts at or after its end
+                first = _first_end_after(ce, c0, c0 + n, g_s) - c0
+                last = first + _starts_before(cs, c0 + first, c0 + n, g_e)
+                for t in range(first, last):
                     if g_a:
                         eligible = tr[t] and tok_msg[t] == g_m
                     else:
