@@ -37,13 +37,14 @@ _STRIDE = np.int64(1) << np.int64(36)  # rows' characters placed apart on one ax
 class Weighed:
     """A batch's weights and what follows from them, rows back to back.
 
-    ``weights``: float32 per token; ``role``: a code per token into ``names`` (0: none); ``labels``: the id where the
+    ``weights``: float32 per token; ``role``: a code per token into ``names`` (0: none; None where only the assistant
+    and the prompt weigh); ``labels``: the id where the
     weight is > 0, else ``ignore_index``; ``changed``: do they differ from the marker labels; ``row_tokens`` and
     ``row_mass``: trained tokens and weight mass per row; ``by_role``: ``{role: [trained tokens, weight mass]}``;
     ``odd``: does a weight other than 0 or 1 occur?"""
 
     weights: np.ndarray
-    role: np.ndarray
+    role: np.ndarray | None
     names: tuple[str, ...]
     labels: np.ndarray
     changed: bool
@@ -61,7 +62,7 @@ def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, labels: np.ndarray, ignor
     policy and the prompt weight apply). ``end_patterns``: the markers' stop-token patterns. ``never``: a bool per
     token that weighs 0 whatever the options (inside an image). The passes every batch makes are two kernels
     (``kernels/weight_rows.py``); only the exact rows and a stop-token policy other than ``turn`` add NumPy passes."""
-    from .kernels.weight_rows import finish_weights, start_weights  # numba loads when a batch is weighed, not on import
+    from .kernels.weight_rows import finish_weights, start_weights, weigh_plain  # numba loads when a batch is weighed
 
     lengths = np.asarray(lengths, dtype=np.int64)
     row_starts = _row_starts(lengths)
@@ -72,18 +73,28 @@ def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, labels: np.ndarray, ignor
     else:
         uniform = np.ones(lengths.shape[0], dtype=np.float32)
     ignore = labels.dtype.type(ignore_index)
-    weights, role = start_weights(labels, ignore, uniform, row_starts, lengths)
-    names = list(ROLE_NAMES)
-    in_run = None
-    if planned is not None and planned.plans and planned.rows.size:
-        in_run = labels != ignore
-        _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names)
-    if options.train_on_eos != "turn" and end_patterns and ids.shape[0]:
-        in_run = labels != ignore if in_run is None else in_run
-        row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
-        _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, options.train_on_eos)
     out = np.empty(labels.shape[0], dtype=labels.dtype)
     never = np.zeros(0, dtype=bool) if never is None else np.ascontiguousarray(never, dtype=bool)
+    exact = planned is not None and planned.plans and planned.rows.size
+    stops = options.train_on_eos != "turn" and end_patterns and ids.shape[0]
+    if not exact and not stops:  # one pass: run weights, prompt weight, labels and totals
+        # the labels can change only through a turn that weighs 0, the prompt weight, or tokens that never train
+        write_out = bool(options.prompt_weight or (uniform <= 0).any() or never.any())
+        weights, row_tokens, row_mass, role_tokens, role_mass, changed, odd = weigh_plain(
+            labels, ignore, np.ascontiguousarray(ids), uniform, row_starts, lengths,
+            np.float32(options.prompt_weight or 0), never, out, write_out)
+        names = ROLE_NAMES[:3]
+        by_role = {names[c]: [int(role_tokens[c]), float(role_mass[c])] for c in (1, 2) if role_tokens[c]}
+        return Weighed(weights, None, names, out if changed else labels, bool(changed), row_tokens, row_mass, by_role,
+                       bool(odd))
+    weights, role = start_weights(labels, ignore, uniform, row_starts, lengths)
+    names = list(ROLE_NAMES)
+    in_run = labels != ignore
+    if exact:
+        _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names)
+    if stops:
+        row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
+        _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, options.train_on_eos)
     row_tokens, row_mass, role_tokens, role_mass, changed, odd = finish_weights(
         weights, role, labels, ignore, np.ascontiguousarray(ids), row_starts, lengths,
         np.float32(options.prompt_weight or 0), never, len(names), out)

@@ -241,12 +241,16 @@ def mask_batch(
     if write_weights or _weighing(options, encoded if kind != "input_ids" else None):
         started_weights = time.perf_counter()
         planned = getattr(encoded, "weights", None) if kind != "input_ids" else None
-        labels, weights, trained, outcomes, zeroed, odd = _apply_weights(
-            input_ids, labels, outcomes, planned, markers if prompt_lengths is None else None, options, tally, table,
-            tokenizer, media_span)
+        if not write_weights and not options.token_weights() and media_span is None and _plain(planned):
+            # every trained token weighs 1 (a source column asked for the weights' accounting only): from the counts
+            _count_plain(trained, options, tally, table)
+        else:
+            labels, weights, trained, outcomes, zeroed, odd = _apply_weights(
+                input_ids, labels, outcomes, planned, markers if prompt_lengths is None else None, options, tally,
+                table, tokenizer, media_span, write_weights)
+            if not write_weights and odd is not None:
+                _check_binary(odd, options, source)
         counts = OutcomeCounts.from_rows(outcomes, trained, _lengths(input_ids))
-        if not write_weights and odd:
-            _check_binary(weights, options, source)
         tally.time("weights", time.perf_counter() - started_weights)
     if broken is not None and broken.any():  # these rows leave the batch before anything is counted or written
         whole = ~broken
@@ -307,11 +311,24 @@ def _weighing(options: MaskOptions, encoded: Any) -> bool:
     return planned is not None and any(plan is not None for plan in planned.plans)
 
 
-def _apply_weights(input_ids, labels, outcomes, planned, markers, options, tally, table, tokenizer, media_span=None):
+def _plain(planned) -> bool:
+    """No row of the batch asks for a weight of its own (every plan None, or one weight of 1 for every turn)."""
+    return planned is None or all(plan is None or (not plan.exact and plan.uniform == 1.0) for plan in planned.plans)
+
+
+def _count_plain(trained: np.ndarray, options: MaskOptions, tally: Tally, table) -> None:
+    """The weights' accounting of a batch where every trained token weighs 1: the marker labels' counts."""
+    total = int(trained.sum())
+    tally.add_weights({"assistant": [total, float(total)]} if total else {},
+                      _sources(table, options, trained, trained.astype(np.float64)))
+
+
+def _apply_weights(input_ids, labels, outcomes, planned, markers, options, tally, table, tokenizer, media_span=None,
+                   write_weights=True):
     """Weights for a labelled batch (``engine/weights.py``); labels where they change. Returns the labels, the weights
-    (``list<float32>``), trained tokens and outcomes per row, the rows the weights left with nothing trained, and
-    whether a weight other than 0 or 1 occurs. ``media_span``: a bool per token inside an image (chats through a
-    processor), weighed 0 whatever the options."""
+    (``list<float32>``, None unless ``write_weights``), trained tokens and outcomes per row, the rows the weights left
+    with nothing trained, and the first weight other than 0 or 1 (None when there is none). ``media_span``: a bool per
+    token inside an image (chats through a processor), weighed 0 whatever the options."""
     if isinstance(input_ids, pa.ChunkedArray):
         input_ids = input_ids.combine_chunks()
     if isinstance(labels, pa.ChunkedArray):
@@ -333,9 +350,13 @@ def _apply_weights(input_ids, labels, outcomes, planned, markers, options, tally
     outcomes = np.where(row_tokens > 0, Outcome.TRAINED,
                         np.where(before, Outcome.EMPTY_RESPONSE, outcomes)).astype(np.int8)
     zeroed = before & (row_tokens == 0)
-    weights = weights_to_arrow(input_ids if not input_ids.null_count else _rebuild(input_ids, ids, lengths),
-                               weighed.weights)
-    return labels, weights, row_tokens, outcomes, zeroed, weighed.odd
+    weights = None
+    if write_weights:
+        weights = weights_to_arrow(input_ids if not input_ids.null_count else _rebuild(input_ids, ids, lengths),
+                                   weighed.weights)
+    values = weighed.weights
+    odd = float(values[(values != 0) & (values != 1)][0]) if weighed.odd else None
+    return labels, weights, row_tokens, outcomes, zeroed, odd
 
 
 def _rebuild(like, values, lengths) -> pa.Array:
@@ -367,15 +388,12 @@ def _sources(table, options, row_tokens, row_mass) -> dict | None:
     return {labels[i]: [int(rows[i]), int(tokens[i]), float(mass[i])] for i in range(len(labels)) if rows[i]}
 
 
-def _check_binary(weights: pa.Array, options: MaskOptions, source: str) -> None:
-    values = pc.list_flatten(weights).to_numpy(zero_copy_only=False)
-    odd = (values != 0) & (values != 1)
-    if odd.any():
-        raise ValueError(
-            f"{source}: a weight of {float(values[odd][0])} occurs, but no {options.loss_weights_column!r} column is being "
-            "written (the options and the input's schema promised 0/1 weights only); pass loss_weights=True "
-            "(--loss-weights) so that the weights are written"
-        )
+def _check_binary(odd: float, options: MaskOptions, source: str) -> None:
+    raise ValueError(
+        f"{source}: a weight of {odd} occurs, but no {options.loss_weights_column!r} column is being "
+        "written (the options and the input's schema promised 0/1 weights only); pass loss_weights=True "
+        "(--loss-weights) so that the weights are written"
+    )
 
 
 def _ones_where_trained(labels, options: MaskOptions) -> pa.Array:
