@@ -35,7 +35,8 @@ class RowPlan:
     """The weights one row asks for.
 
     ``uniform``: the weight of every assistant turn (used when not ``exact``). ``exact`` rows also carry:
-    ``weights`` and ``roles`` per message; ``pieces``: ``(start, end, message)`` of the located text, sorted (the
+    ``weights`` and ``roles`` per message; ``pieces``: ``(start, end, message, required)`` of the located text, sorted
+    (the
     pieces of a message of another role that weighs > 0 are characters whose tokens take its weight, before any
     segment); ``segments``: ``(start, end, weight, message, assistant)``: characters whose tokens take ``weight`` (a token
     that straddles a segment's edge takes the lower of the two weights); ``leads``: ``(message, answer_start,
@@ -45,7 +46,7 @@ class RowPlan:
     exact: bool = False
     weights: list[float] = field(default_factory=list)
     roles: list[str] = field(default_factory=list)
-    pieces: list[tuple[int, int, int]] = field(default_factory=list)
+    pieces: list[tuple[int, int, int, bool]] = field(default_factory=list)
     segments: list[tuple[int, int, float, int, bool]] = field(default_factory=list)
     leads: list[tuple[int, int, float]] = field(default_factory=list)
 
@@ -90,7 +91,8 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
     assistant_weight = reader.assistant_weight
     weights, roles = [], []
     for index, message in enumerate(messages):
-        role = str(message.get("role")) if isinstance(message, dict) else "?"
+        role = message.get("role") if type(message) is dict else "?"
+        role = role if type(role) is str else str(role)
         value = _field(message, fields, row, index) if carries else None
         if role == "assistant":
             weight = assistant_weight if value is None else value
@@ -106,7 +108,7 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
     if len(turns) <= 1 and not others and not has_reasoning and not reader.mask_empty_think and carries is not True:
         return RowPlan(uniform=uniform)  # one weight for every turn: no characters to look at
     plan = RowPlan(uniform=uniform, weights=weights, roles=roles)
-    plan.pieces = sorted([(start, end, index) for start, end, index, _ in located.pieces])
+    plan.pieces = sorted(located.pieces)
     if not has_reasoning and not reader.mask_empty_think and carries is not True:
         # turns that weigh differently, or other roles' text that trains (its pieces weigh as its message does:
         # engine/weights reads them off the pieces): nothing more to read per message

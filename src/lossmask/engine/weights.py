@@ -122,7 +122,7 @@ def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> 
     msg_weight = np.fromiter((w for p in plans for w in p.weights), dtype=np.float32, count=int(msg_off[-1]))
     msg_role = [name for p in plans for name in p.roles]
     msg_assistant = np.fromiter((name == "assistant" for name in msg_role), dtype=bool, count=len(msg_role))
-    pieces, piece_off = _flat(plans, "pieces", 3)
+    pieces, piece_off = _flat(plans, "pieces", 4)  # (start, end, message, required)
     segments, seg_off = _flat(plans, "segments", 5)
     leads, lead_off = _flat(plans, "leads", 3)
     lead_at = np.full(msg_weight.shape[0], -np.inf)  # no lead: nothing lies before it
@@ -172,7 +172,7 @@ def _weigh_exact_numpy(planned, lengths, row_starts, in_run, weights, role, name
     msg_weight = np.fromiter((w for p in plans for w in p.weights), dtype=np.float32, count=int(n_messages.sum()))
     msg_role = [name for p in plans for name in p.roles]
     is_assistant = np.fromiter((name == "assistant" for name in msg_role), dtype=bool, count=len(msg_role))
-    piece_arr = _on_one_axis(plans, "pieces", 3, first, chars=(0, 1), message=2)
+    piece_arr = _on_one_axis(plans, "pieces", 4, first, chars=(0, 1), message=2)
     segment_arr = _on_one_axis(plans, "segments", 5, first, chars=(0, 1), message=3)
     lead_arr = _on_one_axis(plans, "leads", 3, first, chars=(1,), message=0)
     tr = in_run[pos]
