@@ -18,8 +18,8 @@ def token_spans(pieces: np.ndarray, piece_starts: np.ndarray, piece_lengths: np.
                 prepend: int, ids: np.ndarray, offsets: np.ndarray, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """``(spans, exact)``: an ``(n, 2)`` int32 array of each token's ``[start, end)`` characters in its own text, and a
     bool per text (do its tokens' bytes, back to back, equal its bytes?). See ``kernels/token_spans.py``."""
-    joined = "".join(texts)
-    text = np.frombuffer(joined.encode("utf-8"), dtype=np.uint8)
+    # each text encoded on its own: joined first, one emoji would widen every character of the batch to 4 bytes
+    text = np.frombuffer(b"".join([t.encode("utf-8") for t in texts]), dtype=np.uint8)
     char_lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
     ids = np.ascontiguousarray(ids)
     if ids.dtype not in (np.int32, np.int64):
