@@ -34,7 +34,9 @@ def token_spans(pieces, piece_starts, piece_lengths, piece_chars, added, prepend
     """``piece_chars``: the characters each piece begins (its bytes that are not UTF-8 continuation bytes)."""
     n_rows = offsets.shape[0] - 1
     size = piece_lengths.shape[0]
-    spans = np.empty((ids.shape[0], 2), np.int32)  # a row's characters fit an int32; half the pages to touch
+    # a row's characters fit an int32 (half the pages to touch); starts and ends each contiguous, returned as (n, 2)
+    by_column = np.empty((2, ids.shape[0]), np.int32)
+    spans = by_column.T
     exact = np.zeros(n_rows, np.bool_)
     n_text = text.shape[0]
     cursor = 0  # the first byte of row r's text
