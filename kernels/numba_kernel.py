@@ -78,19 +78,29 @@ def _big_class(v, big_ids, big_classes):
     return np.int64(0)
 
 
+@njit(cache=True, nogil=True)
+def _first_negative(values, lo, hi):
+    """Index of the first negative id in ``values[lo:hi]``, or -1: called only for a row whose ``sign`` (the
+    OR of its ids) says it holds one."""
+    for k in range(lo, hi):
+        if values[k] < 0:
+            return k
+    return -1
+
+
+# A row's results are stored by the kernels' own code, not by a helper taking the arrays: numba counts
+# references on every array handed to a call, inlined or not, with atomic increments and decrements.
+# Eight per row cost about 7% on one thread, and more on two, where the threads share those counters.
+
 @njit(cache=True, nogil=True, inline="always")
-def _finish_row(r, lo, hi, values, sign, n_trained, saw_response, trained_tokens, outcomes, first_bad):
-    """Row ``r``'s trained tokens, outcome and first negative id (sought only when ``sign``, the OR of
-    its ids, says there is one). Once per row, so the call's cost does not show."""
-    bad_at = -1
-    if sign < 0:  # rare: find the first negative id for the error message
-        for k in range(lo, hi):
-            if values[k] < 0:
-                bad_at = k
-                break
-    trained_tokens[r] = n_trained
-    outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
-    first_bad[r] = bad_at
+def _max(a, b):
+    """``max`` of two integers, inlined (the builtin is a call into another module, with a vzeroupper)."""
+    return a if a > b else b
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _min(a, b):
+    return a if a < b else b
 
 
 # The class of a token id, written out wherever it is needed (never as a call: see _label_block):
@@ -139,7 +149,7 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
             i = hi - 1
             while i >= lo and not (only_open >= 0 and i + max_response_length <= only_open):
                 # (once found, no match starting at or before i can open later)
-                c = np.int64(classes[min(np.uint64(values[np.uint64(i)]), last)])
+                c = np.int64(classes[_min(np.uint64(values[np.uint64(i)]), last)])
                 if c == n_classes:
                     c = _big_class(values[np.uint64(i)], big_ids, big_classes)
                 if state != 0 or back_quiet[np.uint64(c)] == 0:
@@ -162,7 +172,7 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
             v = values[np.uint64(i)]
             # The class, written out (see above): numba keeps a reference count on every array handed
             # to a call, even an inlined one, and that costs more than the lookup itself.
-            c = np.int64(classes[min(np.uint64(v), last)])
+            c = np.int64(classes[_min(np.uint64(v), last)])
             if c == n_classes:
                 c = _big_class(v, big_ids, big_classes)
             if state == 0 and c < n_quiet:
@@ -199,9 +209,9 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                             bits &= bits - one
                             w = values[t]
                             sign |= w
-                            a = np.int64(classes[min(np.uint64(w), last)])
+                            a = np.int64(classes[_min(np.uint64(w), last)])
                             if a >= n_quiet:  # some pattern's anchor: is it one here? (Automaton.pair)
-                                b = np.int64(classes[min(np.uint64(values[t + one]), last)]) if t + one < u_hi else np.int64(0)
+                                b = np.int64(classes[_min(np.uint64(values[t + one]), last)]) if t + one < u_hi else np.int64(0)
                                 if pair[np.uint64(a * width + b)] != 0:
                                     u = t
                                     found = True
@@ -212,9 +222,9 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                         w = values[u]
                         if not use_prefilter or (w == a0) | (w == a1) | (w == a2) | (w == a3) | (w < zero):
                             sign |= w
-                            a = np.int64(classes[min(np.uint64(w), last)])
+                            a = np.int64(classes[_min(np.uint64(w), last)])
                             if a >= n_quiet:
-                                b = np.int64(classes[min(np.uint64(values[u + one]), last)]) if u + one < u_hi else np.int64(0)
+                                b = np.int64(classes[_min(np.uint64(values[u + one]), last)]) if u + one < u_hi else np.int64(0)
                                 if pair[np.uint64(a * width + b)] != 0:
                                     break
                         u += one
@@ -232,10 +242,10 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                     # after u - max_anchor (and after i, where nothing was pending), and none ends before
                     # u, so stepping the automaton over those tokens fires nothing. It gives the state at
                     # u - 1, whose pending tokens are labelled again by the automaton from u on.
-                    q = max(i, j - max_anchor)
+                    q = _max(i, j - max_anchor)
                     state = 0
                     while q < j:
-                        c = np.int64(classes[min(np.uint64(values[np.uint64(q)]), last)])
+                        c = np.int64(classes[_min(np.uint64(values[np.uint64(q)]), last)])
                         if c == n_classes:
                             c = _big_class(values[np.uint64(q)], big_ids, big_classes)
                         state = goto[np.uint64(state * n_classes + c)]
@@ -305,7 +315,9 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                 out[np.uint64(p)] = untrained_value
             p += 1
         ring[np.uint64(hi) & ring_mask] = 0  # events one past the row (a response pattern that ends it)
-        _finish_row(r, lo, hi, values, sign, n_trained, saw_response, trained_tokens, outcomes, first_bad)
+        trained_tokens[r] = n_trained
+        outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
+        first_bad[r] = _first_negative(values, lo, hi) if sign < 0 else -1
 
 
 # -- Matching at the anchors ----------------------------------------------------------------------
@@ -349,13 +361,13 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
     block = np.uint64(_BLOCK)
     max_length = np.int64(0)
     for k in range(group_lengths.shape[0]):
-        max_length = max(max_length, group_lengths[k])
+        max_length = _max(max_length, group_lengths[k])
     # The events of one candidate before they are sorted in: two per pattern of a small group, or what the
     # automaton fires over max_anchor + max_length tokens (an open, a close, a cover and the closes at starts).
     most_closes = 0
     for k in range(close_offsets.shape[0] - 1):
-        most_closes = max(most_closes, close_offsets[k + 1] - close_offsets[k])
-    staged = max(2 * _DIRECT_GROUP, (max_anchor + max_length + 1) * (3 + most_closes))
+        most_closes = _max(most_closes, close_offsets[k + 1] - close_offsets[k])
+    staged = _max(2 * _DIRECT_GROUP, (max_anchor + max_length + 1) * (3 + most_closes))
     st_pos = np.empty(staged, np.int64)
     st_kind = np.empty(staged, np.int8)
     st_end = np.empty(staged, np.int64)
@@ -467,7 +479,7 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
             while final > p or (k < n_ev and ev_pos[k] < final):
                 x = ev_pos[k] if k < n_ev and ev_pos[k] < final else final
                 if x > p:  # the stretch [p, x): one decision, but for a cover ending inside it
-                    split = min(max(covered_to, p), x)
+                    split = _min(_max(covered_to, p), x)
                     if split > p:
                         for q in range(np.uint64(p), np.uint64(split)):
                             out[q] = untrained_value
@@ -483,7 +495,7 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                 last_open = x if kind == _OPEN else last_open
                 last_close = x if kind == _CLOSE else last_close
                 if kind == _COVER:
-                    covered_to = max(covered_to, ev_end[k])
+                    covered_to = _max(covered_to, ev_end[k])
                 k += 1
             if k:  # drop the events applied
                 for m in range(k, n_ev):
@@ -534,8 +546,8 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                 # Others found on the way start there too, so their events are still pending: staged twice,
                 # kept once.
                 state = 0
-                for q in range(max(lo, t - max_anchor), min(hi, t + max_length)):
-                    c = np.int64(classes[min(np.uint64(values[np.uint64(q)]), last)])
+                for q in range(_max(lo, t - max_anchor), _min(hi, t + max_length)):
+                    c = np.int64(classes[_min(np.uint64(values[np.uint64(q)]), last)])
                     if c == n_classes:
                         c = _big_class(values[np.uint64(q)], big_ids, big_classes)
                     state = goto[np.uint64(state * n_classes + c)]
@@ -571,7 +583,7 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                 while dup >= 0 and ev_pos[dup] == pos and ev_kind[dup] != ev:
                     dup -= 1
                 if dup >= 0 and ev_pos[dup] == pos:
-                    ev_end[dup] = max(ev_end[dup], end)
+                    ev_end[dup] = _max(ev_end[dup], end)
                     continue
                 for q in range(n_ev, m, -1):
                     ev_pos[q] = ev_pos[q - 1]
@@ -581,7 +593,9 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                 ev_kind[m] = ev
                 ev_end[m] = end
                 n_ev += 1
-        _finish_row(r, lo, hi, values, sign, n_trained, saw_response, trained_tokens, outcomes, first_bad)
+        trained_tokens[r] = n_trained
+        outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
+        first_bad[r] = _first_negative(values, lo, hi) if sign < 0 else -1
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -590,7 +604,7 @@ def _direct_rows_parallel(values, starts, ends, auto, groups, prefilter, ignore_
     trained_tokens, outcomes, first_bad = np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int8), np.full(n_rows, -1, np.int64)
     n_blocks = (n_rows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK
     for b in prange(n_blocks):
-        _direct_block(b * _ROWS_PER_BLOCK, min(n_rows, (b + 1) * _ROWS_PER_BLOCK), values, starts, ends, auto, groups,
+        _direct_block(b * _ROWS_PER_BLOCK, _min(n_rows, (b + 1) * _ROWS_PER_BLOCK), values, starts, ends, auto, groups,
                       prefilter, ignore_index, out, write_mask, trained_tokens, outcomes, first_bad)
     return trained_tokens, outcomes, first_bad
 
@@ -614,7 +628,7 @@ def _label_rows_parallel(values, starts, ends, auto, ring_size, last_turn_only, 
     trained_tokens, outcomes, first_bad = np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int8), np.full(n_rows, -1, np.int64)
     n_blocks = (n_rows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK
     for b in prange(n_blocks):
-        _label_block(b * _ROWS_PER_BLOCK, min(n_rows, (b + 1) * _ROWS_PER_BLOCK), values, starts, ends, auto,
+        _label_block(b * _ROWS_PER_BLOCK, _min(n_rows, (b + 1) * _ROWS_PER_BLOCK), values, starts, ends, auto,
                      ring_size, last_turn_only, ignore_index, out, write_mask, prefilter, use_prefilter,
                      trained_tokens, outcomes, first_bad)
     return trained_tokens, outcomes, first_bad
