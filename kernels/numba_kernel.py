@@ -41,7 +41,7 @@ import numpy as np
 from numba import njit, prange
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from ..automaton import (CLOSE_AT_START, CLOSE_NEXT, DIRECT_END as _D_END, DIRECT_INSTRUCTION as _D_INSTRUCTION,
+from ..automaton import (CLOSE_AT_START, CLOSE_NEXT, DIRECT_END as _D_END, DIRECT_MASK as _D_MASK,
                          DIRECT_RESPONSE as _D_RESPONSE, MASK, OPEN_NEXT)
 from ..outcomes import Outcome
 from ..patterns import Markers
@@ -326,25 +326,31 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
 # templates' density (a stop every 40-60 tokens) those steps, not the scan, set the speed. So where the
 # prefilter holds the anchor ids, each pattern is instead compared at its anchor, directly: a candidate
 # found by the block scan is classified, and each pattern anchored on its class is checked against the
-# tokens around it (``Automaton.group_*``). A match's events (SPEC.md's OPEN, CLOSE, and mask_out's
-# cover) go into a short list sorted by position; the labels up to the earliest position a later match
-# could still touch (``t - max_anchor`` for a candidate at ``t``) are final, and are written a stretch at
-# a time, each stretch one decision. Every occurrence of every pattern is found, at its one anchor, so
-# the labels are SPEC.md's, as the automaton's are.
+# tokens around it (``Automaton.group_*``). Every occurrence of every pattern is found, at its one
+# anchor, so the labels are SPEC.md's, as the automaton's are.
+#
+# A match's events (SPEC.md's OPEN, CLOSE, and mask_out's cover) are bits: one uint64 per kind per
+# block of _BLOCK positions, in a small ring of blocks. A block's labels are written once, behind the
+# scan by as many blocks as a match may start before its anchor (max_anchor tokens: one block for real
+# templates, none where every pattern is anchored on its first token). From the decision in force at
+# the block's start and its event bits, a 64-bit mask of its trained positions is made with a few
+# integer operations per event, and the block is written in one branch-free loop, the id or
+# ``ignore_index`` by that mask. A block with no event (most of them) takes one decision, written by
+# the cheapest loop. Nothing is sorted, and no write is split at an event.
 
-_OPEN, _CLOSE, _COVER = 1, 2, 3
-# What the scan of _direct_block found next.
-_CANDIDATE, _FLUSH, _ROW_END = range(3)
+# Kinds of event, each a uint64 of the ring per block.
+_K_OPEN, _K_CLOSE, _K_COVER, _KINDS = 0, 1, 2, 4
 # Groups of at most this many patterns sharing an anchor are compared pattern by pattern.
 _DIRECT_GROUP = 4
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _form(trained, keep_copy, keep_none, base_trained, untrained_value):
-    """``(keep, base)`` of a stretch: its labels are ``(id & keep) + base`` (see ``_direct_block``)."""
-    if trained:
-        return keep_copy, base_trained
-    return keep_none, untrained_value
+def _popcount(x):
+    """Set bits of a uint64 (LLVM turns this form into one popcnt)."""
+    x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return np.int64((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
 
 
 @njit(cache=True, nogil=True)
@@ -358,241 +364,185 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
     last = np.uint64(classes.shape[0] - 1)
     a0, a1, a2, a3, zero = prefilter[0], prefilter[1], prefilter[2], prefilter[3], prefilter[4]
     one = np.uint64(1)
+    nothing = np.uint64(0)
+    full = ~nothing
     block = np.uint64(_BLOCK)
+    n_values = np.uint64(values.shape[0])
     max_length = np.int64(0)
     for k in range(group_lengths.shape[0]):
         max_length = _max(max_length, group_lengths[k])
-    # The events of one candidate before they are sorted in: two per pattern of a small group, or what the
-    # automaton fires over max_anchor + max_length tokens (an open, a close, a cover and the closes at starts).
-    most_closes = 0
-    for k in range(close_offsets.shape[0] - 1):
-        most_closes = _max(most_closes, close_offsets[k + 1] - close_offsets[k])
-    staged = _max(2 * _DIRECT_GROUP, (max_anchor + max_length + 1) * (3 + most_closes))
-    st_pos = np.empty(staged, np.int64)
-    st_kind = np.empty(staged, np.int8)
-    st_end = np.empty(staged, np.int64)
-    # Pending events, sorted by position, one of a kind per position. They are written at the next clean
-    # block; before that, only when a candidate's events might not fit: a match found at t has its events
-    # in [t - max_anchor, t + max_length], so writing those before t - max_anchor leaves at most three
-    # per position of that window.
-    capacity = 3 * (max_anchor + max_length + 2) + staged + 256
-    ev_pos = np.empty(capacity, np.int64)
-    ev_kind = np.empty(capacity, np.int8)
-    ev_end = np.empty(capacity, np.int64)  # a cover's end (exclusive)
-    # A label is ``(id & keep) + base``, written without a branch: a trained token keeps its id (or is
-    # 1 in a mask), any other takes ignore_index (0 in a mask).
-    untrained_value = np.int64(0 if write_mask else ignore_index)
+    # Blocks are written ``lag`` behind the scan: a match anchored in block b starts in block b - lag at
+    # the earliest. The ring holds the blocks from the one being written to the furthest a match found now
+    # reaches (t + max_length); padded by a cache line on each side so that two threads' rings share none.
+    lag = (max_anchor + _BLOCK - 1) // _BLOCK
+    n_ring = 4
+    while n_ring < lag + (max_length >> 6) + 3:
+        n_ring *= 2
+    ring_mask = np.uint64(n_ring - 1)
+    pad = _CACHE_LINE // 8
+    ring = np.zeros(_KINDS * n_ring + 2 * pad, np.uint64)[pad:pad + _KINDS * n_ring]
+    # A label is ``(id & keep) + base`` with one (keep, base) for a block of one decision; in a mixed block,
+    # lane = -1 where trained, 0 elsewhere: ``(id & keep_copy & lane) + (delta & lane) + untrained``.
+    untrained = np.int64(0 if write_mask else ignore_index)
     base_trained = np.int64(1 if write_mask else 0)
-    keep_none = prefilter[4]  # zero, in the values' dtype
-    keep_copy = keep_none if write_mask else ~keep_none
+    keep_copy = np.int64(0 if write_mask else -1)
+    delta = base_trained - untrained
     for r in range(r_lo, r_hi):
-        lo, hi = starts[r], ends[r]
+        lo, hi = np.int64(starts[r]), np.int64(ends[r])
         if hi <= lo:
             trained_tokens[r] = 0
             outcomes[r] = _EMPTY
             first_bad[r] = -1
             continue
         u_lo, u_hi = np.uint64(lo), np.uint64(hi)
-        last_open = np.int64(-1)
-        last_close = np.int64(-1)
-        covered_to = np.int64(lo)  # positions below it are under some mask_out match
+        n_blocks = np.int64((u_hi - u_lo + block - one) >> np.uint64(6))
+        state = nothing  # the decision in force after the blocks written: full = trained
         saw_response = False
         n_trained = np.int64(0)
-        n_ev = 0
-        p = np.int64(lo)  # the first position not written yet
         sign = values[lo] & 0
-        u = u_lo
-        bits = np.uint64(0)
-        at = u_lo
-        dirty = False  # candidates of the block before u were looked at: write up to u before going on
-        while True:
-            # What comes next: a candidate t (a set bit of the current block, or of a later block that has
-            # one); a block with none after something left pending (FLUSH: write up to its end); the row's end.
-            mode = _CANDIDATE
-            t = np.int64(hi)
-            if bits == 0 and dirty:  # a block's candidates are done: write up to its end, as after a clean block
-                dirty = False
-                mode = _FLUSH
-            elif bits == 0:
-                while u + block <= u_hi:
+        for bi in range(n_blocks + lag):
+            if bi < n_blocks:
+                # Block bi's candidates: the tokens equal to an anchor id (or negative), one bit each.
+                b = u_lo + np.uint64(bi) * block
+                bits = nothing
+                if b + block <= n_values:  # whole vectors, even past the row's end (those bits are dropped)
                     for k in range(block):
-                        w = values[u + k]
+                        w = values[b + k]
                         bits |= np.uint64((w == a0) | (w == a1) | (w == a2) | (w == a3) | (w < zero)) << k
-                    if bits != 0:
-                        at = u
-                        u += block
-                        dirty = True
-                        break
-                    if p == np.int64(u) - max_anchor and n_ev == 0 and covered_to <= p:
-                        # Nothing pending, and the positions before this block (from p) already hold the
-                        # decision: the block takes it too, and the positions up to its end less max_anchor
-                        # (where a match anchored further on could still start) are final.
-                        keep, base = _form(last_open > last_close, keep_copy, keep_none, base_trained, untrained_value)
-                        if last_open > last_close:
-                            n_trained += _BLOCK
-                        for k in range(block):
-                            out[u + k] = np.int64(values[u + k] & keep) + base
-                        u += block
-                        p += _BLOCK
+                    if b + block > u_hi:
+                        bits &= (one << (u_hi - b)) - one
+                else:  # the values' last tokens
+                    for k in range(u_hi - b):
+                        w = values[b + k]
+                        bits |= np.uint64((w == a0) | (w == a1) | (w == a2) | (w == a3) | (w < zero)) << k
+                while bits != nothing:
+                    t = np.int64(b + trailing_zeros(bits))
+                    bits &= bits - one
+                    w = values[np.uint64(t)]
+                    sign |= w
+                    # Its group of patterns, by which prefilter id it is (selects, not branches: the anchors of
+                    # one template alternate); none for a negative id.
+                    g = slot_groups[3] if w == a3 else -1
+                    g = slot_groups[2] if w == a2 else g
+                    g = slot_groups[1] if w == a1 else g
+                    g = slot_groups[0] if w == a0 else g
+                    if g < 0:
                         continue
-                    u += block
-                    mode = _FLUSH
-                    break
-                if mode == _CANDIDATE:
-                    if bits != 0:
-                        t = np.int64(at + trailing_zeros(bits))
-                        bits &= bits - one
-                    else:  # the row's last tokens (fewer than a block), one at a time
-                        while u < u_hi:
-                            w = values[u]
-                            if (w == a0) | (w == a1) | (w == a2) | (w == a3) | (w < zero):
-                                break
-                            u += one
-                        if u >= u_hi:
-                            mode = _ROW_END
-                        else:
-                            t = np.int64(u)
-                            u += one
-            else:
-                t = np.int64(at + trailing_zeros(bits))
-                bits &= bits - one
-            if mode == _CANDIDATE:
-                w = values[np.uint64(t)]
-                sign |= w
-                # Its group of patterns, by which prefilter id it is (selects, not branches: the anchors of
-                # one template alternate); none for a negative id.
-                g = slot_groups[3] if w == a3 else -1
-                g = slot_groups[2] if w == a2 else g
-                g = slot_groups[1] if w == a1 else g
-                g = slot_groups[0] if w == a0 else g
-                if g < 0:
-                    continue
-                # Events wait for the next clean block (or the row's end) to be written, in one stretch;
-                # only a list about to overflow writes what it may now: positions before t - max_anchor.
-                final = t - max_anchor if n_ev + staged > capacity else p
-            elif mode == _FLUSH:  # no match can start before the block's end less max_anchor
-                final = np.int64(u) - max_anchor
-            else:
-                final = np.int64(hi)
-            # Write every position that no match found from here on can reach: those before final.
-            k = 0
-            while final > p or (k < n_ev and ev_pos[k] < final):
-                x = ev_pos[k] if k < n_ev and ev_pos[k] < final else final
-                if x > p:  # the stretch [p, x): one decision, but for a cover ending inside it
-                    split = _min(_max(covered_to, p), x)
-                    if split > p:
-                        for q in range(np.uint64(p), np.uint64(split)):
-                            out[q] = untrained_value
-                    keep, base = _form(last_open > last_close, keep_copy, keep_none, base_trained, untrained_value)
-                    if last_open > last_close:
-                        n_trained += x - split
-                    for q in range(np.uint64(split), np.uint64(x)):  # branch-free: the id, or one value
-                        out[q] = np.int64(values[q] & keep) + base
-                    p = x
-                if x == final:
-                    break
-                kind = ev_kind[k]
-                last_open = x if kind == _OPEN else last_open
-                last_close = x if kind == _CLOSE else last_close
-                if kind == _COVER:
-                    covered_to = _max(covered_to, ev_end[k])
-                k += 1
-            if k:  # drop the events applied
-                for m in range(k, n_ev):
-                    ev_pos[m - k] = ev_pos[m]
-                    ev_kind[m - k] = ev_kind[m]
-                    ev_end[m - k] = ev_end[m]
-                n_ev -= k
-            if mode == _FLUSH:
-                if n_ev == 0 and covered_to <= p:  # [p, u) takes the decision now in force, for the next block
-                    keep, base = _form(last_open > last_close, keep_copy, keep_none, base_trained, untrained_value)
-                    for q in range(np.uint64(p), u):
-                        out[q] = np.int64(values[q] & keep) + base
-                continue
-            if mode == _ROW_END:
-                break
-            # The matches anchored here, as events staged in any order: a small group's patterns are each
-            # compared where the anchor puts them; a large one's (dozens of whitespace variants sharing their
-            # anchor) are found by stepping the automaton over the tokens any of them can span.
-            n_stage = 0
-            if group_offsets[g + 1] - group_offsets[g] <= _DIRECT_GROUP:
-                for k in range(group_offsets[g], group_offsets[g + 1]):
-                    length = group_lengths[k]
-                    s = t - group_anchors[k]
-                    if length < 0 or s < lo or s + length > hi:
-                        continue
-                    first = group_starts[k]
-                    same = True
-                    for m in range(length):  # no early exit: a pattern's length is the same every time
-                        same &= values[np.uint64(s + m)] == group_ids[first + m]
-                    if not same:
-                        continue
-                    kind = group_kinds[k]
-                    if kind == _D_RESPONSE:  # close at its start, open after it
-                        saw_response = True
-                        st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = s, _CLOSE, s
-                        st_pos[n_stage + 1], st_kind[n_stage + 1], st_end[n_stage + 1] = s + length, _OPEN, s
-                        n_stage += 2
+                    if group_offsets[g + 1] - group_offsets[g] <= _DIRECT_GROUP:
+                        # Each pattern of a small group compared where the anchor puts it.
+                        for k in range(group_offsets[g], group_offsets[g + 1]):
+                            length = group_lengths[k]
+                            s = t - group_anchors[k]
+                            if length < 0 or s < lo or s + length > hi:
+                                continue
+                            first = group_starts[k]
+                            same = True
+                            for m in range(length):  # no early exit: a pattern's length is the same every time
+                                same &= values[np.uint64(s + m)] == group_ids[first + m]
+                            if not same:
+                                continue
+                            kind = group_kinds[k]
+                            if kind == _D_MASK:  # covers [s, s + length)
+                                x, x_end = np.uint64(s - lo), np.uint64(s + length - lo)
+                                while x < x_end:
+                                    stop = _min(x_end, (x | np.uint64(63)) + one)
+                                    ring[(((x >> np.uint64(6)) & ring_mask) << np.uint64(2)) + np.uint64(_K_COVER)] |= (
+                                        (full >> (block - (stop - x))) << (x & np.uint64(63)))
+                                    x = stop
+                                continue
+                            if kind == _D_RESPONSE:  # opens after it
+                                saw_response = True
+                                if s + length < hi:
+                                    x = np.uint64(s + length - lo)
+                                    ring[(((x >> np.uint64(6)) & ring_mask) << np.uint64(2)) + np.uint64(_K_OPEN)] |= (
+                                        one << (x & np.uint64(63)))
+                            # a response or instruction closes at its start, an end after it
+                            c = s + length if kind == _D_END else s
+                            if c < hi:
+                                x = np.uint64(c - lo)
+                                ring[(((x >> np.uint64(6)) & ring_mask) << np.uint64(2)) + np.uint64(_K_CLOSE)] |= (
+                                    one << (x & np.uint64(63)))
                     else:
-                        if kind == _D_INSTRUCTION:
-                            st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = s, _CLOSE, s
-                        elif kind == _D_END:
-                            st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = s + length, _CLOSE, s
-                        else:
-                            st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = s, _COVER, s + length
-                        n_stage += 1
-            else:
-                # Every match anchored at t starts at or after t - max_anchor and ends before t + max_length.
-                # Others found on the way start there too, so their events are still pending: staged twice,
-                # kept once.
-                state = 0
-                for q in range(_max(lo, t - max_anchor), _min(hi, t + max_length)):
-                    c = np.int64(classes[_min(np.uint64(values[np.uint64(q)]), last)])
-                    if c == n_classes:
-                        c = _big_class(values[np.uint64(q)], big_ids, big_classes)
-                    state = goto[np.uint64(state * n_classes + c)]
-                    bits_out = outputs[np.uint64(state)]
-                    if bits_out == 0:
-                        continue
-                    if bits_out & OPEN_NEXT:
-                        saw_response = True
-                        st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = q + 1, _OPEN, q + 1
-                        n_stage += 1
-                    if bits_out & CLOSE_NEXT:
-                        st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = q + 1, _CLOSE, q + 1
-                        n_stage += 1
-                    if bits_out & CLOSE_AT_START:
-                        for m in range(close_offsets[state], close_offsets[state + 1]):
-                            st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = q + 1 - close_lengths[m], _CLOSE, q + 1
-                            n_stage += 1
-                    if bits_out & MASK:
-                        st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = q + 1 - mask_length[state], _COVER, q + 1
-                        n_stage += 1
-            # Into the pending events, in position order; one event of a kind per position (a cover keeps
-            # its furthest end).
-            for k in range(n_stage):
-                pos, ev, end = st_pos[k], st_kind[k], st_end[k]
-                if n_ev == 0 or ev_pos[n_ev - 1] < pos:  # the common case: after every pending event
-                    ev_pos[n_ev], ev_kind[n_ev], ev_end[n_ev] = pos, ev, end
-                    n_ev += 1
-                    continue
-                m = n_ev
-                while m > 0 and ev_pos[m - 1] > pos:
-                    m -= 1
-                dup = m - 1
-                while dup >= 0 and ev_pos[dup] == pos and ev_kind[dup] != ev:
-                    dup -= 1
-                if dup >= 0 and ev_pos[dup] == pos:
-                    ev_end[dup] = _max(ev_end[dup], end)
-                    continue
-                for q in range(n_ev, m, -1):
-                    ev_pos[q] = ev_pos[q - 1]
-                    ev_kind[q] = ev_kind[q - 1]
-                    ev_end[q] = ev_end[q - 1]
-                ev_pos[m] = pos
-                ev_kind[m] = ev
-                ev_end[m] = end
-                n_ev += 1
+                        # A large group (dozens of whitespace variants sharing their anchor): the automaton
+                        # stepped over the tokens any of them can span. Every match anchored at t starts at
+                        # or after t - max_anchor and ends before t + max_length; others found on the way
+                        # start there too, so their blocks are not written yet, and finding them twice sets
+                        # the same bits.
+                        state_a = 0
+                        for q in range(_max(lo, t - max_anchor), _min(hi, t + max_length)):
+                            c = np.int64(classes[_min(np.uint64(values[np.uint64(q)]), last)])
+                            if c == n_classes:
+                                c = _big_class(values[np.uint64(q)], big_ids, big_classes)
+                            state_a = goto[np.uint64(state_a * n_classes + c)]
+                            bits_out = outputs[np.uint64(state_a)]
+                            if bits_out == 0:
+                                continue
+                            x = np.uint64(q + 1 - lo)
+                            at = (((x >> np.uint64(6)) & ring_mask) << np.uint64(2))
+                            if q + 1 < hi:
+                                if bits_out & OPEN_NEXT:
+                                    saw_response = True
+                                    ring[at + np.uint64(_K_OPEN)] |= one << (x & np.uint64(63))
+                                if bits_out & CLOSE_NEXT:
+                                    ring[at + np.uint64(_K_CLOSE)] |= one << (x & np.uint64(63))
+                            elif bits_out & OPEN_NEXT:
+                                saw_response = True
+                            if bits_out & CLOSE_AT_START:
+                                for m in range(close_offsets[state_a], close_offsets[state_a + 1]):
+                                    y = x - np.uint64(close_lengths[m])
+                                    ring[(((y >> np.uint64(6)) & ring_mask) << np.uint64(2)) + np.uint64(_K_CLOSE)] |= (
+                                        one << (y & np.uint64(63)))
+                            if bits_out & MASK:
+                                y = x - np.uint64(mask_length[state_a])
+                                while y < x:
+                                    stop = _min(x, (y | np.uint64(63)) + one)
+                                    ring[(((y >> np.uint64(6)) & ring_mask) << np.uint64(2)) + np.uint64(_K_COVER)] |= (
+                                        (full >> (block - (stop - y))) << (y & np.uint64(63)))
+                                    y = stop
+            # Block bi - lag is final: no match found from here on reaches it.
+            wb = bi - lag
+            if wb < 0:
+                continue
+            b = u_lo + np.uint64(wb) * block
+            slot = (np.uint64(wb) & ring_mask) << np.uint64(2)
+            opens, closes, cover = ring[slot + np.uint64(_K_OPEN)], ring[slot + np.uint64(_K_CLOSE)], ring[slot + np.uint64(_K_COVER)]
+            trained = state
+            if (opens | closes) != nothing:
+                ring[slot + np.uint64(_K_OPEN)] = nothing
+                ring[slot + np.uint64(_K_CLOSE)] = nothing
+                # From each event up, in position order, the decision it sets: trained after an open, not after
+                # a close, and not after an open and a close at one position (SPEC.md: open(i) > close(i)).
+                sets = opens & ~closes
+                events = opens | closes
+                while events != nothing:
+                    lowest = events & (nothing - events)
+                    above = nothing - lowest  # that bit and every bit above it
+                    to = nothing - np.uint64((sets & lowest) != nothing)
+                    trained = (trained & ~above) | (above & to)
+                    events &= events - one
+                state = nothing - (trained >> np.uint64(63))
+            if cover != nothing:
+                ring[slot + np.uint64(_K_COVER)] = nothing
+                trained &= ~cover
+            if b + block <= u_hi:
+                if trained == nothing or trained == full:  # one decision: the ids, or one value
+                    keep = keep_copy if trained else np.int64(0)
+                    base = base_trained if trained else untrained
+                    for k in range(block):
+                        out[b + k] = (np.int64(values[b + k]) & keep) + base
+                    n_trained += _BLOCK if trained else 0
+                else:
+                    for k in range(block):
+                        lane = np.int64(0) - np.int64((trained >> k) & one)
+                        out[b + k] = (np.int64(values[b + k]) & (keep_copy & lane)) + (delta & lane) + untrained
+                    n_trained += _popcount(trained)
+            else:  # the row's last, shorter block
+                n = u_hi - b
+                trained &= (one << n) - one
+                for k in range(n):
+                    lane = np.int64(0) - np.int64((trained >> k) & one)
+                    out[b + k] = (np.int64(values[b + k]) & (keep_copy & lane)) + (delta & lane) + untrained
+                n_trained += _popcount(trained)
         trained_tokens[r] = n_trained
         outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
         first_bad[r] = _first_negative(values, lo, hi) if sign < 0 else -1
