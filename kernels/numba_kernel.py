@@ -64,19 +64,8 @@ _BLOCK = 64  # one bit each in a uint64
 _PREFILTER = 4
 
 
-@intrinsic
-def _candidates(typingctx, values, at, a0, a1, a2, a3, zero):
-    """A uint64 whose bit k says whether ``values[at + k]`` is ``a0``, ``a1``, ``a2`` or ``a3`` (or below
-    ``zero``, for signed ids), for the _BLOCK (64) tokens from ``at``, which must all lie in ``values``.
-
-    Written as LLVM vector code: one compare of 64 lanes per id, and the lanes' bits taken as they are (a
-    ``kmov`` where AVX-512 has mask registers, a ``movmsk`` elsewhere). The same loop written in Python
-    builds the bits lane by lane with 64-bit shifts and a final reduction: twice the instructions, on
-    half as many lanes (``bench_engine.py``: the scan was 40% of the kernel's time on qwen3).
-    """
-    sig = types.uint64(values, at, a0, a1, a2, a3, zero)
-    dtype = values.dtype
-
+def _candidates_codegen(dtype):
+    """The body of ``_candidates``: its arguments are the values, ``at``, the ids, and last ``zero``."""
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         lanes = ir.VectorType(context.get_value_type(dtype), _BLOCK)
@@ -88,13 +77,32 @@ def _candidates(typingctx, values, at, a0, a1, a2, a3, zero):
             return builder.shuffle_vector(one, ir.Constant(lanes, ir.Undefined), first)
 
         hit = builder.icmp_unsigned("==", tokens, splat(args[2]))
-        for k in (3, 4, 5):
-            hit = builder.or_(hit, builder.icmp_unsigned("==", tokens, splat(args[k])))
+        for x in args[3:-1]:
+            hit = builder.or_(hit, builder.icmp_unsigned("==", tokens, splat(x)))
         if dtype.signed:
-            hit = builder.or_(hit, builder.icmp_signed("<", tokens, splat(args[6])))
+            hit = builder.or_(hit, builder.icmp_signed("<", tokens, splat(args[-1])))
         return builder.bitcast(hit, ir.IntType(_BLOCK))
 
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def _candidates(typingctx, values, at, a0, a1, a2, a3, zero):
+    """A uint64 whose bit k says whether ``values[at + k]`` is ``a0``, ``a1``, ``a2`` or ``a3`` (or below
+    ``zero``, for signed ids), for the _BLOCK (64) tokens from ``at``, which must all lie in ``values``.
+
+    Written as LLVM vector code: one compare of 64 lanes per id, and the lanes' bits taken as they are (a
+    ``kmov`` where AVX-512 has mask registers, a ``movmsk`` elsewhere). The same loop written in Python
+    builds the bits lane by lane with 64-bit shifts and a final reduction: twice the instructions, on
+    half as many lanes (``bench_engine.py``: the scan was 40% of the kernel's time on qwen3).
+    """
+    return types.uint64(values, at, a0, a1, a2, a3, zero), _candidates_codegen(values.dtype)
+
+
+@intrinsic
+def _candidates2(typingctx, values, at, a0, a1, zero):
+    """``_candidates`` for two anchor ids, most templates' number: three compares a lane instead of five."""
+    return types.uint64(values, at, a0, a1, zero), _candidates_codegen(values.dtype)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -395,6 +403,7 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
     group_offsets, group_kinds, group_anchors, group_lengths, group_starts, group_ids, slot_groups = groups
     last = np.uint64(classes.shape[0] - 1)
     a0, a1, a2, a3, zero = prefilter[0], prefilter[1], prefilter[2], prefilter[3], prefilter[4]
+    two_ids = a2 == a0 and a3 == a0  # the padding of two anchor ids (prefilter_ids)
     one = np.uint64(1)
     nothing = np.uint64(0)
     full = ~nothing
@@ -438,7 +447,10 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                 b = u_lo + np.uint64(bi) * block
                 bits = nothing
                 if b + block <= n_values:  # whole vectors, even past the row's end (those bits are dropped)
-                    bits = _candidates(values, b, a0, a1, a2, a3, zero)
+                    if two_ids:
+                        bits = _candidates2(values, b, a0, a1, zero)
+                    else:
+                        bits = _candidates(values, b, a0, a1, a2, a3, zero)
                     if b + block > u_hi:
                         bits &= (one << (u_hi - b)) - one
                 else:  # the values' last tokens
