@@ -412,6 +412,16 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
     max_length = np.int64(0)
     for k in range(group_lengths.shape[0]):
         max_length = _max(max_length, group_lengths[k])
+    # Per group, how far before and after its anchor its patterns reach: a large group's automaton steps
+    # over that span only (qwen3's whitespace variants: 3 tokens, not max_anchor + max_length = 4).
+    n_groups = group_offsets.shape[0] - 1
+    reach_back = np.zeros(n_groups, np.int64)
+    reach_ahead = np.zeros(n_groups, np.int64)
+    for g in range(n_groups):
+        for k in range(group_offsets[g], group_offsets[g + 1]):
+            if group_lengths[k] >= 0:
+                reach_back[g] = _max(reach_back[g], group_anchors[k])
+                reach_ahead[g] = _max(reach_ahead[g], group_lengths[k] - group_anchors[k])
     # Blocks are written ``lag`` behind the scan: a match anchored in block b starts in block b - lag at
     # the earliest. The ring holds the blocks from the one being written to the furthest a match found now
     # reaches (t + max_length); padded by a cache line on each side so that two threads' rings share none.
@@ -480,7 +490,7 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                             first = group_starts[k]
                             same = True
                             for m in range(length):  # no early exit: a pattern's length is the same every time
-                                same &= values[np.uint64(s + m)] == group_ids[first + m]
+                                same &= values[np.uint64(s + m)] == group_ids[np.uint64(first + m)]
                             if not same:
                                 continue
                             kind = group_kinds[k]
@@ -506,12 +516,12 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                                     one << (x & np.uint64(63)))
                     else:
                         # A large group (dozens of whitespace variants sharing their anchor): the automaton
-                        # stepped over the tokens any of them can span. Every match anchored at t starts at
-                        # or after t - max_anchor and ends before t + max_length; others found on the way
-                        # start there too, so their blocks are not written yet, and finding them twice sets
-                        # the same bits.
+                        # stepped over the tokens any of them can span: every match of the group anchored at
+                        # t starts at or after t - reach_back[g] and ends before t + reach_ahead[g]. Others
+                        # found on the way start there too (after t - max_anchor), so their blocks are not
+                        # written yet, and finding them twice sets the same bits.
                         state_a = 0
-                        for q in range(_max(lo, t - max_anchor), _min(hi, t + max_length)):
+                        for q in range(_max(lo, t - reach_back[g]), _min(hi, t + reach_ahead[g])):
                             c = np.int64(classes[_min(np.uint64(values[np.uint64(q)]), last)])
                             if c == n_classes:
                                 c = _big_class(values[np.uint64(q)], big_ids, big_classes)
