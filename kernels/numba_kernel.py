@@ -400,7 +400,8 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
     without ``last_turn_only``."""
     (classes, big_ids, big_classes, n_classes, max_anchor, goto, outputs, close_offsets, close_lengths,
      mask_length) = auto
-    group_offsets, group_kinds, group_anchors, group_lengths, group_starts, group_ids, slot_groups = groups
+    (group_offsets, group_kinds, group_anchors, group_lengths, group_starts, group_ids, slot_groups, prefix_lengths,
+     prefix_states) = groups
     last = np.uint64(classes.shape[0] - 1)
     a0, a1, a2, a3, zero = prefilter[0], prefilter[1], prefilter[2], prefilter[3], prefilter[4]
     two_ids = a2 == a0 and a3 == a0  # the padding of two anchor ids (prefilter_ids)
@@ -521,7 +522,21 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
                         # found on the way start there too (after t - max_anchor), so their blocks are not
                         # written yet, and finding them twice sets the same bits.
                         state_a = 0
-                        for q in range(_max(lo, t - reach_back[g]), _min(hi, t + reach_ahead[g])):
+                        q_from = _max(lo, t - reach_back[g])
+                        common = prefix_lengths[g]
+                        if common > 0:  # the tokens every pattern of the group begins with, compared directly
+                            s = t - reach_back[g]
+                            if s < lo or s + common > hi:
+                                continue
+                            first = group_starts[group_offsets[g]]
+                            same = True
+                            for m in range(common):
+                                same &= values[np.uint64(s + m)] == group_ids[np.uint64(first + m)]
+                            if not same:
+                                continue
+                            state_a = prefix_states[g]
+                            q_from = s + common
+                        for q in range(q_from, _min(hi, t + reach_ahead[g])):
                             c = np.int64(classes[_min(np.uint64(values[np.uint64(q)]), last)])
                             if c == n_classes:
                                 c = _big_class(values[np.uint64(q)], big_ids, big_classes)
@@ -688,8 +703,39 @@ def direct_groups(automaton, dtype: np.dtype, prefilter: np.ndarray) -> tuple:
             lengths[k] = -1
     slot_classes = automaton.class_of(prefilter[:_PREFILTER].astype(np.int64))
     slot_groups = np.where(slot_classes >= automaton.n_quiet, slot_classes - automaton.n_quiet, -1).astype(np.int64)
+    prefix_lengths, prefix_states = group_prefixes(automaton, lengths)
     return (automaton.group_offsets, automaton.group_kinds, automaton.group_anchors, lengths,
-            automaton.group_starts, np.where(fits, ids, 0).astype(dtype), slot_groups)
+            automaton.group_starts, np.where(fits, ids, 0).astype(dtype), slot_groups, prefix_lengths, prefix_states)
+
+
+def group_prefixes(automaton, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per group, the tokens all its patterns begin with, where they all start at one offset before the
+    anchor, as ``(length, automaton state after them)``; length 0 where there is no such prefix, or where
+    a pattern ends inside it (its match would be missed by starting the automaton after the prefix).
+
+    A large group's patterns (Qwen's 31 ``<|im_start|>assistant`` + whitespace variants, OLMo-2's 14
+    ``<|assistant|>`` variants) share most of their tokens: ``_direct_block`` compares those directly and
+    steps the automaton over the rest only (Qwen3: one step instead of three)."""
+    n_groups = automaton.group_offsets.shape[0] - 1
+    prefix_lengths = np.zeros(n_groups, np.int64)
+    prefix_states = np.zeros(n_groups, np.int64)
+    for g in range(n_groups):
+        members = [k for k in range(automaton.group_offsets[g], automaton.group_offsets[g + 1]) if lengths[k] >= 0]
+        if not members or len({int(automaton.group_anchors[k]) for k in members}) != 1:
+            continue
+        patterns = [automaton.group_ids[automaton.group_starts[k]:automaton.group_starts[k] + lengths[k]] for k in members]
+        common = 0
+        while all(common < len(p) for p in patterns) and len({int(p[common]) for p in patterns}) == 1:
+            common += 1
+        state = 0
+        for c in automaton.class_of(patterns[0][:common]):
+            state = int(automaton.goto[state * automaton.n_classes + int(c)])
+            if automaton.outputs[state]:  # a pattern ends inside the prefix: keep stepping from its start
+                common = 0
+                break
+        prefix_lengths[g] = common
+        prefix_states[g] = state if common else 0
+    return prefix_lengths, prefix_states
 
 
 @functools.lru_cache(maxsize=64)

@@ -219,6 +219,27 @@ def test_matches_longer_than_a_block_and_anchored_far_inside_them(data, last_tur
     assert_drivers_equal_reference(rows, markers, last_turn_only, dtype, anchors=anchors)
 
 
+def test_a_large_group_compares_its_shared_prefix_and_steps_the_automaton_over_the_rest():
+    """Qwen's shape: 32 ``<|im_start|>assistant`` + whitespace variants anchored on ``assistant``. The direct
+    kernel compares the two tokens they all begin with and steps the automaton from the state after them;
+    a header cut by the row's start or end, or followed by no variant, matches nothing."""
+    start, assistant, user, end = 151644, 77091, 872, 151645
+    variants = [[start, assistant, w] for w in range(198, 230)]
+    markers = Markers(response=variants, instruction=[[start, user, 198]], end=[[end]])
+    anchors = (1,) * 32 + (1,) + (0,)
+    automaton = markers.compiled().anchored(anchors)
+    lengths, _ = numba_kernel.group_prefixes(automaton, automaton.group_lengths)
+    assert sorted(lengths.tolist()) == [0, 0, 2]  # a one-pattern group's prefix is the whole pattern: none
+    rows = [
+        [assistant, 198, 5, 6, end, start, assistant, 199, 7, end],  # the first header cut by the row's start
+        [start, user, 198, 5, start, assistant, 229, 8, 9, end, start, assistant],  # the last cut by its end
+        [start, assistant, 300, 5, start, assistant, 210, 6, start, start, assistant, 211, 7, end, 8],
+        [start, assistant], [assistant], [start, assistant, 198],
+    ]
+    for dtype in (np.int32, np.int64):
+        assert_drivers_equal_reference(rows * 3, markers, False, dtype, anchors=anchors)
+
+
 def test_the_prefilter_holds_at_most_four_anchor_ids_and_the_values_dtype():
     ids, usable = numba_kernel.prefilter_ids(np.array([3, 70000], np.int64), np.dtype(np.int16))
     assert usable and ids.dtype == np.int16 and ids.tolist() == [3, 3, 3, 3, 0]  # 70000 cannot occur in int16
