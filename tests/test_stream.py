@@ -303,3 +303,31 @@ def test_chat_template_option_replaces_the_tokenizers_template(tmp_path):
     ids, labels = out.column("input_ids")[0].as_py(), out.column("labels")[0].as_py()
     trained = [i for i, label in zip(ids, labels) if label != -100]
     assert tok.tokenizer.decode(trained).strip() == "Paris.<｜end▁of▁sentence｜>"
+
+
+@pytest.mark.parametrize("runs", [256, 0])
+def test_keep_rows_equals_arrow_filter(runs, monkeypatch):
+    """Dropping rows keeps the others as zero-copy slices (few runs) or copies their lists of numbers with NumPy
+    (many runs): either way the table equals Arrow's filter, null rows, sliced arrays and large lists included."""
+    import numpy as np
+    import pyarrow as pa
+
+    from lossmask.jobs import batch_step
+
+    monkeypatch.setattr(batch_step, "MAX_KEPT_RUNS", runs)
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n = int(rng.integers(0, 30))
+        lengths = rng.integers(0, 6, n)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        values = rng.integers(-5, 100, int(offsets[-1]))
+        ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=pa.array(rng.random(n) < 0.2))
+        weights = pa.LargeListArray.from_arrays(pa.array(offsets.astype(np.int64)), pa.array(values.astype(np.float32)))
+        if n > 3:
+            ids, weights = ids.slice(1, n - 2), weights.slice(1, n - 2)
+        table = pa.table({"ids": ids, "weights": weights, "text": pa.array([str(i) for i in range(len(ids))])})
+        keep = rng.random(len(ids)) < rng.random()
+        if rng.random() < 0.7:  # as mask_batch drops them: a null row never trains
+            keep &= ids.is_valid().to_numpy(zero_copy_only=False)
+        got, want = batch_step.keep_rows(table, keep), table.filter(pa.array(keep))
+        assert got.equals(want) and got.schema == want.schema
