@@ -309,9 +309,6 @@ def test_chat_template_option_replaces_the_tokenizers_template(tmp_path):
 def test_keep_rows_equals_arrow_filter(runs, monkeypatch):
     """Dropping rows keeps the others as zero-copy slices (few runs) or copies their lists of numbers with NumPy
     (many runs): either way the table equals Arrow's filter, null rows, sliced arrays and large lists included."""
-    import numpy as np
-    import pyarrow as pa
-
     from lossmask.jobs import batch_step
 
     monkeypatch.setattr(batch_step, "MAX_KEPT_RUNS", runs)
