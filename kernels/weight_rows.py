@@ -10,7 +10,6 @@ Not a labelling backend (no ``label_rows``): ``engine/weights.py`` calls these t
   the labels (the id where the weight is > 0) and the totals: trained tokens and weight mass per row and per role
   code, whether any token's training changed from the marker labels', and whether a weight other than 0 or 1 occurs.
 
-- ``weigh_plain``: the two in one pass, where nothing comes between them (no exact row, stop policy ``turn``).
 - ``weigh_exact``: between the two, the rows whose weights speak about characters (turns that differ, other roles'
   text, spans, parts, reasoning): runs tied to their messages, leads and segments, one row at a time.
 
@@ -80,54 +79,6 @@ def finish_weights(weights, role, labels, ignore_index, ids, row_starts, lengths
         row_tokens[r] = tokens
         row_mass[r] = mass
     return row_tokens, row_mass, role_tokens, role_mass, changed, odd
-
-
-@njit(cache=True, nogil=True)
-def weigh_plain(labels, ignore_index, ids, uniform, row_starts, lengths, prompt_weight, never, out, write_out):
-    """``start_weights`` and ``finish_weights`` in one pass, for batches with no exact row and the stop-token policy
-    ``turn`` (no role but the assistant's and the prompt's can occur). ``out`` is written only when ``write_out``
-    (the caller knows the labels cannot change otherwise). Returns the weights, the per-row totals, the assistant's
-    and the prompt's tokens and mass, and the two flags."""
-    n_rows = row_starts.shape[0]
-    weights = np.empty(labels.shape[0], np.float32)
-    row_tokens = np.zeros(n_rows, np.int64)
-    row_mass = np.zeros(n_rows, np.float64)
-    role_tokens = np.zeros(3, np.int64)
-    role_mass = np.zeros(3, np.float64)
-    changed = False
-    odd = False
-    masked = never.shape[0] != 0
-    for r in range(n_rows):
-        lo, hi = row_starts[r], row_starts[r] + lengths[r]
-        u = uniform[r]
-        fill = False
-        if prompt_weight != 0 and u > 0:
-            for k in range(lo, hi):
-                if labels[k] != ignore_index:
-                    fill = True
-                    break
-        tokens = 0
-        mass = 0.0
-        for k in range(lo, hi):
-            before = labels[k] != ignore_index
-            code = _ASSISTANT if before else (_PROMPT if fill else 0)
-            w = u if before else (prompt_weight if fill else np.float32(0))
-            if masked and never[k]:
-                w = np.float32(0)
-            weights[k] = w
-            trained = w > 0
-            if write_out:
-                out[k] = ids[k] if trained else ignore_index
-            changed |= trained != before
-            odd |= (w != 0) & (w != 1)
-            if trained:
-                tokens += 1
-                mass += w
-                role_tokens[code] += 1
-                role_mass[code] += w
-        row_tokens[r] = tokens
-        row_mass[r] = mass
-    return weights, row_tokens, row_mass, role_tokens, role_mass, changed, odd
 
 
 def reference_start(labels, ignore_index, uniform, row_starts, lengths):

@@ -109,13 +109,13 @@ def _leaves(value: Any) -> list[Any]:
     return [value]
 
 
-_PLAIN_KEYS = frozenset(("role", "content"))
+PLAIN_KEYS = frozenset(("role", "content"))  # a message the template writes as plain text
 _WEIGHT_KEYS = frozenset(WEIGHT_FIELDS)  # a message's own weight, read by chat/weights.py, never by a template
 
 
 def weighed_only(message: dict) -> bool:
     """``{role, content}`` and weight fields holding a number or a boolean, nothing else: rendered as a plain message."""
-    extra = message.keys() - _PLAIN_KEYS
+    extra = message.keys() - PLAIN_KEYS
     return len(message) == len(extra) + 2 and extra <= _WEIGHT_KEYS and \
         all(type(message[key]) in (bool, int, float) for key in extra)
 

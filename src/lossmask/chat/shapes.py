@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..engine.outcomes import NO_EXCHANGE
-from .locate import weighed_only
+from .locate import PLAIN_KEYS, weighed_only
 
 ROLES_MERGED = "roles_merged"
 LEADING_ASSISTANT_DROPPED = "leading_assistant_dropped"
@@ -43,7 +43,6 @@ PART_SEPARATOR = "\n"
 # [(begin, end), part] pairs that chat/weights.py reads
 PART_SPANS = "lossmask_part_spans"
 _MERGEABLE = ("user", "assistant", "system")
-_PLAIN_KEYS = frozenset(("role", "content"))
 
 
 @dataclass
@@ -121,7 +120,7 @@ def _plain_alternating(messages: list) -> bool:
     for i, message in enumerate(messages):
         if type(message) is not dict:
             return False
-        if message.keys() != _PLAIN_KEYS and not weighed_only(message):
+        if message.keys() != PLAIN_KEYS and not weighed_only(message):
             return False
         content = message["content"]
         if type(content) is not str or not content.strip():
@@ -182,7 +181,7 @@ def message_parts(message: Any) -> list:
 
 def _empty(message: Any) -> bool:
     """A user, assistant or system message with no text and nothing else (no tool calls, no reasoning)."""
-    if not isinstance(message, dict) or message.get("role") not in _MERGEABLE or not set(message) <= _PLAIN_KEYS | {"name"}:
+    if not isinstance(message, dict) or message.get("role") not in _MERGEABLE or not set(message) <= PLAIN_KEYS | {"name"}:
         return False
     content = message.get("content", 0)  # a message without content is left to the template
     return (isinstance(content, str) and not content.strip()) or (isinstance(content, list) and not content)
@@ -202,7 +201,7 @@ def _merge_consecutive(messages: list) -> list:
 
 def _mergeable(message: Any) -> bool:
     # only {role, content}: a name, tool calls or reasoning would be lost or misplaced by joining
-    return (isinstance(message, dict) and message.get("role") in _MERGEABLE and message.keys() == _PLAIN_KEYS
+    return (isinstance(message, dict) and message.get("role") in _MERGEABLE and message.keys() == PLAIN_KEYS
             and isinstance(message.get("content"), str))
 
 

@@ -15,9 +15,9 @@ this order, each source over the ones before it:
    run's, ``none`` none, ``all`` also every stop token outside the runs (weight 1);
 5. ``prompt_weight`` for every token nothing above claimed, in the rows where something trains.
 
-Labels are the ids where the weight is > 0. The passes every weighed batch makes (the run weights, the prompt weight,
-the labels and the totals) are two numba kernels (``kernels/weight_rows.py``); the exact rows and the stop-token policy
-are vectorised NumPy over the batch's tokens, with Python loops over rows and messages only to gather the plans.
+Labels are the ids where the weight is > 0. The passes over the batch's tokens are numba kernels
+(``kernels/weight_rows.py``): the run weights, then the exact rows (steps 2 and 3), then the prompt weight, the labels
+and the totals. Python loops over rows and messages only to gather the plans; the stop-token policy is NumPy.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-ROLE_NAMES = ("", "assistant", "prompt", "stop token")  # role codes 0..3; other roles follow (RoleWeights.names)
+ROLE_NAMES = ("", "assistant", "prompt", "stop token")  # role codes 0..3; other roles follow (Weighed.names)
 _ASSISTANT, _PROMPT, _STOP = 1, 2, 3
 _STRIDE = np.int64(1) << np.int64(36)  # rows' characters placed apart on one axis (no text is this long)
 
@@ -37,14 +37,13 @@ _STRIDE = np.int64(1) << np.int64(36)  # rows' characters placed apart on one ax
 class Weighed:
     """A batch's weights and what follows from them, rows back to back.
 
-    ``weights``: float32 per token; ``role``: a code per token into ``names`` (0: none; None where only the assistant
-    and the prompt weigh); ``labels``: the id where the
+    ``weights``: float32 per token; ``role``: a code per token into ``names`` (0: none); ``labels``: the id where the
     weight is > 0, else ``ignore_index``; ``changed``: do they differ from the marker labels; ``row_tokens`` and
     ``row_mass``: trained tokens and weight mass per row; ``by_role``: ``{role: [trained tokens, weight mass]}``;
     ``odd``: does a weight other than 0 or 1 occur?"""
 
     weights: np.ndarray
-    role: np.ndarray | None
+    role: np.ndarray
     names: tuple[str, ...]
     labels: np.ndarray
     changed: bool
@@ -60,9 +59,9 @@ def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, labels: np.ndarray, ignor
 
     ``planned``: the messages' ``encode_rendered.PlannedWeights`` (None for pre-tokenised ids: only the stop-token
     policy and the prompt weight apply). ``end_patterns``: the markers' stop-token patterns. ``never``: a bool per
-    token that weighs 0 whatever the options (inside an image). The passes every batch makes are two kernels
-    (``kernels/weight_rows.py``); only the exact rows and a stop-token policy other than ``turn`` add NumPy passes."""
-    from .kernels.weight_rows import finish_weights, start_weights, weigh_plain  # numba loads when a batch is weighed
+    token that weighs 0 whatever the options (inside an image). Every batch makes two kernel passes
+    (``kernels/weight_rows.py``); the exact rows add a third, and a stop-token policy other than ``turn`` NumPy passes."""
+    from .kernels.weight_rows import finish_weights, start_weights  # numba loads when a batch is weighed, not on import
 
     lengths = np.asarray(lengths, dtype=np.int64)
     row_starts = _row_starts(lengths)
@@ -75,21 +74,11 @@ def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, labels: np.ndarray, ignor
     ignore = labels.dtype.type(ignore_index)
     out = np.empty(labels.shape[0], dtype=labels.dtype)
     never = np.zeros(0, dtype=bool) if never is None else np.ascontiguousarray(never, dtype=bool)
-    exact = planned is not None and planned.plans and planned.rows.size
-    stops = options.train_on_eos != "turn" and end_patterns and ids.shape[0]
-    if not exact and not stops:  # one pass: run weights, prompt weight, labels and totals
-        # the labels can change only through a turn that weighs 0, the prompt weight, or tokens that never train
-        write_out = bool(options.prompt_weight or (uniform <= 0).any() or never.any())
-        weights, row_tokens, row_mass, role_tokens, role_mass, changed, odd = weigh_plain(
-            labels, ignore, np.ascontiguousarray(ids), uniform, row_starts, lengths,
-            np.float32(options.prompt_weight or 0), never, out, write_out)
-        names = ROLE_NAMES[:3]
-        by_role = {names[c]: [int(role_tokens[c]), float(role_mass[c])] for c in (1, 2) if role_tokens[c]}
-        return Weighed(weights, None, names, out if changed else labels, bool(changed), row_tokens, row_mass, by_role,
-                       bool(odd))
     weights, role = start_weights(labels, ignore, uniform, row_starts, lengths)
     names = list(ROLE_NAMES)
-    in_run = labels != ignore
+    exact = planned is not None and planned.plans and planned.rows.size
+    stops = options.train_on_eos != "turn" and end_patterns and ids.shape[0]
+    in_run = labels != ignore if exact or stops else None  # the runs, as steps 2-4 leave them
     if exact:
         _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names)
     if stops:
@@ -137,8 +126,9 @@ def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> 
         for name in dict.fromkeys(name for name in msg_role if name != "assistant"):
             if name not in names:
                 names.append(name)
-        msg_code = np.fromiter((names.index(name) if name != "assistant" else 0 for name in msg_role),
-                               dtype=np.int16, count=len(msg_role))
+        code = {name: c for c, name in enumerate(names)}
+        code["assistant"] = 0
+        msg_code = np.fromiter((code[name] for name in msg_role), dtype=np.int16, count=len(msg_role))
     weigh_exact(row_starts[rows], lengths[rows], planned.starts, planned.ends, msg_off, msg_weight, msg_assistant,
                 msg_code, lead_at, lead_w, piece_off, pieces[:, 0].astype(np.int64), pieces[:, 1].astype(np.int64),
                 pieces[:, 2].astype(np.int64), seg_off, segments[:, 0].astype(np.int64),
@@ -146,13 +136,13 @@ def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> 
                 role)
 
 
-def _flat(plans, name: str, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``name`` tuples of every plan as one ``(n, width)`` float64 array, and where each plan's begin."""
+def _flat(plans, name: str, width: int, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """The ``name`` tuples of every plan as one ``(n, width)`` array, and where each plan's begin."""
     counts = np.fromiter((len(getattr(p, name)) for p in plans), dtype=np.int64, count=len(plans))
     offsets = np.zeros(len(plans) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     items = [item for p in plans for item in getattr(p, name)]
-    return np.asarray(items, dtype=np.float64).reshape(-1, width), offsets
+    return np.asarray(items, dtype=dtype).reshape(-1, width), offsets
 
 
 def _weigh_exact_numpy(planned, lengths, row_starts, in_run, weights, role, names) -> None:
@@ -246,14 +236,12 @@ def _weigh_exact_numpy(planned, lengths, row_starts, in_run, weights, role, name
 
 
 def _on_one_axis(plans, name: str, width: int, first: np.ndarray, *, chars: tuple, message: int) -> np.ndarray:
-    """The ``name`` tuples of every plan as one ``(n, width)`` array: the columns in ``chars`` moved to their row's
-    place on the one axis (``k * _STRIDE``), the ``message`` column numbered after the rows' before it. Float64 when a
-    column holds a weight (exact for the characters: they stay below 2**53)."""
-    counts = np.fromiter((len(getattr(p, name)) for p in plans), dtype=np.int64, count=len(plans))
-    items = [item for p in plans for item in getattr(p, name)]
-    floats = name != "pieces"
-    out = np.asarray(items, dtype=np.float64 if floats else np.int64).reshape(-1, width)
+    """``_flat``, with the columns in ``chars`` moved to their row's place on the one axis (``k * _STRIDE``) and the
+    ``message`` column numbered after the rows' before it. Float64 when a column holds a weight (exact for the
+    characters: they stay below 2**53)."""
+    out, offsets = _flat(plans, name, width, np.int64 if name == "pieces" else np.float64)
     if out.shape[0]:
+        counts = np.diff(offsets)
         k = np.repeat(np.arange(len(plans), dtype=np.int64), counts)
         for column in chars:
             out[:, column] += k * _STRIDE

@@ -249,7 +249,7 @@ def mask_batch(
                 input_ids, labels, outcomes, planned, markers if prompt_lengths is None else None, options, tally,
                 table, tokenizer, media_span, write_weights)
             if not write_weights and odd is not None:
-                _check_binary(odd, options, source)
+                _refuse_unwritten_weight(odd, options, source)
         counts = OutcomeCounts.from_rows(outcomes, trained, _lengths(input_ids))
         tally.time("weights", time.perf_counter() - started_weights)
     if broken is not None and broken.any():  # these rows leave the batch before anything is counted or written
@@ -430,7 +430,7 @@ def _sources(table, options, row_tokens, row_mass) -> dict | None:
     return {labels[i]: [int(rows[i]), int(tokens[i]), float(mass[i])] for i in range(len(labels)) if rows[i]}
 
 
-def _check_binary(odd: float, options: MaskOptions, source: str) -> None:
+def _refuse_unwritten_weight(odd: float, options: MaskOptions, source: str) -> None:
     raise ValueError(
         f"{source}: a weight of {odd} occurs, but no {options.loss_weights_column!r} column is being "
         "written (the options and the input's schema promised 0/1 weights only); pass loss_weights=True "
