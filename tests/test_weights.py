@@ -17,10 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import chat_tokenizer, detected_markers
+from lossmask.engine import weights as _engine_weights
 from lossmask.engine.tally import Tally
 from lossmask.jobs.batch_step import mask_batch
 from lossmask.options import MaskOptions
 
+_EXACT_KERNEL = _engine_weights._weigh_exact  # taken before the autouse fixture below wraps it
 FAMILIES = ("chatml", "llama-3.1", "gemma-3", "mistral-v3", "gpt-oss", "qwen3")
 # what each family trains around a last assistant turn's content (docs/masking-rule.md)
 BEFORE = {"chatml": "", "llama-3.1": "", "gemma-3": "", "mistral-v3": "", "qwen3": "<think>\n\n</think>\n\n",
@@ -422,6 +424,64 @@ def test_weight_row_kernels_equal_their_references(lengths, seed, prompt, with_n
     np.testing.assert_array_equal(o1, o2)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), rtol=1e-6)
+
+
+@st.composite
+def exact_batches(draw):
+    """A batch of exact rows as ``engine/weights`` hands them to ``weigh_exact``: tokens with character spans (some
+    empty), marker runs, and plans with messages of three roles, sorted disjoint pieces, segments and leads."""
+    from lossmask.chat.encode_rendered import PlannedWeights
+    from lossmask.chat.weights import RowPlan
+
+    n_rows = draw(st.integers(1, 4))
+    plans, lengths, starts, ends, runs = [], [], [], [], []
+    for _ in range(n_rows):
+        sizes = draw(st.lists(st.integers(0, 4), max_size=14))
+        cs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if sizes else np.zeros(0, np.int64)
+        ce = cs + np.asarray(sizes, dtype=np.int64)
+        chars = int(ce[-1]) if sizes else 0
+        roles = draw(st.lists(st.sampled_from(["assistant", "assistant", "user", "system"]), min_size=1, max_size=4))
+        weights = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=len(roles), max_size=len(roles)))
+        cuts = sorted(draw(st.lists(st.integers(0, chars + 1), max_size=8)))
+        pieces = [(a, b, draw(st.integers(0, len(roles) - 1)), draw(st.booleans()))
+                  for a, b in zip(cuts[::2], cuts[1::2]) if b > a]
+        segments = []
+        for _ in range(draw(st.integers(0, 3))):
+            m = draw(st.integers(0, len(roles) - 1))
+            a = draw(st.integers(0, chars + 1))
+            segments.append((a, a + draw(st.integers(0, 4)), draw(st.sampled_from([0.0, 0.3, 1.0])), m,
+                             roles[m] == "assistant"))
+        leads = [(m, draw(st.integers(0, chars + 1)), draw(st.sampled_from([0.0, 0.25, 3.0])))
+                 for m in range(len(roles)) if roles[m] == "assistant" and draw(st.booleans())]
+        plans.append(RowPlan(uniform=1.0, exact=True, weights=weights, roles=roles, pieces=pieces,
+                             segments=segments, leads=leads))
+        lengths.append(len(sizes))
+        starts.append(cs)
+        ends.append(ce)
+        runs.append(draw(st.lists(st.sampled_from([True, True, False]), min_size=len(sizes), max_size=len(sizes))))
+    planned = PlannedWeights(plans, np.arange(n_rows, dtype=np.int64), np.concatenate(starts), np.concatenate(ends))
+    return planned, np.asarray(lengths, dtype=np.int64), np.asarray([t for row in runs for t in row], dtype=bool)
+
+
+@settings(max_examples=500, deadline=None)
+@given(batch=exact_batches(), uniform=st.sampled_from([0.5, 1.0]))
+def test_exact_rows_kernel_equals_its_numpy_reference(batch, uniform):
+    """``weigh_exact`` (through ``_weigh_exact``) against ``_weigh_exact_numpy``, on batches no template wrote:
+    runs that straddle pieces, pieces of no assistant, segments across token edges, leads inside tokens."""
+    from lossmask.engine import weights as engine_weights
+
+    planned, lengths, in_run = batch
+    row_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    weights = np.where(in_run, np.float32(uniform), np.float32(0)).astype(np.float32)
+    role = in_run.astype(np.int16)
+    names_got, names_want = list(engine_weights.ROLE_NAMES), list(engine_weights.ROLE_NAMES)
+    got = [in_run.copy(), weights.copy(), role.copy()]
+    want = [in_run.copy(), weights.copy(), role.copy()]
+    _EXACT_KERNEL(planned, lengths, row_starts, *got, names_got)  # not the autouse fixture's wrapper
+    engine_weights._weigh_exact_numpy(planned, lengths, row_starts, *want, names_want)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert [names_got[c] for c in got[2]] == [names_want[c] for c in want[2]]
 
 
 def test_collection_paused_while_locating_and_restored():
