@@ -3,13 +3,17 @@
 Not a labelling backend (it has no ``label_rows``): the messages path asks it, through ``lossmask.engine.token_spans``,
 for each token's character span instead of tokenising again with offsets. Inputs are flat buffers:
 
-- ``pieces``/``piece_starts``/``piece_lengths``: the bytes each id stands for (``-1``: unknown), and
-  ``piece_chars`` the characters they begin; ``added``: which ids are added tokens;
+- ``meta``: per id, where its bytes start in ``pieces``, how many there are (unknown: ``_UNKNOWN``), how many
+  characters they begin and whether it is an added token, packed in one uint64 (``pack_table``: one load per token
+  instead of four, from a table the size of the vocabulary); ``pieces``: the bytes, with 8 more after the last;
 - ``prepend``: 0, or where the tokeniser wrote a ``▁`` that is not in the text (1: before the row's first token,
   2: also after every added token; plus 4 where it writes none before text that begins with a space, as
   ``Metaspace`` does), which the first byte of such a token, a space, is then taken as;
-- ``ids``, ``offsets`` (``n_rows + 1``): the rows' tokens; ``text``: the rows' texts, UTF-8, back to back, and
-  ``char_lengths``: each text's length in characters.
+- ``ids``, ``offsets`` (``n_rows + 1``): the rows' tokens; ``text``: the rows' texts, UTF-8, back to back (``n_text``
+  bytes, and 8 more after them), and ``char_lengths``: each text's length in characters.
+
+A token's bytes are compared with the text's 8 at a time (two unaligned loads, a xor and a mask): most tokens hold
+1-8 bytes, so one compare a token. The padding lets the last token's load read past its text.
 
 Out: ``spans`` (int32 ``[start, end)`` characters in the token's own row; a token holding part of a character's bytes
 covers that character; a taken-off ``▁`` alone covers the character after it, as ``tokenizers`` says) and ``exact``
@@ -21,7 +25,46 @@ per row: do its tokens' bytes, back to back, equal its text's? A row that is not
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+_START_BITS, _LENGTH_SHIFT, _CHARS_SHIFT, _ADDED_SHIFT = 32, 32, 48, 63
+_UNKNOWN = 0xFFFF  # the length of an id whose bytes are not known (a row holding it is never exact)
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+PADDING = 8  # bytes after ``pieces`` and ``text`` that an 8-byte load may read
+
+
+def pack_table(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, chars: np.ndarray,
+               added: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(meta, pieces)`` for ``token_spans`` from a vocabulary's bytes (``lengths`` -1 where unknown), or None when
+    they do not fit the packing (a piece of 65,535 bytes or more, 4 GiB of pieces)."""
+    known = lengths >= 0
+    if lengths.shape[0] and (lengths.max() >= _UNKNOWN or data.shape[0] >= 2 ** _START_BITS or chars.max() >= 2 ** 15):
+        return None
+    length = np.where(known, lengths, _UNKNOWN).astype(np.uint64)
+    meta = (np.where(known, starts, 0).astype(np.uint64) | (length << np.uint64(_LENGTH_SHIFT))
+            | (np.where(known, chars, 0).astype(np.uint64) << np.uint64(_CHARS_SHIFT))
+            | (added.astype(np.uint64) << np.uint64(_ADDED_SHIFT)))
+    return meta, np.concatenate([data, np.zeros(PADDING, np.uint8)])
+
+
+@intrinsic
+def _load8(typingctx, values, at):
+    """The 8 bytes of the uint8 array ``values`` from byte ``at``, as a little-endian uint64 (an unaligned load; the
+    caller keeps ``at + 8`` inside the buffer)."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        pointer = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(64).as_pointer())
+        return builder.load(pointer, align=1)
+
+    return types.uint64(values, at), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _low_bytes(n):
+    """A mask of the low ``n`` bytes of a uint64 (``n`` <= 8)."""
+    return _ALL if n >= 8 else (np.uint64(1) << np.uint64(8 * n)) - np.uint64(1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -30,15 +73,12 @@ def _is_lead(b):
 
 
 @njit(cache=True, nogil=True)
-def token_spans(pieces, piece_starts, piece_lengths, piece_chars, added, prepend, ids, offsets, text, char_lengths):
-    """``piece_chars``: the characters each piece begins (its bytes that are not UTF-8 continuation bytes)."""
+def token_spans(meta, pieces, prepend, ids, offsets, text, n_text, char_lengths):
     n_rows = offsets.shape[0] - 1
-    size = piece_lengths.shape[0]
+    size = meta.shape[0]
     # a row's characters fit an int32 (half the pages to touch); starts and ends each contiguous, returned as (n, 2)
     by_column = np.empty((2, ids.shape[0]), np.int32)
-    spans = by_column.T
     exact = np.zeros(n_rows, np.bool_)
-    n_text = text.shape[0]
     cursor = 0  # the first byte of row r's text
     for r in range(n_rows):
         row_start = cursor
@@ -46,17 +86,25 @@ def token_spans(pieces, piece_starts, piece_lengths, piece_chars, added, prepend
         chars = 0  # characters begun so far in this row
         ok = True
         previous_added = True  # the row's start counts as a stretch's start
-        for k in range(offsets[r], offsets[r + 1]):
-            v = ids[np.uint64(k)]  # unsigned indices: no negative-index wrap-around in the loop (~20% here)
-            if v < 0 or v >= size or piece_lengths[v] < 0:
+        # the row as slices walked from 0: no negative-index wrap-around in the loop
+        row_ids = ids[offsets[r]:offsets[r + 1]]
+        row_lo, row_hi = by_column[0, offsets[r]:offsets[r + 1]], by_column[1, offsets[r]:offsets[r + 1]]
+        for k in range(row_ids.shape[0]):
+            v = row_ids[k]
+            if v < 0 or v >= size:
                 ok = False
                 break
-            uv = np.uint64(v)
-            start, length, begun = piece_starts[uv], piece_lengths[uv], piece_chars[uv]
-            is_added = added[uv]
+            packed = meta[np.uint64(v)]
+            length = np.int64((packed >> np.uint64(_LENGTH_SHIFT)) & np.uint64(0xFFFF))
+            if length == _UNKNOWN:
+                ok = False
+                break
+            start = np.int64(packed & np.uint64(0xFFFFFFFF))
+            begun = np.int64((packed >> np.uint64(_CHARS_SHIFT)) & np.uint64(0x7FFF))
+            is_added = (packed >> np.uint64(_ADDED_SHIFT)) != 0
             emptied = False
             if prepend != 0 and previous_added and not is_added and length > 0 and pieces[start] == 32 \
-                    and ((prepend & 3) == 2 or k == offsets[r]) \
+                    and ((prepend & 3) == 2 or k == 0) \
                     and not ((prepend & 4) != 0 and chars < row_chars and text[cursor] == 32):
                 start += 1
                 length -= 1
@@ -66,22 +114,23 @@ def token_spans(pieces, piece_starts, piece_lengths, piece_chars, added, prepend
             if cursor + length > n_text:
                 ok = False
                 break
-            same = True
-            for j in range(length):  # no early exit: most pieces are a few bytes, and they match
-                same &= text[np.uint64(cursor + j)] == pieces[np.uint64(start + j)]
-            if not same:
+            word = _load8(text, cursor)
+            differ = (word ^ _load8(pieces, start)) & _low_bytes(length)
+            for j in range(8, length, 8):  # pieces longer than 8 bytes
+                differ |= (_load8(text, cursor + j) ^ _load8(pieces, start + j)) & _low_bytes(length - j)
+            if differ != 0:
                 ok = False
                 break
             lo = chars
-            if cursor < n_text and not _is_lead(text[cursor]):
+            if cursor < n_text and (word & np.uint64(0xC0)) == np.uint64(0x80):
                 lo = chars - 1  # it begins inside a character
             chars += begun
             cursor += length
             hi = chars
             if length == 0:
                 hi = min(lo + 1, row_chars) if emptied else lo
-            spans[np.uint64(k), 0] = lo
-            spans[np.uint64(k), 1] = hi
+            row_lo[k] = lo
+            row_hi[k] = hi
         # Exact: the tokens' bytes are the row's characters, all of them and no more (a row's text is followed by
         # the first byte of the next one's, or by the end).
         if ok and chars == row_chars and (cursor == n_text or _is_lead(text[cursor])):
@@ -96,10 +145,9 @@ def token_spans(pieces, piece_starts, piece_lengths, piece_chars, added, prepend
                     break
                 seen += 1
             cursor += 1
-        for k in range(offsets[r], offsets[r + 1]):
-            spans[k, 0] = 0
-            spans[k, 1] = 0
-    return spans, exact
+        row_lo[:] = 0
+        row_hi[:] = 0
+    return by_column.T, exact
 
 
 def reference_spans(pieces, piece_starts, piece_lengths, added, prepend, ids, offsets, texts):

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import chat_tokenizer, load_script
-from lossmask.engine.kernels.token_spans import reference_spans, token_spans
+from lossmask.engine.kernels.token_spans import PADDING, pack_table, reference_spans, token_spans
 
 # byte-level (with and without NFC), SentencePiece with a "▁" before every stretch, before the row only, and none
 FAMILIES = ("qwen2.5", "llama-3.1", "gpt-oss", "llama-2", "mistral-v3", "gemma-3", "falcon", "zephyr")
@@ -104,7 +104,9 @@ def test_real_sharegpt_rows():
 # -- the kernel against its reference ----------------------------------------------------------------------
 
 _PIECES = [b" ", b"a", b"b", b"ab", b" a", b"\n", b"\xc3", b"\xa9", b"\xc3\xa9", b"\xe6\x9d\xb1", b"<s>", b"",
-           b" \xe6\x9d", b"\xb1x"]
+           b" \xe6\x9d", b"\xb1x",
+           # 8 bytes and longer: the kernel compares 8 bytes at a time
+           b"abcdefgh", b" bcdefghi", b" \xc3\xa9bcdefghijklmnop\xe6\x9d\xb1"]
 _ADDED = {10}
 
 
@@ -137,16 +139,40 @@ def test_kernel_equals_reference(rows, prepend, damage):
         text = raw.decode("utf-8", errors="replace")
         if k < len(damage) and damage[k] == 0 and text:
             text = text[:-1] + ("x" if text[-1] != "x" else "y")
+        if k < len(damage) and damage[k] == 1 and text:  # a character in the middle: inside a long piece, often
+            at = len(text) // 2
+            text = text[:at] + ("x" if text[at] != "x" else "y") + text[at + 1:]
         texts.append(text)
     ids = np.array([v for row in rows for v in row], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum([len(row) for row in rows])]).astype(np.int64)
-    text = np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8)
+    joined = "".join(texts).encode("utf-8")
+    text = np.frombuffer(joined + bytes(PADDING), dtype=np.uint8)
     char_lengths = np.array([len(t) for t in texts], dtype=np.int64)
-    spans, exact = token_spans(data, starts, lengths, chars, added, np.int64(prepend), ids, offsets, text, char_lengths)
+    meta, pieces = pack_table(data, starts, lengths, chars, added)
+    spans, exact = token_spans(meta, pieces, np.int64(prepend), ids, offsets, text, np.int64(len(joined)),
+                               char_lengths)
     want_spans, want_exact = reference_spans(data, starts, lengths, added, prepend, ids, offsets, texts)
     np.testing.assert_array_equal(exact, want_exact)
     row_of = np.repeat(np.arange(len(rows)), np.diff(offsets))
     np.testing.assert_array_equal(spans[exact[row_of]], want_spans[exact[row_of]])
+
+
+def test_kernel_finds_a_changed_character_anywhere_in_a_long_piece():
+    """Pieces of 8 bytes and more are compared 8 bytes at a time: a character changed at any place in one (the first
+    word, the last, between) makes its row not exact, and the unchanged row is exact."""
+    data, starts, lengths, chars, added = _table(_PIECES)
+    meta, pieces = pack_table(data, starts, lengths, chars, added)
+    for v in (14, 15, 16):
+        row = [1, v, 2]
+        original = b"".join(_PIECES[i] for i in row).decode("utf-8")
+        texts = [original] + [original[:at] + ("x" if original[at] != "x" else "y") + original[at + 1:]
+                              for at in range(len(original))]
+        ids = np.array(row * len(texts), dtype=np.int64)
+        offsets = np.arange(0, 3 * len(texts) + 1, 3, dtype=np.int64)
+        joined = "".join(texts).encode("utf-8")
+        _, exact = token_spans(meta, pieces, np.int64(0), ids, offsets, np.frombuffer(joined + bytes(PADDING), np.uint8),
+                               np.int64(len(joined)), np.array([len(t) for t in texts], dtype=np.int64))
+        assert exact.tolist() == [True] + [False] * len(original), (v, exact)
 
 
 def test_weights_the_same_by_bytes_and_by_offsets(tmp_path):

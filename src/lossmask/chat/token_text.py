@@ -61,7 +61,8 @@ def _kind(spec: dict | None, key: str) -> list[dict]:
 class TokenText:
     """The bytes each id of one vocabulary stands for (``data[starts[id]:starts[id] + lengths[id]]``), which ids are
     added tokens, the characters each piece begins (``chars``), and where a ``▁`` is prepended (``prepend``: ``_ROW``,
-    ``_SEGMENTS``, or'ed with ``_UNLESS_SPACE``; 0 for none)."""
+    ``_SEGMENTS``, or'ed with ``_UNLESS_SPACE``; 0 for none). ``meta`` and ``pieces``: the same, packed for the
+    kernel (``engine.token_spans.pack_table``)."""
 
     data: np.ndarray
     starts: np.ndarray
@@ -69,6 +70,8 @@ class TokenText:
     chars: np.ndarray
     added: np.ndarray
     prepend: int
+    meta: np.ndarray
+    pieces: np.ndarray
 
     @classmethod
     def of(cls, tokenizer_json: str, added_ids: Sequence[int]) -> "TokenText | None":
@@ -125,7 +128,10 @@ class TokenText:
         # the characters each piece begins: its bytes that are not UTF-8 continuation bytes
         begins = np.concatenate([[0], np.cumsum((data & 0xC0) != 0x80)])
         chars = begins[starts + np.maximum(lengths, 0)] - begins[starts]
-        return cls(data, starts, lengths, chars, added, prepend)
+        from ..engine.token_spans import pack_table
+
+        packed = pack_table(data, starts, lengths, chars, added)
+        return cls(data, starts, lengths, chars, added, prepend, *packed) if packed is not None else None
 
     def spans(self, texts: Sequence[str], ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(spans, exact)``: each token's ``[start, end)`` characters in its own text (an ``(n, 2)`` int32 array,
@@ -133,4 +139,4 @@ class TokenText:
         back to back, equal its bytes? The spans of a row that is not exact mean nothing."""
         from ..engine.token_spans import token_spans
 
-        return token_spans(self.data, self.starts, self.lengths, self.chars, self.added, self.prepend, ids, offsets, texts)
+        return token_spans(self.meta, self.pieces, self.prepend, ids, offsets, texts)
