@@ -1,7 +1,8 @@
 """The per-token passes of the weights (``lossmask.engine.weights``) that every weighed batch makes, one pass each.
 
-Not a labelling backend (no ``label_rows``): ``engine/weights.py`` calls these two on flat buffers, rows back to back
-(``row_starts``, ``lengths``).
+Not a labelling backend (no ``label_rows``): ``engine/weights.py`` calls them on flat buffers, rows back to back
+(``row_starts``, ``lengths``): ``weigh_batch``, the three steps below in one call, or each step on its own where the
+stop-token policy's NumPy passes go between them.
 
 - ``start_weights``: from the marker labels, each token's weight (its row's ``uniform`` weight where the label is not
   ``ignore_index``, else 0) and role code (1, the assistant, where it trains; else 0).
@@ -14,7 +15,8 @@ Not a labelling backend (no ``label_rows``): ``engine/weights.py`` calls these t
   text, spans, parts, reasoning): runs tied to their messages, leads and segments, one row at a time.
 
 ``reference_start`` and ``reference_finish`` say the same in NumPy, as ``engine/weights._weigh_exact_numpy`` does for
-``weigh_exact``; ``tests/test_weights.py`` holds each pair equal.
+``weigh_exact`` and ``engine/weights._weigh_tokens_numpy`` for the whole; ``tests/test_weights.py`` holds each pair
+equal.
 """
 
 from __future__ import annotations
@@ -274,3 +276,23 @@ def weigh_exact(row_pos, lens, cs, ce, msg_off, msg_weight, msg_assistant, msg_c
                     elif second == 1 and not whole:
                         row_w[t] = min(row_w[t], g_w)
         c0 += n
+
+
+@njit(cache=True, nogil=True)
+def weigh_batch(labels, ignore_index, uniform, row_starts, lengths, row_pos, lens, cs, ce, msg_off, msg_weight,
+                msg_assistant, msg_code, lead_at, lead_w, piece_off, piece_s, piece_e, piece_m, seg_off, seg_s, seg_e,
+                seg_w, seg_m, seg_a, ids, prompt_weight, never, n_roles, out):
+    """``start_weights``, ``weigh_exact`` on the exact rows (``row_pos`` ...: none where empty) and
+    ``finish_weights``, in one call: the weights, the role codes and ``finish_weights``'s totals."""
+    weights, role = start_weights(labels, ignore_index, uniform, row_starts, lengths)
+    if row_pos.shape[0]:
+        in_run = np.zeros(labels.shape[0], np.bool_)  # read and written on the exact rows only
+        for k in range(row_pos.shape[0]):
+            row_labels, row_run = labels[row_pos[k]:row_pos[k] + lens[k]], in_run[row_pos[k]:row_pos[k] + lens[k]]
+            for t in range(row_labels.shape[0]):
+                row_run[t] = row_labels[t] != ignore_index
+        weigh_exact(row_pos, lens, cs, ce, msg_off, msg_weight, msg_assistant, msg_code, lead_at, lead_w, piece_off,
+                    piece_s, piece_e, piece_m, seg_off, seg_s, seg_e, seg_w, seg_m, seg_a, in_run, weights, role)
+    row_tokens, row_mass, role_tokens, role_mass, changed, odd = finish_weights(
+        weights, role, labels, ignore_index, ids, row_starts, lengths, prompt_weight, never, n_roles, out)
+    return weights, role, row_tokens, row_mass, role_tokens, role_mass, changed, odd

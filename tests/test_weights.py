@@ -37,22 +37,27 @@ STOP_EARLIER = {**STOP, "gpt-oss": "<|end|>"}
 
 
 @pytest.fixture(autouse=True)
-def exact_rows_checked_against_numpy(monkeypatch):
-    """Every test here also holds the exact rows' kernel (``kernels/weight_rows.weigh_exact``) equal to its NumPy
-    reference (``engine/weights._weigh_exact_numpy``) on the batch it weighs."""
+def weights_checked_against_numpy(monkeypatch):
+    """Every batch a test here weighs is also weighed by the NumPy reference (``engine/weights._weigh_tokens_numpy``,
+    step by step), and the two must agree: weights, roles, labels and totals."""
     from lossmask.engine import weights as engine_weights
+    from lossmask.jobs import batch_step
 
-    kernel = engine_weights._weigh_exact
+    kernel = engine_weights.weigh_tokens
 
-    def both(planned, lengths, row_starts, in_run, weights, role, names):
-        want = [in_run.copy(), weights.copy(), role.copy(), list(names)]
-        engine_weights._weigh_exact_numpy(planned, lengths, row_starts, *want)
-        kernel(planned, lengths, row_starts, in_run, weights, role, names)
-        np.testing.assert_array_equal(in_run, want[0])
-        np.testing.assert_array_equal(weights, want[1])
-        assert [names[c] for c in role] == [want[3][c] for c in want[2]]
+    def both(ids, lengths, labels, ignore_index, planned, end_patterns, options, never=None):
+        got = kernel(ids, lengths, labels, ignore_index, planned, end_patterns, options, never)
+        want = engine_weights._weigh_tokens_numpy(ids, lengths, labels, ignore_index, planned, end_patterns, options,
+                                                  never)
+        np.testing.assert_array_equal(got.weights, want.weights)
+        assert [got.names[c] for c in got.role] == [want.names[c] for c in want.role]
+        np.testing.assert_array_equal(got.labels, want.labels)
+        np.testing.assert_array_equal(got.row_tokens, want.row_tokens)
+        np.testing.assert_allclose(got.row_mass, want.row_mass, rtol=1e-6)
+        assert got.by_role.keys() == want.by_role.keys() and (got.changed, got.odd) == (want.changed, want.odd)
+        return got
 
-    monkeypatch.setattr(engine_weights, "_weigh_exact", both)
+    monkeypatch.setattr(batch_step, "weigh_tokens", both)
 
 
 def label(family, rows, **fields):

@@ -308,8 +308,11 @@ def _planned(plans: list | None, exact: list[int], by_bytes: list[int], flat: An
         pieces.append(np.stack([np.minimum(off[:, 0], previous), off[:, 1]], axis=1).astype(np.int32))
     if run is not None:
         pieces.append(spans[flat.offsets[run[0]]:flat.offsets[run[1]]])
-    joined = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-    return PlannedWeights(plans, np.asarray(exact, dtype=np.int64), joined[:, 0], joined[:, 1])
+    # starts and ends each contiguous (int32: a row's characters fit), as the weights' kernel takes them
+    starts = np.concatenate([p[:, 0] for p in pieces]) if len(pieces) > 1 else np.ascontiguousarray(pieces[0][:, 0])
+    ends = np.concatenate([p[:, 1] for p in pieces]) if len(pieces) > 1 else np.ascontiguousarray(pieces[0][:, 1])
+    return PlannedWeights(plans, np.asarray(exact, dtype=np.int64), starts.astype(np.int32, copy=False),
+                          ends.astype(np.int32, copy=False))
 
 
 def planned_weights(plans: list | None, exact: list[int], offsets: list[np.ndarray]) -> PlannedWeights | None:
@@ -318,7 +321,7 @@ def planned_weights(plans: list | None, exact: list[int], offsets: list[np.ndarr
     if plans is None:
         return None
     if not exact:
-        return PlannedWeights(plans, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return PlannedWeights(plans, np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
     starts, ends = [], []
     for off in offsets:
         off = np.asarray(off, dtype=np.int64).reshape(-1, 2)
@@ -326,7 +329,8 @@ def planned_weights(plans: list | None, exact: list[int], offsets: list[np.ndarr
         previous = np.concatenate([[0], end[:-1]])
         starts.append(np.minimum(off[:, 0], previous))
         ends.append(end)
-    return PlannedWeights(plans, np.asarray(exact, dtype=np.int64), np.concatenate(starts), np.concatenate(ends))
+    return PlannedWeights(plans, np.asarray(exact, dtype=np.int64), np.concatenate(starts).astype(np.int32),
+                          np.concatenate(ends).astype(np.int32))
 
 
 def _role_tokens(lengths: np.ndarray, encoded: dict, texts: Sequence[str], roles: Sequence[Any]) -> RoleTokens | None:

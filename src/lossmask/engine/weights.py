@@ -59,36 +59,71 @@ def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, labels: np.ndarray, ignor
 
     ``planned``: the messages' ``encode_rendered.PlannedWeights`` (None for pre-tokenised ids: only the stop-token
     policy and the prompt weight apply). ``end_patterns``: the markers' stop-token patterns. ``never``: a bool per
-    token that weighs 0 whatever the options (inside an image). Every batch makes two kernel passes
-    (``kernels/weight_rows.py``); the exact rows add a third, and a stop-token policy other than ``turn`` NumPy passes."""
-    from .kernels.weight_rows import finish_weights, start_weights  # numba loads when a batch is weighed, not on import
+    token that weighs 0 whatever the options (inside an image). One kernel call a batch (``kernels/weight_rows.py``:
+    ``weigh_batch``); a stop-token policy other than ``turn`` puts its NumPy passes between the kernel's steps.
+    ``_weigh_tokens_numpy`` is the reference."""
+    from .kernels.weight_rows import finish_weights, start_weights, weigh_batch, weigh_exact  # numba loads on first use
 
     lengths = np.asarray(lengths, dtype=np.int64)
     row_starts = _row_starts(lengths)
     labels = np.ascontiguousarray(labels)
-    if planned is not None and planned.plans:
-        uniform = np.fromiter((1.0 if p is None else p.uniform for p in planned.plans), dtype=np.float32,
-                              count=len(planned.plans))
-    else:
-        uniform = np.ones(lengths.shape[0], dtype=np.float32)
     ignore = labels.dtype.type(ignore_index)
     out = np.empty(labels.shape[0], dtype=labels.dtype)
     never = np.zeros(0, dtype=bool) if never is None else np.ascontiguousarray(never, dtype=bool)
-    weights, role = start_weights(labels, ignore, uniform, row_starts, lengths)
+    prompt = np.float32(options.prompt_weight or 0)
     names = list(ROLE_NAMES)
-    exact = planned is not None and planned.plans and planned.rows.size
-    stops = options.train_on_eos != "turn" and end_patterns and ids.shape[0]
-    in_run = labels != ignore if exact or stops else None  # the runs, as steps 2-4 leave them
-    if exact:
-        _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names)
-    if stops:
+    exact = _exact_arrays(planned, row_starts, lengths, names)
+    uniform = _uniform(planned, lengths.shape[0])
+    if options.train_on_eos != "turn" and end_patterns and ids.shape[0]:
+        weights, role = start_weights(labels, ignore, uniform, row_starts, lengths)
+        in_run = labels != ignore  # the runs, as steps 2-4 leave them
+        weigh_exact(*exact, in_run, weights, role)
         row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
         _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, options.train_on_eos)
-    row_tokens, row_mass, role_tokens, role_mass, changed, odd = finish_weights(
-        weights, role, labels, ignore, np.ascontiguousarray(ids), row_starts, lengths,
-        np.float32(options.prompt_weight or 0), never, len(names), out)
+        totals = finish_weights(weights, role, labels, ignore, np.ascontiguousarray(ids), row_starts, lengths, prompt,
+                                never, len(names), out)
+    else:
+        # one call: on a job's labelling thread each release of the GIL costs a wait to take it back from the thread
+        # that renders (up to the interpreter's switch interval), so the steps run in one kernel, not three
+        weights, role, *totals = weigh_batch(labels, ignore, uniform, row_starts, lengths, *exact,
+                                             np.ascontiguousarray(ids), prompt, never, len(names), out)
+    return _weighed(weights, role, names, out, *totals)
+
+
+def _weighed(weights, role, names, labels, row_tokens, row_mass, role_tokens, role_mass, changed, odd) -> Weighed:
     by_role = {names[c]: [int(role_tokens[c]), float(role_mass[c])] for c in range(1, len(names)) if role_tokens[c]}
-    return Weighed(weights, role, tuple(names), out, bool(changed), row_tokens, row_mass, by_role, bool(odd))
+    return Weighed(weights, role, tuple(names), labels, bool(changed), row_tokens, row_mass, by_role, bool(odd))
+
+
+def _weigh_tokens_numpy(ids, lengths, labels, ignore_index, planned, end_patterns, options, never=None) -> Weighed:
+    """``weigh_tokens`` in NumPy, step by step: the reference its kernels are tested against (``tests/test_weights``)."""
+    from .kernels.weight_rows import reference_finish, reference_start
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    row_starts = _row_starts(lengths)
+    labels = np.ascontiguousarray(labels)
+    ignore = labels.dtype.type(ignore_index)
+    out = np.empty(labels.shape[0], dtype=labels.dtype)
+    never = np.zeros(0, dtype=bool) if never is None else np.ascontiguousarray(never, dtype=bool)
+    names = list(ROLE_NAMES)
+    weights, role = reference_start(labels, ignore, _uniform(planned, lengths.shape[0]), row_starts, lengths)
+    in_run = labels != ignore
+    if planned is not None and planned.plans and planned.rows.size:
+        _weigh_exact_numpy(planned, lengths, row_starts, in_run, weights, role, names)
+    if options.train_on_eos != "turn" and end_patterns and ids.shape[0]:
+        row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
+        _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, options.train_on_eos)
+    totals = reference_finish(weights, role, labels, ignore, ids, row_starts, lengths,
+                              np.float32(options.prompt_weight or 0), never, len(names), out)
+    return _weighed(weights, role, names, out, *totals)
+
+
+def _uniform(planned, n_rows: int) -> np.ndarray:
+    """Each row's weight for every assistant turn (1 where the row has no plan)."""
+    if planned is None or not planned.plans:
+        return np.ones(n_rows, dtype=np.float32)
+    return np.fromiter((1.0 if p is None else p.uniform for p in planned.plans), dtype=np.float32,
+                       count=len(planned.plans))
 
 
 def _row_starts(lengths: np.ndarray) -> np.ndarray:
@@ -98,11 +133,15 @@ def _row_starts(lengths: np.ndarray) -> np.ndarray:
     return starts
 
 
-def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> None:
-    """Steps 2 and 3 on the exact rows, in place: the plans gathered into flat arrays (Python over rows, NumPy over
-    their messages, pieces and segments), then one kernel pass over the rows' tokens (``kernels/weight_rows.py``)."""
-    from .kernels.weight_rows import weigh_exact
-
+def _exact_arrays(planned, row_starts, lengths, names) -> tuple:
+    """What ``weigh_exact`` takes about the exact rows (steps 2 and 3), but the per-token arrays: the plans gathered
+    into flat arrays (Python over rows, NumPy over their messages, pieces and segments). ``names`` gains the roles
+    other than the assistant whose text trains. Empty arrays of the same types where no row is exact (one compiled
+    signature)."""
+    if planned is None or not planned.plans or not planned.rows.size:
+        i, c, f, one = np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(1, np.int64)
+        return (i, i, c, c, one, f, np.zeros(0, bool), np.zeros(0, np.int16), np.zeros(0, np.float64), f, one, i, i, i,
+                one, i, i, f, i, np.zeros(0, bool))
     rows = planned.rows
     plans = [planned.plans[r] for r in rows]
     n_messages = np.fromiter((len(p.weights) for p in plans), dtype=np.int64, count=len(plans))
@@ -129,11 +168,20 @@ def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> 
         code = {name: c for c, name in enumerate(names)}
         code["assistant"] = 0
         msg_code = np.fromiter((code[name] for name in msg_role), dtype=np.int16, count=len(msg_role))
-    weigh_exact(row_starts[rows], lengths[rows], planned.starts, planned.ends, msg_off, msg_weight, msg_assistant,
-                msg_code, lead_at, lead_w, piece_off, pieces[:, 0].astype(np.int64), pieces[:, 1].astype(np.int64),
-                pieces[:, 2].astype(np.int64), seg_off, segments[:, 0].astype(np.int64),
-                segments[:, 1].astype(np.int64), segments[:, 2].astype(np.float32), seg_m, seg_a, in_run, weights,
-                role)
+    # the tokens' characters: int32 in one layout (a row's characters fit; no copy where they come so)
+    return (row_starts[rows], lengths[rows], np.ascontiguousarray(planned.starts, dtype=np.int32),
+            np.ascontiguousarray(planned.ends, dtype=np.int32), msg_off, msg_weight, msg_assistant, msg_code, lead_at,
+            lead_w, piece_off, pieces[:, 0].astype(np.int64), pieces[:, 1].astype(np.int64),
+            pieces[:, 2].astype(np.int64), seg_off, segments[:, 0].astype(np.int64), segments[:, 1].astype(np.int64),
+            segments[:, 2].astype(np.float32), seg_m, seg_a)
+
+
+def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> None:
+    """Steps 2 and 3 on the exact rows, in place, in their kernel alone (``weigh_exact``; ``_weigh_exact_numpy`` is
+    its reference)."""
+    from .kernels.weight_rows import weigh_exact
+
+    weigh_exact(*_exact_arrays(planned, row_starts, lengths, names), in_run, weights, role)
 
 
 def _flat(plans, name: str, width: int, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
@@ -311,18 +359,17 @@ def _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, p
 
 
 def weights_to_arrow(like: pa.Array, values: np.ndarray) -> pa.Array:
-    """A ``list<float32>`` array shaped like ``like`` (a list array of the same rows, no nulls) holding ``values``."""
-    offsets = like.offsets
-    if pa.types.is_large_list(like.type):
-        offsets = offsets.cast(pa.int32()) if int(offsets[-1].as_py()) < 2 ** 31 else offsets
-    first = int(offsets[0].as_py())
-    rebased = pa.array(np.asarray(offsets.to_numpy(zero_copy_only=False), dtype=np.int64) - first)
-    values = pa.array(np.ascontiguousarray(values, dtype=np.float32))
-    if rebased.type == pa.int64():
-        if int(rebased[-1].as_py()) >= 2 ** 31:
-            return pa.LargeListArray.from_arrays(rebased, values)
-        rebased = rebased.cast(pa.int32())
-    return pa.ListArray.from_arrays(rebased, values)
+    """A ``list<float32>`` array shaped like ``like`` (a list array of the same rows, no nulls) holding ``values``
+    (``large_list`` past 2**31 values). Made from buffers: no compute call, which would release the GIL."""
+    lengths = np.diff(np.frombuffer(like.buffers()[1], dtype=np.int32 if pa.types.is_list(like.type) else np.int64)
+                      [like.offset:like.offset + len(like) + 1]) if len(like) else np.zeros(0, np.int64)
+    offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    large = int(offsets[-1]) >= 2 ** 31
+    child = pa.array(np.ascontiguousarray(values, dtype=np.float32))
+    kind = pa.large_list(pa.float32()) if large else pa.list_(pa.float32())
+    return pa.Array.from_buffers(kind, lengths.shape[0], [None, pa.py_buffer(offsets if large else offsets.astype(np.int32))],
+                                 children=[child])
 
 
 def weight_field_types(schema: pa.Schema, options: Any) -> list[pa.DataType]:

@@ -342,7 +342,21 @@ def _untrain(labels: pa.Array, trained: np.ndarray, outcomes: np.ndarray, where:
 
 
 def _lengths(input_ids) -> np.ndarray:
+    """Tokens per row (0 for a null row). Read off the offsets buffer where there are no null rows: a compute call
+    releases the GIL, and on a job's labelling thread taking it back waits for the rendering thread (up to the
+    interpreter's switch interval, 5 ms, each time)."""
+    if isinstance(input_ids, pa.Array) and not input_ids.null_count:
+        return _flat_rows(input_ids)[2]
     return pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False)
+
+
+def _flat_rows(array: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(values, row_starts, lengths)`` of a list array with no null rows, zero-copy (``rows_from_arrow``), the rows
+    back to back from ``values[0]``; None where a null row makes them not so."""
+    if array.null_count:
+        return None
+    rows = rows_from_arrow(array)
+    return rows.values, rows.starts.astype(np.int64), (rows.ends - rows.starts).astype(np.int64)
 
 
 def _weighing(options: MaskOptions, encoded: Any) -> bool:
@@ -369,15 +383,21 @@ def _apply_weights(input_ids, labels, outcomes, planned, markers, options, tally
                    write_weights=True):
     """Weights for a labelled batch (``engine/weights.py``); labels where they change. Returns the labels, the weights
     (``list<float32>``, None unless ``write_weights``), trained tokens and outcomes per row, the rows the weights left
-    with nothing trained, and the first weight other than 0 or 1 (None when there is none). ``media_span``: a bool per
-    token inside an image (chats through a processor), weighed 0 whatever the options."""
+    with nothing trained, and the first weight other than 0 or 1 when they are not written (else None).
+    ``media_span``: a bool per token inside an image (chats through a processor), weighed 0 whatever the options."""
     if isinstance(input_ids, pa.ChunkedArray):
         input_ids = input_ids.combine_chunks()
     if isinstance(labels, pa.ChunkedArray):
         labels = labels.combine_chunks()
-    lengths = _lengths(input_ids).astype(np.int64)
-    ids = pc.list_flatten(input_ids).to_numpy(zero_copy_only=False)  # null rows hold no tokens
-    flat_labels = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
+    # the buffers as they are (no compute call: see _lengths); null rows hold no tokens
+    flat_ids, flat_label_rows = _flat_rows(input_ids), _flat_rows(labels)
+    if flat_ids is not None and flat_label_rows is not None and np.array_equal(flat_ids[1], flat_label_rows[1]):
+        ids, _, lengths = flat_ids
+        flat_labels = flat_label_rows[0]
+    else:
+        lengths = _lengths(input_ids).astype(np.int64)
+        ids = pc.list_flatten(input_ids).to_numpy(zero_copy_only=False)
+        flat_labels = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
     if markers is not None:
         end = markers.end
     else:  # no markers, or plain-text prompt/completion: the EOS appended after the completion stops it
@@ -396,13 +416,21 @@ def _apply_weights(input_ids, labels, outcomes, planned, markers, options, tally
     if write_weights:
         weights = weights_to_arrow(input_ids if not input_ids.null_count else _rebuild(input_ids, ids, lengths),
                                    weighed.weights)
-    values = weighed.weights
-    odd = float(values[(values != 0) & (values != 1)][0]) if weighed.odd else None
+    odd = None
+    if weighed.odd and not write_weights:  # the value, for the refusal only (a pass over every weight)
+        values = weighed.weights
+        odd = float(values[(values != 0) & (values != 1)][0])
     return labels, weights, row_tokens, outcomes, zeroed, odd
 
 
 def _rebuild(like, values, lengths) -> pa.Array:
-    """A list array of ``values`` with the rows of ``lengths``, null where ``like`` is (list or large list as it)."""
+    """A list array of ``values`` with the rows of ``lengths``, null where ``like`` is (list or large list as it).
+    Where ``like``'s rows lie back to back from its first value, its own offsets are shared (no compute call)."""
+    if isinstance(like, pa.Array) and not like.null_count and len(like):
+        rows = rows_from_arrow(like)
+        if rows.base == 0 and rows.values.shape[0] == values.shape[0]:
+            values = np.ascontiguousarray(values)
+            return labels_to_arrow(like, pa.py_buffer(values), values.dtype)
     offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     mask = pa.array(~like.is_valid().to_numpy(zero_copy_only=False)) if like.null_count else None
