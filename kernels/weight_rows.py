@@ -32,19 +32,23 @@ _ASSISTANT, _PROMPT = 1, 2  # role codes (engine/weights.ROLE_NAMES)
 # start instead, the same loops ran 3-5 times slower (2.3 M tokens: start 5 ms against 1, finish 14 against 3-6).
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _start_row(labels, ignore_index, w, weights, role):
+    """One row's weights and role codes from its marker labels (slices of the row)."""
+    for k in range(labels.shape[0]):
+        trained = labels[k] != ignore_index
+        weights[k] = w if trained else np.float32(0)
+        role[k] = _ASSISTANT if trained else 0
+
+
 @njit(cache=True, nogil=True)
 def start_weights(labels, ignore_index, uniform, row_starts, lengths):
     n = labels.shape[0]
     weights = np.empty(n, np.float32)
     role = np.empty(n, np.int16)
     for r in range(row_starts.shape[0]):
-        w = uniform[r]
         lo, hi = row_starts[r], row_starts[r] + lengths[r]
-        row_labels, row_weights, row_role = labels[lo:hi], weights[lo:hi], role[lo:hi]
-        for k in range(row_labels.shape[0]):
-            trained = row_labels[k] != ignore_index
-            row_weights[k] = w if trained else np.float32(0)
-            row_role[k] = _ASSISTANT if trained else 0
+        _start_row(labels[lo:hi], ignore_index, uniform[r], weights[lo:hi], role[lo:hi])
     return weights, role
 
 
@@ -72,6 +76,43 @@ def _finish_stretch(weights, labels, ids, out, never, masked, fill, fill_weight,
 
 
 @njit(cache=True, nogil=True)
+def _finish_row(weights, role, labels, ids, out, never, masked, prompt_weight, ignore_index, role_tokens, role_mass):
+    """One row's last step (slices of the row): the prompt weight, ``never``, the labels; adds its trained tokens and
+    mass per role code to ``role_tokens``/``role_mass``. Returns its trained tokens, its mass, whether its training
+    changed from the marker labels' and whether a weight other than 0 or 1 occurs."""
+    fill = False
+    if prompt_weight != 0:
+        for k in range(weights.shape[0]):
+            if weights[k] > 0:
+                fill = True
+                break
+    tokens = 0
+    mass = 0.0
+    changed = False
+    odd = False
+    k = 0
+    while k < role.shape[0]:  # stretch by stretch of one role code: its totals go to that code
+        code = role[k]
+        e = k + 1
+        while e < role.shape[0] and role[e] == code:
+            e += 1
+        free = fill and code == 0  # no source claimed these: the prompt weight
+        if free:
+            code = _PROMPT
+            role[k:e] = _PROMPT
+        t, m, c, o = _finish_stretch(weights[k:e], labels[k:e], ids[k:e], out[k:e], never[k:e] if masked else never,
+                                     masked, free, prompt_weight, ignore_index)
+        changed |= c
+        odd |= o
+        tokens += t
+        mass += m
+        role_tokens[code] += t
+        role_mass[code] += m
+        k = e
+    return tokens, mass, changed, odd
+
+
+@njit(cache=True, nogil=True)
 def finish_weights(weights, role, labels, ignore_index, ids, row_starts, lengths, prompt_weight, never, n_roles, out):
     n_rows = row_starts.shape[0]
     row_tokens = np.zeros(n_rows, np.int64)
@@ -83,38 +124,12 @@ def finish_weights(weights, role, labels, ignore_index, ids, row_starts, lengths
     masked = never.shape[0] != 0
     for r in range(n_rows):
         lo, hi = row_starts[r], row_starts[r] + lengths[r]
-        row_role = role[lo:hi]
-        fill = False
-        if prompt_weight != 0:
-            row_weights = weights[lo:hi]
-            for k in range(row_weights.shape[0]):
-                if row_weights[k] > 0:
-                    fill = True
-                    break
-        tokens = 0
-        mass = 0.0
-        k = 0
-        while k < row_role.shape[0]:  # stretch by stretch of one role code: its totals go to that code
-            code = row_role[k]
-            e = k + 1
-            while e < row_role.shape[0] and row_role[e] == code:
-                e += 1
-            free = fill and code == 0  # no source claimed these: the prompt weight
-            if free:
-                code = _PROMPT
-                row_role[k:e] = _PROMPT
-            a, b = lo + k, lo + e
-            t, m, c, o = _finish_stretch(weights[a:b], labels[a:b], ids[a:b], out[a:b], never[a:b] if masked else never,
-                                         masked, free, prompt_weight, ignore_index)
-            changed |= c
-            odd |= o
-            tokens += t
-            mass += m
-            role_tokens[code] += t
-            role_mass[code] += m
-            k = e
-        row_tokens[r] = tokens
-        row_mass[r] = mass
+        t, m, c, o = _finish_row(weights[lo:hi], role[lo:hi], labels[lo:hi], ids[lo:hi], out[lo:hi],
+                                 never[lo:hi] if masked else never, masked, prompt_weight, ignore_index, role_tokens,
+                                 role_mass)
+        row_tokens[r], row_mass[r] = t, m
+        changed |= c
+        odd |= o
     return row_tokens, row_mass, role_tokens, role_mass, changed, odd
 
 
@@ -170,6 +185,108 @@ def _starts_before(starts, lo, hi, x):
 
 
 @njit(cache=True, nogil=True)
+def _exact_row(k, c0, tr, row_w, row_role, cs, ce, msg_off, msg_weight, msg_assistant, msg_code, lead_at, lead_w,
+               piece_off, piece_s, piece_e, piece_m, seg_off, seg_s, seg_e, seg_w, seg_m, seg_a, tok_msg, run_s, run_e,
+               run_m):
+    """Steps 2 and 3 on exact row ``k`` (``tr``, ``row_w``, ``row_role``: its runs, weights and role codes; its
+    tokens' characters ``cs/ce`` from ``c0``), in place. ``tok_msg`` and ``run_*``: scratch, as long as the row."""
+    n, m0 = tr.shape[0], msg_off[k]
+    q0, q1 = piece_off[k], piece_off[k + 1]
+    row_cs, row_ce = cs[c0:c0 + n], ce[c0:c0 + n]
+    msg = tok_msg[:n]
+    msg[:] = -1
+    # runs of trained tokens, each tied to the first piece ending after it starts (if that piece starts before
+    # the run ends and is an assistant's)
+    n_runs = 0
+    t = 0
+    while t < n:
+        if not tr[t]:
+            t += 1
+            continue
+        run_s[n_runs] = t
+        while t < n and tr[t]:
+            t += 1
+        run_e[n_runs] = t
+        q = _first_end_after(piece_e, q0, q1, row_cs[run_s[n_runs]])
+        m = -1
+        if q < q1 and piece_s[q] < row_ce[t - 1] and msg_assistant[m0 + piece_m[q]]:
+            m = piece_m[q]
+        run_m[n_runs] = m
+        n_runs += 1
+    # runs of one message with no message text between them are one turn (the tokens between train); each takes
+    # its message's weight, and its tokens before the answer the reasoning lead's
+    i = 0
+    while i < n_runs:
+        m = run_m[i]
+        j = i
+        while j + 1 < n_runs and m >= 0 and run_m[j + 1] == m and \
+                _starts_before(piece_s, q0, q1, row_ce[run_e[j] - 1]) == \
+                _starts_before(piece_s, q0, q1, row_cs[run_s[j + 1]]):
+            j += 1
+        a, b = run_s[i], run_e[j]
+        i = j + 1
+        if m < 0:  # tied to no message: it keeps the row's weight
+            continue
+        tr[a:b] = True
+        msg[a:b] = m
+        row_role[a:b] = 1
+        w = msg_weight[m0 + m]
+        row_w[a:b] = w
+        lead = lead_at[m0 + m]
+        if row_cs[a] < lead:
+            lw = lead_w[m0 + m]
+            for t in range(a, b):
+                if row_cs[t] < lead:
+                    row_w[t] = lw if row_ce[t] <= lead else min(w, lw)
+    # segments: a token wholly inside takes the segment's weight (other roles' text: their role too); then an
+    # assistant token that straddles an edge keeps the lower weight. First come the pieces of other roles'
+    # messages that weigh > 0 (roles_to_train), then the plan's own segments.
+    for second in range(2):
+        for g in range(q0 - q1 if second == 0 else 0, seg_off[k + 1] - seg_off[k]):
+            if g < 0:  # a piece, as a segment of its message's weight
+                q = q1 + g
+                m = piece_m[q]
+                if msg_assistant[m0 + m] or msg_weight[m0 + m] <= 0:
+                    continue
+                g_s, g_e, g_w, g_m, g_a = piece_s[q], piece_e[q], msg_weight[m0 + m], m, False
+            else:
+                h = seg_off[k] + g
+                g_s, g_e, g_w, g_m, g_a = seg_s[h], seg_e[h], seg_w[h], seg_m[h], seg_a[h]
+            # its tokens: from the first that ends after it starts, to the first that starts at or after its end
+            first = _first_end_after(row_ce, 0, n, g_s)
+            last = first + _starts_before(row_cs, first, n, g_e)
+            if not g_a:
+                if second == 1:
+                    continue
+                code = msg_code[m0 + g_m]
+                for t in range(first, last):
+                    s, e = row_cs[t], row_ce[t]
+                    if not tr[t] and s >= g_s and e <= g_e and e > s:
+                        row_w[t] = g_w
+                        row_role[t] = code
+                continue
+            for t in range(first, last):
+                if not (tr[t] and msg[t] == g_m):
+                    continue
+                s, e = row_cs[t], row_ce[t]
+                whole = s >= g_s and e <= g_e and e > s
+                if second == 0 and whole:
+                    row_w[t] = g_w
+                elif second == 1 and not whole:
+                    row_w[t] = min(row_w[t], g_w)
+
+
+@njit(cache=True, nogil=True)
+def _scratch(lens):
+    """``_exact_row``'s scratch arrays, as long as the longest exact row."""
+    longest = 0
+    for k in range(lens.shape[0]):
+        longest = max(longest, lens[k])
+    return (np.empty(longest, np.int64), np.empty(longest, np.int64), np.empty(longest, np.int64),
+            np.empty(longest, np.int64))
+
+
+@njit(cache=True, nogil=True)
 def weigh_exact(row_pos, lens, cs, ce, msg_off, msg_weight, msg_assistant, msg_code, lead_at, lead_w,
                 piece_off, piece_s, piece_e, piece_m, seg_off, seg_s, seg_e, seg_w, seg_m, seg_a,
                 in_run, weights, role):
@@ -181,118 +298,53 @@ def weigh_exact(row_pos, lens, cs, ce, msg_off, msg_weight, msg_assistant, msg_c
     naming its message by its index in the row. On entry a run's tokens weigh the row's weight and have role code 1,
     and the rest weigh 0 (``start_weights``); only the runs tied to a message, and the segments, are written.
     """
-    longest = 0
-    for k in range(lens.shape[0]):
-        longest = max(longest, lens[k])
-    tok_msg = np.empty(longest, np.int64)
-    run_s = np.empty(longest, np.int64)
-    run_e = np.empty(longest, np.int64)  # the run's last token + 1
-    run_m = np.empty(longest, np.int64)
+    tok_msg, run_s, run_e, run_m = _scratch(lens)
     c0 = 0
     for k in range(lens.shape[0]):
-        p0, n, m0 = row_pos[k], lens[k], msg_off[k]
-        q0, q1 = piece_off[k], piece_off[k + 1]
-        tr, row_w, row_role = in_run[p0:p0 + n], weights[p0:p0 + n], role[p0:p0 + n]
-        row_cs, row_ce = cs[c0:c0 + n], ce[c0:c0 + n]
-        msg = tok_msg[:n]
-        msg[:] = -1
-        # runs of trained tokens, each tied to the first piece ending after it starts (if that piece starts before
-        # the run ends and is an assistant's)
-        n_runs = 0
-        t = 0
-        while t < n:
-            if not tr[t]:
-                t += 1
-                continue
-            run_s[n_runs] = t
-            while t < n and tr[t]:
-                t += 1
-            run_e[n_runs] = t
-            q = _first_end_after(piece_e, q0, q1, row_cs[run_s[n_runs]])
-            m = -1
-            if q < q1 and piece_s[q] < row_ce[t - 1] and msg_assistant[m0 + piece_m[q]]:
-                m = piece_m[q]
-            run_m[n_runs] = m
-            n_runs += 1
-        # runs of one message with no message text between them are one turn (the tokens between train); each takes
-        # its message's weight, and its tokens before the answer the reasoning lead's
-        i = 0
-        while i < n_runs:
-            m = run_m[i]
-            j = i
-            while j + 1 < n_runs and m >= 0 and run_m[j + 1] == m and \
-                    _starts_before(piece_s, q0, q1, row_ce[run_e[j] - 1]) == \
-                    _starts_before(piece_s, q0, q1, row_cs[run_s[j + 1]]):
-                j += 1
-            a, b = run_s[i], run_e[j]
-            i = j + 1
-            if m < 0:  # tied to no message: it keeps the row's weight
-                continue
-            tr[a:b] = True
-            msg[a:b] = m
-            row_role[a:b] = 1
-            w = msg_weight[m0 + m]
-            row_w[a:b] = w
-            lead = lead_at[m0 + m]
-            if row_cs[a] < lead:
-                lw = lead_w[m0 + m]
-                for t in range(a, b):
-                    if row_cs[t] < lead:
-                        row_w[t] = lw if row_ce[t] <= lead else min(w, lw)
-        # segments: a token wholly inside takes the segment's weight (other roles' text: their role too); then an
-        # assistant token that straddles an edge keeps the lower weight. First come the pieces of other roles'
-        # messages that weigh > 0 (roles_to_train), then the plan's own segments.
-        for second in range(2):
-            for g in range(q0 - q1 if second == 0 else 0, seg_off[k + 1] - seg_off[k]):
-                if g < 0:  # a piece, as a segment of its message's weight
-                    q = q1 + g
-                    m = piece_m[q]
-                    if msg_assistant[m0 + m] or msg_weight[m0 + m] <= 0:
-                        continue
-                    g_s, g_e, g_w, g_m, g_a = piece_s[q], piece_e[q], msg_weight[m0 + m], m, False
-                else:
-                    h = seg_off[k] + g
-                    g_s, g_e, g_w, g_m, g_a = seg_s[h], seg_e[h], seg_w[h], seg_m[h], seg_a[h]
-                # its tokens: from the first that ends after it starts, to the first that starts at or after its end
-                first = _first_end_after(row_ce, 0, n, g_s)
-                last = first + _starts_before(row_cs, first, n, g_e)
-                if not g_a:
-                    if second == 1:
-                        continue
-                    code = msg_code[m0 + g_m]
-                    for t in range(first, last):
-                        s, e = row_cs[t], row_ce[t]
-                        if not tr[t] and s >= g_s and e <= g_e and e > s:
-                            row_w[t] = g_w
-                            row_role[t] = code
-                    continue
-                for t in range(first, last):
-                    if not (tr[t] and msg[t] == g_m):
-                        continue
-                    s, e = row_cs[t], row_ce[t]
-                    whole = s >= g_s and e <= g_e and e > s
-                    if second == 0 and whole:
-                        row_w[t] = g_w
-                    elif second == 1 and not whole:
-                        row_w[t] = min(row_w[t], g_w)
+        p0, n = row_pos[k], lens[k]
+        _exact_row(k, c0, in_run[p0:p0 + n], weights[p0:p0 + n], role[p0:p0 + n], cs, ce, msg_off, msg_weight,
+                   msg_assistant, msg_code, lead_at, lead_w, piece_off, piece_s, piece_e, piece_m, seg_off, seg_s, seg_e,
+                   seg_w, seg_m, seg_a, tok_msg, run_s, run_e, run_m)
         c0 += n
 
 
 @njit(cache=True, nogil=True)
-def weigh_batch(labels, ignore_index, uniform, row_starts, lengths, row_pos, lens, cs, ce, msg_off, msg_weight,
+def weigh_batch(labels, ignore_index, uniform, row_starts, lengths, exact_rows, lens, cs, ce, msg_off, msg_weight,
                 msg_assistant, msg_code, lead_at, lead_w, piece_off, piece_s, piece_e, piece_m, seg_off, seg_s, seg_e,
                 seg_w, seg_m, seg_a, ids, prompt_weight, never, n_roles, out):
-    """``start_weights``, ``weigh_exact`` on the exact rows (``row_pos`` ...: none where empty) and
-    ``finish_weights``, in one call: the weights, the role codes and ``finish_weights``'s totals."""
-    weights, role = start_weights(labels, ignore_index, uniform, row_starts, lengths)
-    if row_pos.shape[0]:
-        in_run = np.zeros(labels.shape[0], np.bool_)  # read and written on the exact rows only
-        for k in range(row_pos.shape[0]):
-            row_labels, row_run = labels[row_pos[k]:row_pos[k] + lens[k]], in_run[row_pos[k]:row_pos[k] + lens[k]]
+    """``start_weights``, ``weigh_exact`` on the exact rows (``exact_rows``, ascending: none where empty) and
+    ``finish_weights``, in one call and one row at a time (a row's tokens stay in cache from one step to the next):
+    the weights, the role codes and ``finish_weights``'s totals."""
+    n, n_rows = labels.shape[0], row_starts.shape[0]
+    weights = np.empty(n, np.float32)
+    role = np.empty(n, np.int16)
+    row_tokens = np.zeros(n_rows, np.int64)
+    row_mass = np.zeros(n_rows, np.float64)
+    role_tokens = np.zeros(n_roles, np.int64)
+    role_mass = np.zeros(n_roles, np.float64)
+    changed = False
+    odd = False
+    masked = never.shape[0] != 0
+    tok_msg, run_s, run_e, run_m = _scratch(lens)
+    in_run = np.empty(tok_msg.shape[0], np.bool_)
+    k = 0  # the next exact row
+    c0 = 0  # where its tokens' characters begin in cs/ce
+    for r in range(n_rows):
+        lo, hi = row_starts[r], row_starts[r] + lengths[r]
+        row_labels, row_w, row_role = labels[lo:hi], weights[lo:hi], role[lo:hi]
+        _start_row(row_labels, ignore_index, uniform[r], row_w, row_role)
+        if k < exact_rows.shape[0] and exact_rows[k] == r:
+            tr = in_run[:hi - lo]
             for t in range(row_labels.shape[0]):
-                row_run[t] = row_labels[t] != ignore_index
-        weigh_exact(row_pos, lens, cs, ce, msg_off, msg_weight, msg_assistant, msg_code, lead_at, lead_w, piece_off,
-                    piece_s, piece_e, piece_m, seg_off, seg_s, seg_e, seg_w, seg_m, seg_a, in_run, weights, role)
-    row_tokens, row_mass, role_tokens, role_mass, changed, odd = finish_weights(
-        weights, role, labels, ignore_index, ids, row_starts, lengths, prompt_weight, never, n_roles, out)
+                tr[t] = row_labels[t] != ignore_index
+            _exact_row(k, c0, tr, row_w, row_role, cs, ce, msg_off, msg_weight, msg_assistant, msg_code, lead_at,
+                       lead_w, piece_off, piece_s, piece_e, piece_m, seg_off, seg_s, seg_e, seg_w, seg_m, seg_a, tok_msg,
+                       run_s, run_e, run_m)
+            c0 += hi - lo
+            k += 1
+        t, m, c, o = _finish_row(row_w, row_role, row_labels, ids[lo:hi], out[lo:hi], never[lo:hi] if masked else never,
+                                 masked, prompt_weight, ignore_index, role_tokens, role_mass)
+        row_tokens[r], row_mass[r] = t, m
+        changed |= c
+        odd |= o
     return weights, role, row_tokens, row_mass, role_tokens, role_mass, changed, odd

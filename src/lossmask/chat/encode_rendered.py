@@ -32,7 +32,7 @@ from ..engine.outcomes import CONTENT_DROPPED, SPECIAL_TOKENS
 from ..options import SPECIAL_TOKENS_IN_CONTENT
 from .gc_pause import paused_collection
 from .locate import locate_messages
-from .weights import WeightReader, plan_row
+from .weights import ExactPlans, WeightReader, plan_row
 
 
 @dataclass
@@ -63,6 +63,7 @@ class PlannedWeights:
     rows: np.ndarray
     starts: np.ndarray
     ends: np.ndarray
+    exact_plans: Any = None  # the exact rows' plans, flat (chat.weights.ExactPlans), where locating made them so
 
 
 @dataclass
@@ -105,6 +106,7 @@ class LocatedRows:
     # per kept row: None (not checked), or ``(start, end, message index, role)`` of each text to check
     roles: list[tuple[tuple[int, int, int, str], ...] | None] = field(default_factory=list)
     plans: list | None = None  # per kept row: its chat.weights.RowPlan (None: defaults); None when not weighing
+    exact_plans: Any = None  # the exact ones among them, flat (chat.weights.ExactPlans)
 
 
 def encode_rendered(
@@ -154,6 +156,7 @@ def locate_rendered(
     as_text: list[int] = []  # kept rows (local index among kept) to encode on the text path
     roles: list[tuple[tuple[int, int, int, str], ...] | None] = []
     plans: list | None = [] if weigh is not None else None
+    exact_plans = ExactPlans() if weigh is not None else None
     reader = WeightReader.of(weigh) if weigh is not None else None
     special_rows, special_example = 0, None
     with paused_collection():  # per-row Python over every message: see gc_pause
@@ -186,9 +189,12 @@ def locate_rendered(
             spans.append(located.spans)
             roles.append(_role_spans(messages, located) if check is not None and check[r] else None)
             if plans is not None:
-                plans.append(plan_row(text, messages, located, reader, names[r]))
+                plan = plan_row(text, messages, located, reader, names[r])
+                plans.append(plan)
+                if plan is not None and plan.exact:
+                    exact_plans.add(plan)
     return LocatedRows([t for t, k in zip(texts, keep) if k], spans, as_text, keep, dropped, special_rows,
-                       special_example, roles, plans)
+                       special_example, roles, plans, exact_plans)
 
 
 def _role_spans(messages, located) -> tuple[tuple[int, int, int, str], ...]:
@@ -209,7 +215,7 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
     kept_texts, spans, as_text, keep = located.texts, located.spans, located.as_text, located.keep
     dropped, special_rows, special_example = located.dropped, located.special_rows, located.special_example
     checked = [r for r, row_roles in enumerate(located.roles) if row_roles is not None]
-    plans = located.plans
+    plans, exact_plans = located.plans, located.exact_plans
     exact = [r for r, plan in enumerate(plans) if plan is not None and plan.exact] if plans is not None else []
     if positions is True:
         need = list(range(len(kept_texts)))
@@ -227,7 +233,7 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
         in_content = content_mask(ids, offsets, [len(t) for t in kept_texts], spans)
         lengths = np.fromiter((len(row) for row in ids), dtype=np.int64, count=len(ids))
         roles = _role_tokens(lengths, {r: (ids[r], offsets[r]) for r in checked}, kept_texts, located.roles)
-        weights = planned_weights(plans, exact, [offsets[r] for r in exact])
+        weights = planned_weights(plans, exact, [offsets[r] for r in exact], exact_plans)
         return EncodedRows(_large_list(ids), in_content, keep, dropped, special_rows, special_example, roles, weights)
     # the batch call without offsets; the rows that need them are encoded again, in one more call
     flat = ct.encode_flat(kept_texts)
@@ -235,7 +241,7 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
     in_content = None
     if not need and not as_text and not checked and not exact:
         return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example,
-                           weights=planned_weights(plans, exact, []))
+                           weights=planned_weights(plans, exact, [], exact_plans))
     # The weighed rows' spans, read off their ids' bytes where those are the text's (``token_text``): no second call.
     by_bytes = sorted(set(exact) - set(need) - set(as_text) - set(checked))
     some, token_spans, ok = None, None, np.zeros(0, dtype=bool)
@@ -252,7 +258,8 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
     again = sorted((set(need) | set(as_text) | set(checked) | set(exact)) - read)
     if not again:
         return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example,
-                           weights=_planned(plans, exact, by_bytes, some, token_spans, ok, {}, max_length))
+                           weights=_planned(plans, exact, by_bytes, some, token_spans, ok, {}, max_length,
+                                            exact_plans))
     rows = np.split(batch.values.to_numpy(), batch.offsets.to_numpy()[1:-1]) if kept_texts else []
     sub_ids, sub_offsets = ct.encode_texts_with_offsets([kept_texts[r] for r in again])
     local = {r: k for k, r in enumerate(again)}
@@ -272,12 +279,12 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
     lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
     roles = _role_tokens(lengths, {r: (rows[r], sub_offsets[local[r]]) for r in checked}, kept_texts, located.roles)
     weights = _planned(plans, exact, by_bytes, some, token_spans, ok,
-                       {r: sub_offsets[local[r]] for r in exact if r not in read}, max_length)
+                       {r: sub_offsets[local[r]] for r in exact if r not in read}, max_length, exact_plans)
     return EncodedRows(_large_list(rows), in_content, keep, dropped, special_rows, special_example, roles, weights)
 
 
 def _planned(plans: list | None, exact: list[int], by_bytes: list[int], flat: Any, spans: np.ndarray | None,
-             placed: np.ndarray, others: dict, max_length: int | None) -> PlannedWeights | None:
+             placed: np.ndarray, others: dict, max_length: int | None, exact_plans: Any = None) -> PlannedWeights | None:
     """``planned_weights`` where most exact rows' spans were read off their bytes (``ChatTokenizer.spans_of``: ``flat``
     holds the ids of the ``by_bytes`` rows, ``placed`` says which of them it placed, each token already starting where
     the one before it ends) and the rest (``others``: row -> its ``(n, 2)`` offsets) come from ``tokenizers``. Runs of
@@ -289,7 +296,7 @@ def _planned(plans: list | None, exact: list[int], by_bytes: list[int], flat: An
         for k, r in enumerate(by_bytes):
             if placed[k]:
                 read[r] = spans[flat.offsets[k]:flat.offsets[k + 1]][:max_length]
-        return planned_weights(plans, exact, [read[r] if r in read else others[r] for r in exact])
+        return planned_weights(plans, exact, [read[r] if r in read else others[r] for r in exact], exact_plans)
     position = {r: k for k, r in enumerate(by_bytes)}
     pieces, run = [], None  # run: (first, last + 1) of consecutive rows read off the bytes
     for r in exact:
@@ -312,16 +319,17 @@ def _planned(plans: list | None, exact: list[int], by_bytes: list[int], flat: An
     starts = np.concatenate([p[:, 0] for p in pieces]) if len(pieces) > 1 else np.ascontiguousarray(pieces[0][:, 0])
     ends = np.concatenate([p[:, 1] for p in pieces]) if len(pieces) > 1 else np.ascontiguousarray(pieces[0][:, 1])
     return PlannedWeights(plans, np.asarray(exact, dtype=np.int64), starts.astype(np.int32, copy=False),
-                          ends.astype(np.int32, copy=False))
+                          ends.astype(np.int32, copy=False), exact_plans)
 
 
-def planned_weights(plans: list | None, exact: list[int], offsets: list[np.ndarray]) -> PlannedWeights | None:
+def planned_weights(plans: list | None, exact: list[int], offsets: list[np.ndarray],
+                    exact_plans: Any = None) -> PlannedWeights | None:
     """The plans, with the character span of each token of the exact rows (placed as ``span_index`` places them:
     from the end of the previous token, since byte-level offsets may leave a merged leading space out)."""
     if plans is None:
         return None
     if not exact:
-        return PlannedWeights(plans, np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
+        return PlannedWeights(plans, np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32), exact_plans)
     starts, ends = [], []
     for off in offsets:
         off = np.asarray(off, dtype=np.int64).reshape(-1, 2)
@@ -330,7 +338,7 @@ def planned_weights(plans: list | None, exact: list[int], offsets: list[np.ndarr
         starts.append(np.minimum(off[:, 0], previous))
         ends.append(end)
     return PlannedWeights(plans, np.asarray(exact, dtype=np.int64), np.concatenate(starts).astype(np.int32),
-                          np.concatenate(ends).astype(np.int32))
+                          np.concatenate(ends).astype(np.int32), exact_plans)
 
 
 def _role_tokens(lengths: np.ndarray, encoded: dict, texts: Sequence[str], roles: Sequence[Any]) -> RoleTokens | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -54,6 +55,53 @@ class RowPlan:
 DEFAULT_PLAN = RowPlan()
 
 
+class ExactPlans:
+    """The exact rows' plans of one batch, flat, in the order they were made: what ``engine/weights`` gathers into
+    its kernel's arrays. Filled as the rows are planned (``add``), so that no second pass over per-row objects is
+    needed: on 8,000 chats under ``roles_to_train`` that pass took as long as planning them."""
+
+    __slots__ = ("n_messages", "weights", "roles", "n_pieces", "pieces", "n_segments", "segments", "n_leads", "leads")
+
+    def __init__(self) -> None:
+        self.n_messages: list[int] = []
+        self.weights: list[float] = []
+        self.roles: list[str] = []
+        self.n_pieces: list[int] = []
+        self.pieces: list[int] = []  # (start, end, message, required) a piece, back to back
+        self.n_segments: list[int] = []
+        self.segments: list[float] = []  # (start, end, weight, message, assistant)
+        self.n_leads: list[int] = []
+        self.leads: list[float] = []  # (message, answer_start, weight)
+
+    @classmethod
+    def of(cls, plans: Sequence[RowPlan]) -> "ExactPlans":
+        out = cls()
+        for plan in plans:
+            out.add(plan)
+        return out
+
+    def add(self, plan: RowPlan) -> None:
+        self.n_messages.append(len(plan.weights))
+        self.weights += plan.weights
+        self.roles += plan.roles
+        self.n_pieces.append(len(plan.pieces))
+        self.pieces += chain.from_iterable(plan.pieces)
+        self.n_segments.append(len(plan.segments))
+        self.segments += chain.from_iterable(plan.segments)
+        self.n_leads.append(len(plan.leads))
+        self.leads += chain.from_iterable(plan.leads)
+
+    def __len__(self) -> int:
+        return len(self.n_messages)
+
+    def __getstate__(self):  # __slots__ without a __dict__: pickled for worker processes as a tuple
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state) -> None:
+        for name, value in zip(self.__slots__, state):
+            setattr(self, name, value)
+
+
 @dataclass(frozen=True)
 class WeightReader:
     """What ``plan_row`` reads from ``MaskOptions``, read once per batch."""
@@ -66,6 +114,7 @@ class WeightReader:
     assistant_weight: float
     reasoning_weight: float | None
     mask_empty_think: bool
+    by_role: dict  # role -> the weight of its messages without a field of their own (the assistant's included)
 
     @classmethod
     def of(cls, options: Any) -> "WeightReader":
@@ -76,32 +125,28 @@ class WeightReader:
         return cls(options.weight_fields(), frozenset(options.weight_fields()), options.detail_field, roles,
                    roles == {"assistant": 1.0}, roles.get("assistant", 1.0),
                    None if reasoning == "train" else 0.0 if reasoning == "mask" else float(reasoning),
-                   bool(options.mask_empty_think))
+                   bool(options.mask_empty_think), {**roles, "assistant": roles.get("assistant", 1.0)})
 
 
 def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row: int = 0) -> RowPlan | None:
     """The weights of one rendered row (None: every assistant turn weighs 1 and nothing else applies).
     ``options``: the job's ``MaskOptions``, or its ``WeightReader`` (made once per batch)."""
     reader = WeightReader.of(options)
-    fields, detail_key, role_weights = reader.fields, reader.detail_key, reader.role_weights
+    fields, detail_key = reader.fields, reader.detail_key
     has_reasoning = not REASONING_KINDS.isdisjoint(located.kinds)
     carries = _carries(messages, reader.keys, detail_key)  # "fields", True (spans or parts too) or False
     if reader.plain_roles and not has_reasoning and not reader.mask_empty_think and not carries:
         return None
     assistant_weight = reader.assistant_weight
-    weights, roles = [], []
-    for index, message in enumerate(messages):
-        role = message.get("role") if type(message) is dict else "?"
-        role = role if type(role) is str else str(role)
-        value = _field(message, fields, row, index) if carries else None
-        if role == "assistant":
-            weight = assistant_weight if value is None else value
-        elif role in role_weights:
-            weight = role_weights[role] if value is None else value
-        else:
-            weight = 0.0  # weights never make other roles' text train unless a role option asks for that role
-        weights.append(weight)
-        roles.append(role)
+    roles = [message.get("role") if type(message) is dict else "?" for message in messages]
+    roles = [role if type(role) is str else str(role) for role in roles]
+    # a role's weight; weights never make other roles' text train unless a role option asks for that role
+    weights = [reader.by_role.get(role, 0.0) for role in roles]
+    if carries:  # a message's own field overrides its role's, for the roles that train (the others' stay 0)
+        for index, message in enumerate(messages):
+            value = _field(message, fields, row, index)
+            if value is not None and roles[index] in reader.by_role:
+                weights[index] = value
     turns = {w for w, r in zip(weights, roles) if r == "assistant"}
     uniform = next(iter(turns)) if len(turns) == 1 else assistant_weight
     others = any(w > 0 for w, r in zip(weights, roles) if r != "assistant")

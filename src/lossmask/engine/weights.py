@@ -85,7 +85,8 @@ def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, labels: np.ndarray, ignor
     else:
         # one call: on a job's labelling thread each release of the GIL costs a wait to take it back from the thread
         # that renders (up to the interpreter's switch interval), so the steps run in one kernel, not three
-        weights, role, *totals = weigh_batch(labels, ignore, uniform, row_starts, lengths, *exact,
+        rows = planned.rows if exact[0].shape[0] else exact[0]
+        weights, role, *totals = weigh_batch(labels, ignore, uniform, row_starts, lengths, rows, *exact[1:],
                                              np.ascontiguousarray(ids), prompt, never, len(names), out)
     return _weighed(weights, role, names, out, *totals)
 
@@ -143,37 +144,45 @@ def _exact_arrays(planned, row_starts, lengths, names) -> tuple:
         return (i, i, c, c, one, f, np.zeros(0, bool), np.zeros(0, np.int16), np.zeros(0, np.float64), f, one, i, i, i,
                 one, i, i, f, i, np.zeros(0, bool))
     rows = planned.rows
-    plans = [planned.plans[r] for r in rows]
-    n_messages = np.fromiter((len(p.weights) for p in plans), dtype=np.int64, count=len(plans))
-    msg_off = np.zeros(len(plans) + 1, dtype=np.int64)
-    np.cumsum(n_messages, out=msg_off[1:])
-    msg_weight = np.fromiter((w for p in plans for w in p.weights), dtype=np.float32, count=int(msg_off[-1]))
-    msg_role = [name for p in plans for name in p.roles]
-    msg_assistant = np.fromiter((name == "assistant" for name in msg_role), dtype=bool, count=len(msg_role))
-    pieces, piece_off = _flat(plans, "pieces", 4)  # (start, end, message, required)
-    segments, seg_off = _flat(plans, "segments", 5)
-    leads, lead_off = _flat(plans, "leads", 3)
+    flat = planned.exact_plans
+    if flat is None or len(flat) != rows.shape[0]:  # planned by hand (verify, tests): gathered here
+        from ..chat.weights import ExactPlans
+
+        flat = ExactPlans.of([planned.plans[r] for r in rows])
+    msg_off = _offsets(flat.n_messages)
+    msg_weight = np.array(flat.weights, dtype=np.float32)
+    msg_role = flat.roles
+    msg_assistant = np.array([name == "assistant" for name in msg_role], dtype=bool)
+    pieces, piece_off = np.array(flat.pieces, dtype=np.int64).reshape(-1, 4), _offsets(flat.n_pieces)
+    segments, seg_off = np.array(flat.segments, dtype=np.float64).reshape(-1, 5), _offsets(flat.n_segments)
+    leads, lead_off = np.array(flat.leads, dtype=np.float64).reshape(-1, 3), _offsets(flat.n_leads)
     lead_at = np.full(msg_weight.shape[0], -np.inf)  # no lead: nothing lies before it
     lead_w = np.zeros(msg_weight.shape[0], dtype=np.float32)
     if leads.shape[0]:
-        at = msg_off[:-1][np.repeat(np.arange(len(plans)), np.diff(lead_off))] + leads[:, 0].astype(np.int64)
+        at = msg_off[:-1][np.repeat(np.arange(rows.shape[0]), np.diff(lead_off))] + leads[:, 0].astype(np.int64)
         lead_at[at], lead_w[at] = leads[:, 1], leads[:, 2]
     seg_m = segments[:, 3].astype(np.int64)
     seg_a = segments[:, 4].astype(bool)
     msg_code = np.zeros(msg_weight.shape[0], dtype=np.int16)  # the role code other roles' text takes where it trains
     if (~seg_a).any() or (~msg_assistant & (msg_weight > 0)).any():
-        for name in dict.fromkeys(name for name in msg_role if name != "assistant"):
-            if name not in names:
+        for name in dict.fromkeys(msg_role):
+            if name != "assistant" and name not in names:
                 names.append(name)
         code = {name: c for c, name in enumerate(names)}
         code["assistant"] = 0
-        msg_code = np.fromiter((code[name] for name in msg_role), dtype=np.int16, count=len(msg_role))
+        msg_code = np.array([code[name] for name in msg_role], dtype=np.int16)
     # the tokens' characters: int32 in one layout (a row's characters fit; no copy where they come so)
     return (row_starts[rows], lengths[rows], np.ascontiguousarray(planned.starts, dtype=np.int32),
             np.ascontiguousarray(planned.ends, dtype=np.int32), msg_off, msg_weight, msg_assistant, msg_code, lead_at,
-            lead_w, piece_off, pieces[:, 0].astype(np.int64), pieces[:, 1].astype(np.int64),
-            pieces[:, 2].astype(np.int64), seg_off, segments[:, 0].astype(np.int64), segments[:, 1].astype(np.int64),
+            lead_w, piece_off, pieces[:, 0].copy(), pieces[:, 1].copy(), pieces[:, 2].copy(), seg_off, segments[:, 0].astype(np.int64), segments[:, 1].astype(np.int64),
             segments[:, 2].astype(np.float32), seg_m, seg_a)
+
+
+def _offsets(counts: list[int]) -> np.ndarray:
+    """Where each of consecutive groups of ``counts`` items begins, and the end."""
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return offsets
 
 
 def _weigh_exact(planned, lengths, row_starts, in_run, weights, role, names) -> None:
