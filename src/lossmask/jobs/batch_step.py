@@ -518,13 +518,12 @@ def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid
 def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid,
                 zeroed=None) -> None:
     """Count the dropped rows of a batch by what they show (``engine.outcomes.classify_drops``), one example each."""
-    import pyarrow.compute as pc
-
-
     lengths = _lengths(input_ids)
     has_assistant = None
     chat_column = options.chat_column(table.column_names)
-    if kind == "messages" and chat_column in table.column_names:
+    # rows the weights left with nothing are counted as such whatever their messages: no need to read them then
+    only_zeroed = zeroed is not None and bool(zeroed[outcomes != Outcome.TRAINED].all())
+    if kind == "messages" and chat_column in table.column_names and not only_zeroed:
         chats = table.column(chat_column).combine_chunks()
         turns = pc.list_flatten(chats)
         if isinstance(turns, pa.ExtensionArray):  # arrow.json: each message is its JSON text
