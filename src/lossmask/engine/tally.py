@@ -62,6 +62,11 @@ class Tally:
             weights_by_source=_add_lists(self.weights_by_source, other.weights_by_source),
         )
 
+    def __iadd__(self, other: "Tally") -> "Tally":
+        """``other`` added into this tally, in place (the job's tally is shared with its progress bar)."""
+        self.__dict__.update((self + other).__dict__)
+        return self
+
     def add_weights(self, by_role: dict[str, list], by_source: dict[str, list] | None) -> None:
         """Trained tokens and weight mass of one batch, per role and per value of the source column."""
         self.weights_by_role = _add_lists(self.weights_by_role, by_role)

@@ -16,7 +16,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import pyarrow as pa
 
@@ -146,18 +146,34 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
         # Token columns are high-cardinality lists: dictionary encoding and statistics only cost time there.
         writer = pq.ParquetWriter(temporary, schema, compression=compression, use_dictionary=other_columns or False,
                                   write_statistics=other_columns or False)
-        # rendering jobs keep both cores busy with Python and the tokeniser: label on this thread alone
-        with _BackgroundWriter(writer, schema, row_group_size, tally) as background, \
-                (one_thread() if renders and (options.backend or "numba") == "numba" else nullcontext()):
+        # rendering jobs keep both cores busy with Python and the tokeniser: label on one thread alone
+        single = one_thread if renders and (options.backend or "numba") == "numba" else nullcontext
+        write_weights = options.loss_weights_column in schema.names
+
+        def label(batch, first_row, encoded) -> _Labelled:
+            """``mask_batch`` on the thread that tokenised the batch, into a tally of its own: this thread goes on
+            rendering meanwhile (the kernels release the GIL; labelling here waited for it after each of them)."""
+            batch_tally = Tally()
+            with single():
+                out = mask_batch(batch, resolved, options, batch_tally, tokenizer=tokenizer, kind=kind,
+                                 first_row=first_row, source=source, encoded=encoded, write_weights=write_weights)
+            return _Labelled(out, batch_tally)
+
+        with _BackgroundWriter(writer, schema, row_group_size, tally) as background, single():
             for batch, first_row, encoded in _encoded_batches(dataset, batch_size, source, tally, kind, options,
-                                                             tokenizer, workers, resolved, renders=renders):
+                                                             tokenizer, workers, resolved, renders=renders,
+                                                             label=label):
                 seen = len(tally.invalid_examples)
                 try:
-                    if isinstance(encoded, Future):  # tokenised on a thread or after a worker rendered it
+                    if isinstance(encoded, Future):  # tokenised (and labelled) on a thread
                         encoded = encoded.result()
-                    out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
-                                     first_row=first_row, source=source, encoded=encoded,
-                                     write_weights=options.loss_weights_column in schema.names)
+                    if isinstance(encoded, _Labelled):
+                        out = encoded.table
+                        tally += encoded.tally  # in input order
+                    else:
+                        out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
+                                         first_row=first_row, source=source, encoded=encoded,
+                                         write_weights=write_weights)
                 except (ValueError, TypeError) as exc:
                     raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
                 tally.invalid_examples[seen:] = [dataset.name_rows(e, count=1) for e in tally.invalid_examples[seen:]]
@@ -354,8 +370,15 @@ def _compact(batch: pa.RecordBatch) -> pa.Buffer:
     return sink.getvalue()
 
 
+class _Labelled(NamedTuple):
+    """A batch labelled on the tokenising thread, and its tally (added to the job's in input order)."""
+
+    table: pa.Table
+    tally: Tally
+
+
 def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc, markers="unknown", *,
-                     renders=False):
+                     renders=False, label: Callable | None = None):
     """``(batch, first_row, encoded)`` in input order. ``encoded`` is None when the batch is encoded by ``mask_batch``
     (token ids, plain-text prompt/completion), else a ``Future`` of its ``EncodedBatch``, tokenised on a thread while
     the next batches render: here (one process), or in ``num_proc - 1`` worker processes and here. The caller takes
@@ -372,23 +395,23 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
 
     from ..chat.encode_batch import tokenize_rendered
 
-    def tokenise(rendered):  # on the thread: a worker's batch is waited for there, not here
+    def tokenise(batch, first_row, rendered):  # on the thread: a worker's batch is waited for there, not here
         waited = 0.0
         if isinstance(rendered, Future):
             started = time.perf_counter()
             rendered = rendered.result()
             waited = time.perf_counter() - started
         encoded = tokenize_rendered(tokenizer, rendered, options, markers=markers)
-        if waited:  # added to the tally with the batch's other stages, on the caller's thread
+        if waited:  # added to the tally with the batch's other stages
             encoded.seconds["encode_wait"] = waited
-        return encoded
+        return encoded if label is None else label(batch, first_row, encoded)
 
     # Rendering is Python under the GIL; tokenising (Rust) and labelling (numba) release it. So batch k is
     # tokenised on a thread while the next batches render, and labelled and written after.
     with ThreadPoolExecutor(1, thread_name_prefix="lossmask-tokenise") as threads:
         ahead: collections.deque = collections.deque()
         for batch, first_row, rendered in _rendered_batches(batches, kind, options, tokenizer, num_proc):
-            ahead.append((batch, first_row, threads.submit(tokenise, rendered)))
+            ahead.append((batch, first_row, threads.submit(tokenise, batch, first_row, rendered)))
             if len(ahead) >= 2:
                 yield ahead.popleft()
         while ahead:
