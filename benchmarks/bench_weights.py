@@ -15,8 +15,11 @@ Every configuration reads the same Parquet file and writes Parquet, end to end, 
 ``--batches`` times ``mask_batch`` on the rows in memory instead (batches of 4,000 rows, no Parquet read or write):
 the labelling step alone, where the weights' share is largest.
 
-Configurations run interleaved, ``--repeat`` rounds, and the best wall time and the best CPU time (every thread) of
-each are kept (the machine is shared); the ratios are to the baseline's best. Prints a Markdown table and the load average before and after.
+Configurations run interleaved, ``--repeat`` rounds, in reverse order every other round. Two figures per
+configuration: the best wall and CPU time (every thread) with their ratios to the baseline's best, and the median
+over the rounds of each round's ratio to the baseline of the same round. On a machine whose speed drifts by more
+than the weights cost (the 2-core VM: the same job took 2.5 s and 4.0 s an hour apart) the paired median is the
+steadier one. Prints a Markdown table and the load average before and after.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -69,6 +73,7 @@ def main() -> None:
     load_before = os.getloadavg()
     best: dict[str, float] = {}
     best_cpu: dict[str, float] = {}
+    rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in CONFIGS}
     reports = {}
     with tempfile.TemporaryDirectory() as tmp:
         source = os.path.join(tmp, "chats.parquet")
@@ -83,7 +88,8 @@ def main() -> None:
                 lossmask.mask_files(warm, os.path.join(tmp, f"warm-{k}.parquet"), tokenizer=tok, progress=False,
                                     max_drop_fraction=1.0, **fields)
         for round_ in range(args.repeat):
-            for name, fields in CONFIGS.items():
+            order = list(CONFIGS.items()) if round_ % 2 == 0 else list(CONFIGS.items())[::-1]
+            for name, fields in order:
                 out = os.path.join(tmp, f"out-{round_}-{name.replace(' ', '-')}.parquet")
                 started, cpu = time.perf_counter(), _cpu()
                 if args.batches:
@@ -94,6 +100,7 @@ def main() -> None:
                 seconds, cpu = time.perf_counter() - started, _cpu() - cpu
                 best[name] = min(best.get(name, float("inf")), seconds)
                 best_cpu[name] = min(best_cpu.get(name, float("inf")), cpu)
+                rounds[name].append((seconds, cpu))
                 if os.path.exists(out):
                     os.remove(out)
                 print(f"round {round_}: {name}: {seconds:.2f} s, {cpu:.2f} CPU s", file=sys.stderr)
@@ -103,12 +110,15 @@ def main() -> None:
     what = "mask_batch in memory" if args.batches else "mask_files, Parquet to Parquet"
     print(f"{args.rows:,} chats, {tokens:,} tokens, {Path(args.tokenizer).name}, {what}, best of {args.repeat}; "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after ({os.cpu_count()} cores)\n")
-    print("| configuration | wall s | ratio | CPU s | ratio | trained tokens | weights stage (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| configuration | wall s (best) | ratio | CPU s (best) | ratio | paired median ratio, wall | CPU | "
+          "trained tokens | weights stage (s) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in CONFIGS:
         report = reports[name]
+        wall = statistics.median(a[0] / b[0] for a, b in zip(rounds[name], rounds["labels"]))
+        cpu = statistics.median(a[1] / b[1] for a, b in zip(rounds[name], rounds["labels"]))
         print(f"| {name} | {best[name]:.2f} | {best[name] / base:.3f}x | {best_cpu[name]:.2f} | "
-              f"{best_cpu[name] / best_cpu['labels']:.3f}x | {report.tokens_trained:,} | "
+              f"{best_cpu[name] / best_cpu['labels']:.3f}x | {wall:.3f}x | {cpu:.3f}x | {report.tokens_trained:,} | "
               f"{report.seconds.get('weights', 0.0):.2f} |")
 
 
