@@ -113,12 +113,16 @@ def _finish_row(weights, role, labels, ids, out, never, masked, prompt_weight, i
 
 
 @njit(cache=True, nogil=True)
+def _totals(n_rows, n_roles):
+    """Trained tokens and weight mass per row and per role code, at 0."""
+    return (np.zeros(n_rows, np.int64), np.zeros(n_rows, np.float64), np.zeros(n_roles, np.int64),
+            np.zeros(n_roles, np.float64))
+
+
+@njit(cache=True, nogil=True)
 def finish_weights(weights, role, labels, ignore_index, ids, row_starts, lengths, prompt_weight, never, n_roles, out):
     n_rows = row_starts.shape[0]
-    row_tokens = np.zeros(n_rows, np.int64)
-    row_mass = np.zeros(n_rows, np.float64)
-    role_tokens = np.zeros(n_roles, np.int64)
-    role_mass = np.zeros(n_roles, np.float64)
+    row_tokens, row_mass, role_tokens, role_mass = _totals(n_rows, n_roles)
     changed = False
     odd = False
     masked = never.shape[0] != 0
@@ -318,10 +322,7 @@ def weigh_batch(labels, ignore_index, uniform, row_starts, lengths, exact_rows, 
     n, n_rows = labels.shape[0], row_starts.shape[0]
     weights = np.empty(n, np.float32)
     role = np.empty(n, np.int16)
-    row_tokens = np.zeros(n_rows, np.int64)
-    row_mass = np.zeros(n_rows, np.float64)
-    role_tokens = np.zeros(n_roles, np.int64)
-    role_mass = np.zeros(n_roles, np.float64)
+    row_tokens, row_mass, role_tokens, role_mass = _totals(n_rows, n_roles)
     changed = False
     odd = False
     masked = never.shape[0] != 0

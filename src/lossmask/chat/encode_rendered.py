@@ -29,10 +29,11 @@ import numpy as np
 import pyarrow as pa
 
 from ..engine.outcomes import CONTENT_DROPPED, SPECIAL_TOKENS
+from ..engine.weights import ExactPlans
 from ..options import SPECIAL_TOKENS_IN_CONTENT
 from .gc_pause import paused_collection
 from .locate import locate_messages
-from .weights import ExactPlans, WeightReader, plan_row
+from .weights import WeightReader, plan_row
 
 
 @dataclass
@@ -63,7 +64,7 @@ class PlannedWeights:
     rows: np.ndarray
     starts: np.ndarray
     ends: np.ndarray
-    exact_plans: Any = None  # the exact rows' plans, flat (chat.weights.ExactPlans), where locating made them so
+    exact_plans: Any = None  # the exact rows' plans, flat (engine.weights.ExactPlans), where locating made them so
 
 
 @dataclass
@@ -106,7 +107,7 @@ class LocatedRows:
     # per kept row: None (not checked), or ``(start, end, message index, role)`` of each text to check
     roles: list[tuple[tuple[int, int, int, str], ...] | None] = field(default_factory=list)
     plans: list | None = None  # per kept row: its chat.weights.RowPlan (None: defaults); None when not weighing
-    exact_plans: Any = None  # the exact ones among them, flat (chat.weights.ExactPlans)
+    exact_plans: Any = None  # the exact ones among them, flat (engine.weights.ExactPlans)
 
 
 def encode_rendered(

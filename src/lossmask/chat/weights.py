@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -53,53 +52,6 @@ class RowPlan:
 
 
 DEFAULT_PLAN = RowPlan()
-
-
-class ExactPlans:
-    """The exact rows' plans of one batch, flat, in the order they were made: what ``engine/weights`` gathers into
-    its kernel's arrays. Filled as the rows are planned (``add``), so that no second pass over per-row objects is
-    needed: on 8,000 chats under ``roles_to_train`` that pass took as long as planning them."""
-
-    __slots__ = ("n_messages", "weights", "roles", "n_pieces", "pieces", "n_segments", "segments", "n_leads", "leads")
-
-    def __init__(self) -> None:
-        self.n_messages: list[int] = []
-        self.weights: list[float] = []
-        self.roles: list[str] = []
-        self.n_pieces: list[int] = []
-        self.pieces: list[int] = []  # (start, end, message, required) a piece, back to back
-        self.n_segments: list[int] = []
-        self.segments: list[float] = []  # (start, end, weight, message, assistant)
-        self.n_leads: list[int] = []
-        self.leads: list[float] = []  # (message, answer_start, weight)
-
-    @classmethod
-    def of(cls, plans: Sequence[RowPlan]) -> "ExactPlans":
-        out = cls()
-        for plan in plans:
-            out.add(plan)
-        return out
-
-    def add(self, plan: RowPlan) -> None:
-        self.n_messages.append(len(plan.weights))
-        self.weights += plan.weights
-        self.roles += plan.roles
-        self.n_pieces.append(len(plan.pieces))
-        self.pieces += chain.from_iterable(plan.pieces)
-        self.n_segments.append(len(plan.segments))
-        self.segments += chain.from_iterable(plan.segments)
-        self.n_leads.append(len(plan.leads))
-        self.leads += chain.from_iterable(plan.leads)
-
-    def __len__(self) -> int:
-        return len(self.n_messages)
-
-    def __getstate__(self):  # __slots__ without a __dict__: pickled for worker processes as a tuple
-        return tuple(getattr(self, name) for name in self.__slots__)
-
-    def __setstate__(self, state) -> None:
-        for name, value in zip(self.__slots__, state):
-            setattr(self, name, value)
 
 
 @dataclass(frozen=True)
