@@ -381,8 +381,9 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
                      renders=False, label: Callable | None = None):
     """``(batch, first_row, encoded)`` in input order. ``encoded`` is None when the batch is encoded by ``mask_batch``
     (token ids, plain-text prompt/completion), else a ``Future`` of its ``EncodedBatch``, tokenised on a thread while
-    the next batches render: here (one process), or in ``num_proc - 1`` worker processes and here. The caller takes
-    ``.result()``, where an error about a row is named by its file and line."""
+    the next batches render: here (one process), or in ``num_proc - 1`` worker processes and here. With ``label``
+    (``label(batch, first_row, encoded)``), the future holds what that returns, called on the same thread. The caller
+    takes ``.result()``, where an error about a row is named by its file and line."""
     batches = _timed_reads(_batches(dataset, batch_size, source), tally)
     vision = getattr(tokenizer, "processor", None) is not None  # images expand in the batch step, in this process
     if vision or (num_proc == 1 and (not renders or tokenizer is None)):
@@ -407,7 +408,8 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
         return encoded if label is None else label(batch, first_row, encoded)
 
     # Rendering is Python under the GIL; tokenising (Rust) and labelling (numba) release it. So batch k is
-    # tokenised on a thread while the next batches render, and labelled and written after.
+    # tokenised on a thread while the next batches render, and labelled there too when ``label`` is given (else by
+    # the caller), then written.
     with ThreadPoolExecutor(1, thread_name_prefix="lossmask-tokenise") as threads:
         ahead: collections.deque = collections.deque()
         for batch, first_row, rendered in _rendered_batches(batches, kind, options, tokenizer, num_proc):
