@@ -445,13 +445,20 @@ def _sources(table, options, row_tokens, row_mass) -> dict | None:
         return None
     if name not in table.column_names:
         raise ValueError(f"source_column={name!r} is not a column of the input; the columns are {table.column_names}")
-    column = table.column(name).combine_chunks()
-    if column.type != pa.string():
-        column = column.cast(pa.string())
-    encoded = pc.dictionary_encode(column)
-    index = pc.fill_null(encoded.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
-    labels = [str(v) for v in encoded.dictionary.to_pylist()] + ["(null)"]
-    index = np.where(index < 0, len(labels) - 1, index)
+    column = table.column(name)
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        # a dict over the batch's values (a few thousand): compute calls would each hand the GIL to the rendering
+        # thread and wait to take it back
+        codes: dict = {}
+        index = np.fromiter((codes.setdefault(value, len(codes)) for value in column.to_pylist()), dtype=np.int64,
+                            count=len(column))
+        labels = ["(null)" if value is None else value for value in codes]
+    else:
+        column = column.combine_chunks().cast(pa.string())
+        encoded = pc.dictionary_encode(column)
+        index = pc.fill_null(encoded.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+        labels = [str(v) for v in encoded.dictionary.to_pylist()] + ["(null)"]
+        index = np.where(index < 0, len(labels) - 1, index)
     rows = np.bincount(index, minlength=len(labels))
     tokens = np.bincount(index, weights=row_tokens, minlength=len(labels))
     mass = np.bincount(index, weights=row_mass, minlength=len(labels))
