@@ -328,3 +328,25 @@ def test_keep_rows_equals_arrow_filter(runs, monkeypatch):
             keep &= ids.is_valid().to_numpy(zero_copy_only=False)
         got, want = batch_step.keep_rows(table, keep), table.filter(pa.array(keep))
         assert got.equals(want) and got.schema == want.schema
+
+
+def test_batch_tallies_add_into_the_jobs_tally_in_place():
+    """A rendering job labels each batch on the tokenising thread into a tally of its own and adds it to the job's
+    (``Tally +=``): the job's object stays the one its progress bar holds, and every count adds up."""
+    from lossmask.engine.tally import Tally
+
+    job, first, second = Tally(), Tally(), Tally()
+    first.rows_out, first.invalid_examples = 3, ["row 1: bad"]
+    first.time("weights", 0.5)
+    first.add_weights({"assistant": [10, 10.0]}, {"a": [1, 10, 10.0]})
+    second.rows_out = 4
+    second.time("weights", 0.25)
+    second.add_weights({"assistant": [5, 2.5], "user": [1, 0.3]}, {"a": [2, 5, 2.5]})
+    held = job
+    job += first
+    job += second
+    assert job is held
+    assert job.rows_out == 7 and job.invalid_examples == ["row 1: bad"]
+    assert job.seconds["weights"] == 0.75
+    assert job.weights_by_role == {"assistant": [15, 12.5], "user": [1, 0.3]}
+    assert job.weights_by_source == {"a": [3, 15, 12.5]}
