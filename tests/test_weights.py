@@ -17,12 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import chat_tokenizer, detected_markers
-from lossmask.engine import weights as _engine_weights
 from lossmask.engine.tally import Tally
 from lossmask.jobs.batch_step import mask_batch
 from lossmask.options import MaskOptions
 
-_EXACT_KERNEL = _engine_weights._weigh_exact  # taken before the autouse fixture below wraps it
 FAMILIES = ("chatml", "llama-3.1", "gemma-3", "mistral-v3", "gpt-oss", "qwen3")
 # what each family trains around a last assistant turn's content (docs/masking-rule.md)
 BEFORE = {"chatml": "", "llama-3.1": "", "gemma-3": "", "mistral-v3": "", "qwen3": "<think>\n\n</think>\n\n",
@@ -472,7 +470,8 @@ def exact_batches(draw):
 @given(batch=exact_batches(), uniform=st.sampled_from([0.5, 1.0]))
 def test_exact_rows_kernel_equals_its_numpy_reference(batch, uniform):
     """``weigh_exact`` (through ``_weigh_exact``) against ``_weigh_exact_numpy``, on batches no template wrote:
-    runs that straddle pieces, pieces of no assistant, segments across token edges, leads inside tokens."""
+    runs that straddle pieces, pieces of no assistant, segments across token edges, leads inside tokens. Then the
+    whole of ``weigh_tokens`` (the one kernel call a job makes, ``weigh_batch``) against its NumPy reference on them."""
     from lossmask.engine import weights as engine_weights
 
     planned, lengths, in_run = batch
@@ -482,11 +481,22 @@ def test_exact_rows_kernel_equals_its_numpy_reference(batch, uniform):
     names_got, names_want = list(engine_weights.ROLE_NAMES), list(engine_weights.ROLE_NAMES)
     got = [in_run.copy(), weights.copy(), role.copy()]
     want = [in_run.copy(), weights.copy(), role.copy()]
-    _EXACT_KERNEL(planned, lengths, row_starts, *got, names_got)  # not the autouse fixture's wrapper
+    engine_weights._weigh_exact(planned, lengths, row_starts, *got, names_got)
     engine_weights._weigh_exact_numpy(planned, lengths, row_starts, *want, names_want)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     assert [names_got[c] for c in got[2]] == [names_want[c] for c in want[2]]
+    for plan in planned.plans:
+        plan.uniform = uniform
+    ids = np.arange(in_run.shape[0], dtype=np.int32)
+    labels = np.where(in_run, ids, -100).astype(np.int64)
+    options = MaskOptions()
+    fused = engine_weights.weigh_tokens(ids, lengths, labels, -100, planned, [], options)
+    stepwise = engine_weights._weigh_tokens_numpy(ids, lengths, labels, -100, planned, [], options)
+    np.testing.assert_array_equal(fused.weights, stepwise.weights)
+    np.testing.assert_array_equal(fused.labels, stepwise.labels)
+    assert [fused.names[c] for c in fused.role] == [stepwise.names[c] for c in stepwise.role]
+    np.testing.assert_array_equal(fused.row_tokens, stepwise.row_tokens)
 
 
 def test_collection_paused_while_locating_and_restored():

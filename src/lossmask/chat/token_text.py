@@ -59,19 +59,13 @@ def _kind(spec: dict | None, key: str) -> list[dict]:
 
 @dataclass(frozen=True)
 class TokenText:
-    """The bytes each id of one vocabulary stands for (``data[starts[id]:starts[id] + lengths[id]]``), which ids are
-    added tokens, the characters each piece begins (``chars``), and where a ``▁`` is prepended (``prepend``: ``_ROW``,
-    ``_SEGMENTS``, or'ed with ``_UNLESS_SPACE``; 0 for none). ``meta`` and ``pieces``: the same, packed for the
-    kernel (``engine.token_spans.pack_table``)."""
+    """The bytes each id of one vocabulary stands for, which ids are added tokens and the characters each piece
+    begins, packed as the kernel reads them (``meta`` and ``pieces``: ``engine.token_spans.pack_table``), and where a
+    ``▁`` is prepended (``prepend``: ``_ROW``, ``_SEGMENTS``, or'ed with ``_UNLESS_SPACE``; 0 for none)."""
 
-    data: np.ndarray
-    starts: np.ndarray
-    lengths: np.ndarray
-    chars: np.ndarray
-    added: np.ndarray
-    prepend: int
     meta: np.ndarray
     pieces: np.ndarray
+    prepend: int
 
     @classmethod
     def of(cls, tokenizer_json: str, added_ids: Sequence[int]) -> "TokenText | None":
@@ -131,7 +125,7 @@ class TokenText:
         from ..engine.token_spans import pack_table
 
         packed = pack_table(data, starts, lengths, chars, added)
-        return cls(data, starts, lengths, chars, added, prepend, *packed) if packed is not None else None
+        return cls(*packed, prepend) if packed is not None else None
 
     def spans(self, texts: Sequence[str], ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(spans, exact)``: each token's ``[start, end)`` characters in its own text (an ``(n, 2)`` int32 array,

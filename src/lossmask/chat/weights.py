@@ -61,7 +61,6 @@ class WeightReader:
     fields: tuple[str, ...]
     keys: frozenset
     detail_key: str | None
-    role_weights: dict
     plain_roles: bool
     assistant_weight: float
     reasoning_weight: float | None
@@ -74,7 +73,7 @@ class WeightReader:
             return options
         roles = options.role_weights()
         reasoning = options.reasoning
-        return cls(options.weight_fields(), frozenset(options.weight_fields()), options.detail_field, roles,
+        return cls(options.weight_fields(), frozenset(options.weight_fields()), options.detail_field,
                    roles == {"assistant": 1.0}, roles.get("assistant", 1.0),
                    None if reasoning == "train" else 0.0 if reasoning == "mask" else float(reasoning),
                    bool(options.mask_empty_think), {**roles, "assistant": roles.get("assistant", 1.0)})

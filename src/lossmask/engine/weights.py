@@ -29,6 +29,8 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from .buffers import rows_from_arrow
+
 ROLE_NAMES = ("", "assistant", "prompt", "stop token")  # role codes 0..3; other roles follow (Weighed.names)
 _ASSISTANT, _PROMPT, _STOP = 1, 2, 3
 _STRIDE = np.int64(1) << np.int64(36)  # rows' characters placed apart on one axis (no text is this long)
@@ -94,13 +96,6 @@ class ExactPlans:
 
     def __len__(self) -> int:
         return len(self.n_messages)
-
-    def __getstate__(self):  # __slots__ without a __dict__: pickled for worker processes as a tuple
-        return tuple(getattr(self, name) for name in self.__slots__)
-
-    def __setstate__(self, state) -> None:
-        for name, value in zip(self.__slots__, state):
-            setattr(self, name, value)
 
 
 def weigh_tokens(ids: np.ndarray, lengths: np.ndarray, labels: np.ndarray, ignore_index: int, planned: Any,
@@ -221,8 +216,9 @@ def _exact_arrays(planned, row_starts, lengths, names) -> tuple:
     # the tokens' characters: int32 in one layout (a row's characters fit; no copy where they come so)
     return (row_starts[rows], lengths[rows], np.ascontiguousarray(planned.starts, dtype=np.int32),
             np.ascontiguousarray(planned.ends, dtype=np.int32), msg_off, msg_weight, msg_assistant, msg_code, lead_at,
-            lead_w, piece_off, pieces[:, 0].copy(), pieces[:, 1].copy(), pieces[:, 2].copy(), seg_off, segments[:, 0].astype(np.int64), segments[:, 1].astype(np.int64),
-            segments[:, 2].astype(np.float32), seg_m, seg_a)
+            lead_w, piece_off, pieces[:, 0].copy(), pieces[:, 1].copy(), pieces[:, 2].copy(), seg_off,
+            segments[:, 0].astype(np.int64), segments[:, 1].astype(np.int64), segments[:, 2].astype(np.float32), seg_m,
+            seg_a)
 
 
 def _offsets(counts: list[int]) -> np.ndarray:
@@ -415,17 +411,14 @@ def _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, p
 
 
 def weights_to_arrow(like: pa.Array, values: np.ndarray) -> pa.Array:
-    """A ``list<float32>`` array shaped like ``like`` (a list array of the same rows, no nulls) holding ``values``
-    (``large_list`` past 2**31 values). Made from buffers: no compute call, which would release the GIL."""
-    lengths = np.diff(np.frombuffer(like.buffers()[1], dtype=np.int32 if pa.types.is_list(like.type) else np.int64)
-                      [like.offset:like.offset + len(like) + 1]) if len(like) else np.zeros(0, np.int64)
-    offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    """A ``list<float32>`` array shaped like ``like`` (a list array of token ids, the same rows, no nulls) holding
+    ``values`` (``large_list`` past 2**31 values). Made from buffers: no compute call, which would release the GIL."""
+    rows = rows_from_arrow(like)  # views of its offsets, re-based to its first value
+    offsets = np.append(rows.starts, rows.ends[-1:] if len(rows) else 0).astype(np.int64)
     large = int(offsets[-1]) >= 2 ** 31
-    child = pa.array(np.ascontiguousarray(values, dtype=np.float32))
     kind = pa.large_list(pa.float32()) if large else pa.list_(pa.float32())
-    return pa.Array.from_buffers(kind, lengths.shape[0], [None, pa.py_buffer(offsets if large else offsets.astype(np.int32))],
-                                 children=[child])
+    return pa.Array.from_buffers(kind, len(rows), [None, pa.py_buffer(offsets if large else offsets.astype(np.int32))],
+                                 children=[pa.array(np.ascontiguousarray(values, dtype=np.float32))])
 
 
 def weight_field_types(schema: pa.Schema, options: Any) -> list[pa.DataType]:
