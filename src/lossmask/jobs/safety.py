@@ -12,6 +12,7 @@ from ..engine.outcomes import (
     HEADER_ONLY,
     MARKERS_MATCH_NOTHING,
     NO_ASSISTANT_TURN,
+    WEIGHTS_ZERO,
     Outcome,
     OutcomeCounts,
 )
@@ -62,6 +63,10 @@ def _cause_sentence(cause: str, n: int, total: int, truncation: str | None) -> s
     if cause == HEADER_ONLY:
         return (f"{share} have a response marker with nothing trainable after it, though they were not cut "
                 "(empty assistant messages, or a template that writes no stop token)")
+    if cause == WEIGHTS_ZERO:
+        return (f"{share} had assistant turns the markers train, and every one of them weighs 0 (a message field "
+                "such as weight: 0, or the role and reasoning options): nothing is left to train. Check those fields, "
+                "or pass weight_field=None (--weight-field none) to ignore them")
     return f"{share} have no tokens at all (empty or null input_ids): check the tokenisation step"
 
 
