@@ -192,6 +192,29 @@ def test_weights_by_role_and_prompt_weight(family):
     assert tally.weights_by_role["prompt"][0] == int((weights == np.float32(0.1)).sum())
 
 
+def test_plans_by_role_alone_are_shared_per_role_sequence_and_read_odd_roles():
+    """Rows weighed by role alone take their plan from one worked out per role sequence (``WeightReader.role_plan``):
+    each row still gets its own pieces, and odd roles (missing, not a string, not hashable) read as the rule reads
+    them: by their string."""
+    from lossmask.chat.locate import locate_messages
+    from lossmask.chat.weights import WeightReader, plan_row
+
+    reader = WeightReader.of(MaskOptions(weights_by_role={"user": 0.5, "None": 0.25, "7": 0.75}))
+    text = "Hi there Hello back Next"
+    rows = [chat("Hi there", "Hello back"), chat("Hi there", "Hello back"),
+            [{"content": "Hi there"}, {"role": "assistant", "content": "Hello back"}],
+            [{"role": ["odd"], "content": "Hi there"}, {"role": 7, "content": "Hello back"},
+             {"role": "assistant", "content": "Next"}],
+            [{"role": "tool", "content": "Hi there"}, {"role": "assistant", "content": "Hello back"}]]
+    plans = [plan_row(text, messages, locate_messages(text, messages), reader) for messages in rows]
+    assert plans[0].exact and plans[0].weights == (0.5, 1.0) and plans[0].roles == ("user", "assistant")
+    assert plans[0] is not plans[1] and plans[0].pieces == [(0, 8, 0, True), (9, 19, 1, True)]
+    assert plans[2].roles == ("None", "assistant") and plans[2].weights == (0.25, 1.0)  # a missing role reads "None"
+    assert plans[3].roles == ("['odd']", "7", "assistant") and plans[3].weights == (0.0, 0.75, 1.0)
+    assert plans[4].exact is False and plans[4].uniform == 1.0  # nothing but the assistant trains: no characters
+    assert plan_row(text, rows[4], locate_messages(text, rows[4]), reader) is plans[4]  # shared, never changed
+
+
 def test_roles_to_train_without_assistant_masks_assistant():
     out, _ = label("chatml", [chat("Hi there", "Hello back")], roles_to_train="user", keep_dropped=True)
     assert weighted_text("chatml", out) == [("Hi there", 1.0)]

@@ -19,6 +19,7 @@ tokens are placed by their character offsets, and ``engine/weights.py`` applies 
 from __future__ import annotations
 
 import math
+from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -66,6 +67,9 @@ class WeightReader:
     reasoning_weight: float | None
     mask_empty_think: bool
     by_role: dict  # role -> the weight of its messages without a field of their own (the assistant's included)
+    # role_plan's memo: a role sequence -> (its shared plan, or None where each row needs its own; its weights; the
+    # roles as strings)
+    known_roles: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, options: Any) -> "WeightReader":
@@ -78,6 +82,26 @@ class WeightReader:
                    None if reasoning == "train" else 0.0 if reasoning == "mask" else float(reasoning),
                    bool(options.mask_empty_think), {**roles, "assistant": roles.get("assistant", 1.0)})
 
+    def role_plan(self, roles: tuple[str, ...], pieces: Sequence[tuple[int, int, int, bool]]) -> RowPlan:
+        """The plan of a row whose messages weigh by their role alone (no field, span, part or reasoning): worked
+        out once per role sequence, as a batch's rows share a few of them. A row whose turns all weigh one weight
+        shares one plan; an exact one (other roles' text trains) gets its own, with its pieces."""
+        try:
+            known = self.known_roles.get(roles)
+        except TypeError:  # a role that cannot be a key (odd data): taken by its string
+            roles = tuple(map(str, roles))
+            known = self.known_roles.get(roles)
+        if known is None:
+            named = tuple(role if type(role) is str else str(role) for role in roles)
+            weights = tuple(self.by_role.get(role, 0.0) for role in named)
+            # every assistant turn weighs the role's weight: exact only where another role's text trains
+            exact = any(w > 0 for w, role in zip(weights, named) if role != "assistant")
+            known = self.known_roles[roles] = (None if exact else RowPlan(uniform=self.assistant_weight), weights, named)
+        shared, weights, named = known
+        if shared is not None:
+            return shared
+        return RowPlan(self.assistant_weight, True, weights, named, sorted(pieces))
+
 
 def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row: int = 0) -> RowPlan | None:
     """The weights of one rendered row (None: every assistant turn weighs 1 and nothing else applies).
@@ -88,13 +112,17 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
     carries = _carries(messages, reader.keys, detail_key)  # "fields", True (spans or parts too) or False
     if reader.plain_roles and not has_reasoning and not reader.mask_empty_think and not carries:
         return None
+    roles = _roles(messages)
+    if not carries and not has_reasoning and not reader.mask_empty_think:  # roles alone: most rows of a role option
+        return reader.role_plan(roles, located.pieces)
     assistant_weight = reader.assistant_weight
-    roles = [message.get("role") if type(message) is dict else "?" for message in messages]
-    roles = [role if type(role) is str else str(role) for role in roles]
+    roles = tuple(role if type(role) is str else str(role) for role in roles)
     # a role's weight; weights never make other roles' text train unless a role option asks for that role
     weights = [reader.by_role.get(role, 0.0) for role in roles]
     if carries:  # a message's own field overrides its role's, for the roles that train (the others' stay 0)
         for index, message in enumerate(messages):
+            if type(message) is dict and len(message) <= 2:  # {role, content}: no field (the call costs more)
+                continue
             value = _field(message, fields, row, index)
             if value is not None and roles[index] in reader.by_role:
                 weights[index] = value
@@ -134,6 +162,17 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
             previous_end = max(e for _, e, _ in own)
     plan.exact = bool(len(turns) > 1 or others or plan.segments or plan.leads or has_reasoning)
     return plan
+
+
+_ROLE = itemgetter("role")
+
+
+def _roles(messages: Sequence[Any]) -> tuple:
+    """Each message's role as it is ("?" for what is not a message): strings but in odd data."""
+    try:
+        return tuple(map(_ROLE, messages))  # a dict each, with a role: nearly every row, at C speed
+    except (KeyError, TypeError):
+        return tuple(message.get("role") if type(message) is dict else "?" for message in messages)
 
 
 def _carries(messages: Sequence[Any], keys: frozenset, detail_key: str | None) -> bool | str:

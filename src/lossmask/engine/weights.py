@@ -89,10 +89,13 @@ class ExactPlans:
         self.roles += plan.roles
         self.n_pieces.append(len(plan.pieces))
         self.pieces += chain.from_iterable(plan.pieces)
-        self.n_segments.append(len(plan.segments))
-        self.segments += chain.from_iterable(plan.segments)
-        self.n_leads.append(len(plan.leads))
-        self.leads += chain.from_iterable(plan.leads)
+        segments, leads = plan.segments, plan.leads
+        self.n_segments.append(len(segments))
+        if segments:  # most rows have neither
+            self.segments += chain.from_iterable(segments)
+        self.n_leads.append(len(leads))
+        if leads:
+            self.leads += chain.from_iterable(leads)
 
     def __len__(self) -> int:
         return len(self.n_messages)
