@@ -9,11 +9,12 @@ for each token's character span instead of tokenising again with offsets. Inputs
 - ``prepend``: 0, or where the tokeniser wrote a ``▁`` that is not in the text (1: before the row's first token,
   2: also after every added token; plus 4 where it writes none before text that begins with a space, as
   ``Metaspace`` does), which the first byte of such a token, a space, is then taken as;
-- ``ids``, ``offsets`` (``n_rows + 1``): the rows' tokens; ``text``: the rows' texts, UTF-8, back to back (``n_text``
-  bytes, and 8 more after them), and ``char_lengths``: each text's length in characters.
+- ``ids``, ``offsets`` (``n_rows + 1``): the rows' tokens; ``text``: the rows' texts, UTF-8, back to back, and
+  ``text_offsets`` (``n_rows + 1``): where each begins (an Arrow string array's two buffers, as they are).
 
 A token's bytes are compared with the text's 8 at a time (two unaligned loads, a xor and a mask): most tokens hold
-1-8 bytes, so one compare a token. The padding lets the last token's load read past its text.
+1-8 bytes, so one compare a token. ``pieces`` has 8 bytes of padding after its last piece; the texts' buffer has none
+of its own, so the loads within its last 8 bytes read byte by byte.
 
 Out: ``spans`` (int32 ``[start, end)`` characters in the token's own row; a token holding part of a character's bytes
 covers that character; a taken-off ``▁`` alone covers the character after it, as ``tokenizers`` says) and ``exact``
@@ -32,7 +33,7 @@ from numba.extending import intrinsic
 _START_BITS, _LENGTH_SHIFT, _CHARS_SHIFT, _ADDED_SHIFT = 32, 32, 48, 63
 _UNKNOWN = 0xFFFF  # the length of an id whose bytes are not known (a row holding it is never exact)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
-PADDING = 8  # bytes after ``pieces`` and ``text`` that an 8-byte load may read
+PADDING = 8  # bytes after ``pieces`` that an 8-byte load may read
 
 
 def pack_table(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, chars: np.ndarray,
@@ -68,85 +69,121 @@ def _low_bytes(n):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _is_lead(b):
-    return (b & 0xC0) != 0x80
+def _load_tail(values, at, end):
+    """``_load8`` where fewer than 8 bytes are left before ``end``: those bytes, 0 above them."""
+    word = np.uint64(0)
+    for j in range(min(8, end - at)):
+        word |= np.uint64(values[at + j]) << np.uint64(8 * j)
+    return word
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _compare(text, n_text, cursor, pieces, start, length):
+    """The token's first 8 text bytes (as ``_load8`` gives them) and how they and the rest differ from its piece's
+    (0: not at all)."""
+    word = _load8(text, cursor) if cursor + 8 <= n_text else _load_tail(text, cursor, n_text)
+    differ = (word ^ _load8(pieces, start)) & _low_bytes(length)
+    for j in range(8, length, 8):  # pieces longer than 8 bytes
+        at = cursor + j
+        later = _load8(text, at) if at + 8 <= n_text else _load_tail(text, at, n_text)
+        differ |= (later ^ _load8(pieces, start + j)) & _low_bytes(length - j)
+    return word, differ
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _row_plain(meta, pieces, row_ids, text, n_text, cursor, row_end, row_lo, row_hi):
+    """One row of a vocabulary that writes no ``▁`` of its own (``prepend`` 0: byte-level ones): its spans, and
+    whether its tokens' bytes are its text's. The differences are gathered and looked at once, at the row's end: the
+    loop has no branch a token but the bounds'."""
+    size = meta.shape[0]
+    chars = 0  # characters begun so far in this row
+    differ = np.uint64(0)
+    for k in range(row_ids.shape[0]):
+        v = row_ids[k]
+        if v < 0 or v >= size:
+            return False, cursor
+        packed = meta[np.uint64(v)]
+        length = np.int64((packed >> np.uint64(_LENGTH_SHIFT)) & np.uint64(0xFFFF))
+        if length == _UNKNOWN or cursor + length > row_end:
+            return False, cursor
+        word, unlike = _compare(text, n_text, cursor, pieces, np.int64(packed & np.uint64(0xFFFFFFFF)), length)
+        differ |= unlike
+        # it begins inside a character when its first byte continues one
+        lo = chars - np.int64(cursor < row_end and (word & np.uint64(0xC0)) == np.uint64(0x80))
+        chars += np.int64((packed >> np.uint64(_CHARS_SHIFT)) & np.uint64(0x7FFF))
+        cursor += length
+        row_lo[k] = lo
+        row_hi[k] = chars if length > 0 else lo
+    return differ == 0, cursor
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _row_prepend(meta, pieces, prepend, row_ids, text, n_text, cursor, row_end, row_lo, row_hi):
+    """``_row_plain`` where the tokeniser writes ``▁`` that the text does not hold (``prepend``)."""
+    size = meta.shape[0]
+    chars = 0
+    previous_added = True  # the row's start counts as a stretch's start
+    for k in range(row_ids.shape[0]):
+        v = row_ids[k]
+        if v < 0 or v >= size:
+            return False, cursor
+        packed = meta[np.uint64(v)]
+        length = np.int64((packed >> np.uint64(_LENGTH_SHIFT)) & np.uint64(0xFFFF))
+        if length == _UNKNOWN:
+            return False, cursor
+        start = np.int64(packed & np.uint64(0xFFFFFFFF))
+        begun = np.int64((packed >> np.uint64(_CHARS_SHIFT)) & np.uint64(0x7FFF))
+        is_added = (packed >> np.uint64(_ADDED_SHIFT)) != 0
+        emptied = False
+        if previous_added and not is_added and length > 0 and pieces[start] == 32 \
+                and ((prepend & 3) == 2 or k == 0) \
+                and not ((prepend & 4) != 0 and cursor < row_end and text[cursor] == 32):
+            start += 1
+            length -= 1
+            begun -= 1
+            emptied = length == 0
+        previous_added = is_added
+        if cursor + length > row_end:
+            return False, cursor
+        word, differ = _compare(text, n_text, cursor, pieces, start, length)
+        if differ != 0:
+            return False, cursor
+        lo = chars
+        if cursor < row_end and (word & np.uint64(0xC0)) == np.uint64(0x80):
+            lo = chars - 1  # it begins inside a character
+        chars += begun
+        cursor += length
+        hi = chars
+        if length == 0:
+            hi = lo + 1 if emptied and cursor < row_end else lo
+        row_lo[k] = lo
+        row_hi[k] = hi
+    return True, cursor
 
 
 @njit(cache=True, nogil=True)
-def token_spans(meta, pieces, prepend, ids, offsets, text, n_text, char_lengths):
+def token_spans(meta, pieces, prepend, ids, offsets, text, text_offsets):
     n_rows = offsets.shape[0] - 1
-    size = meta.shape[0]
+    n_text = text.shape[0]  # loads that would pass the buffer's end read byte by byte
     # a row's characters fit an int32 (half the pages to touch); starts and ends each contiguous, returned as (n, 2)
     by_column = np.empty((2, ids.shape[0]), np.int32)
     exact = np.zeros(n_rows, np.bool_)
-    cursor = 0  # the first byte of row r's text
     for r in range(n_rows):
-        row_start = cursor
-        row_chars = char_lengths[r]
-        chars = 0  # characters begun so far in this row
-        ok = True
-        previous_added = True  # the row's start counts as a stretch's start
+        row_end = text_offsets[r + 1]  # row r's text: its bytes, from text_offsets[r]
         # the row as slices walked from 0: no negative-index wrap-around in the loop
         row_ids = ids[offsets[r]:offsets[r + 1]]
         row_lo, row_hi = by_column[0, offsets[r]:offsets[r + 1]], by_column[1, offsets[r]:offsets[r + 1]]
-        for k in range(row_ids.shape[0]):
-            v = row_ids[k]
-            if v < 0 or v >= size:
-                ok = False
-                break
-            packed = meta[np.uint64(v)]
-            length = np.int64((packed >> np.uint64(_LENGTH_SHIFT)) & np.uint64(0xFFFF))
-            if length == _UNKNOWN:
-                ok = False
-                break
-            start = np.int64(packed & np.uint64(0xFFFFFFFF))
-            begun = np.int64((packed >> np.uint64(_CHARS_SHIFT)) & np.uint64(0x7FFF))
-            is_added = (packed >> np.uint64(_ADDED_SHIFT)) != 0
-            emptied = False
-            if prepend != 0 and previous_added and not is_added and length > 0 and pieces[start] == 32 \
-                    and ((prepend & 3) == 2 or k == 0) \
-                    and not ((prepend & 4) != 0 and chars < row_chars and text[cursor] == 32):
-                start += 1
-                length -= 1
-                begun -= 1
-                emptied = length == 0
-            previous_added = is_added
-            if cursor + length > n_text:
-                ok = False
-                break
-            word = _load8(text, cursor)
-            differ = (word ^ _load8(pieces, start)) & _low_bytes(length)
-            for j in range(8, length, 8):  # pieces longer than 8 bytes
-                differ |= (_load8(text, cursor + j) ^ _load8(pieces, start + j)) & _low_bytes(length - j)
-            if differ != 0:
-                ok = False
-                break
-            lo = chars
-            if cursor < n_text and (word & np.uint64(0xC0)) == np.uint64(0x80):
-                lo = chars - 1  # it begins inside a character
-            chars += begun
-            cursor += length
-            hi = chars
-            if length == 0:
-                hi = min(lo + 1, row_chars) if emptied else lo
-            row_lo[k] = lo
-            row_hi[k] = hi
-        # Exact: the tokens' bytes are the row's characters, all of them and no more (a row's text is followed by
-        # the first byte of the next one's, or by the end).
-        if ok and chars == row_chars and (cursor == n_text or _is_lead(text[cursor])):
+        if prepend == 0:
+            ok, cursor = _row_plain(meta, pieces, row_ids, text, n_text, text_offsets[r], row_end, row_lo, row_hi)
+        else:
+            ok, cursor = _row_prepend(meta, pieces, prepend, row_ids, text, n_text, text_offsets[r], row_end, row_lo,
+                                      row_hi)
+        # Exact: the tokens' bytes are the row's, all of them and no more.
+        if ok and cursor == row_end:
             exact[r] = True
-            continue
-        # Not exact: find where the next row's text begins, by its characters.
-        cursor = row_start
-        seen = 0
-        while cursor < n_text:
-            if _is_lead(text[cursor]):
-                if seen == row_chars:
-                    break
-                seen += 1
-            cursor += 1
-        row_lo[:] = 0
-        row_hi[:] = 0
+        else:
+            row_lo[:] = 0
+            row_hi[:] = 0
     return by_column.T, exact
 
 

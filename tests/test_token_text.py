@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import chat_tokenizer, load_script
-from lossmask.engine.kernels.token_spans import PADDING, pack_table, reference_spans, token_spans
+from lossmask.engine.kernels.token_spans import pack_table, reference_spans, token_spans
 
 # byte-level (with and without NFC), SentencePiece with a "▁" before every stretch, before the row only, and none
 FAMILIES = ("qwen2.5", "llama-3.1", "gpt-oss", "llama-2", "mistral-v3", "gemma-3", "falcon", "zephyr")
@@ -120,6 +120,14 @@ def _table(pieces):
     return data, starts, lengths, chars, added
 
 
+def _utf8(texts):
+    """The texts' UTF-8 back to back and where each begins: the kernel's ``text`` and ``text_offsets``, made here
+    without Arrow (a buffer exactly as long as the texts: the kernel must not read past it)."""
+    encoded = [t.encode("utf-8") for t in texts]
+    return (np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(),
+            np.concatenate([[0], np.cumsum([len(e) for e in encoded])]).astype(np.int64))
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.lists(st.lists(st.integers(0, len(_PIECES)), max_size=12), max_size=6),
        prepend=st.sampled_from([0, 1, 2, 5, 6]), damage=st.lists(st.integers(0, 5), max_size=6))
@@ -145,12 +153,8 @@ def test_kernel_equals_reference(rows, prepend, damage):
         texts.append(text)
     ids = np.array([v for row in rows for v in row], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum([len(row) for row in rows])]).astype(np.int64)
-    joined = "".join(texts).encode("utf-8")
-    text = np.frombuffer(joined + bytes(PADDING), dtype=np.uint8)
-    char_lengths = np.array([len(t) for t in texts], dtype=np.int64)
     meta, pieces = pack_table(data, starts, lengths, chars, added)
-    spans, exact = token_spans(meta, pieces, np.int64(prepend), ids, offsets, text, np.int64(len(joined)),
-                               char_lengths)
+    spans, exact = token_spans(meta, pieces, np.int64(prepend), ids, offsets, *_utf8(texts))
     want_spans, want_exact = reference_spans(data, starts, lengths, added, prepend, ids, offsets, texts)
     np.testing.assert_array_equal(exact, want_exact)
     row_of = np.repeat(np.arange(len(rows)), np.diff(offsets))
@@ -169,9 +173,7 @@ def test_kernel_finds_a_changed_character_anywhere_in_a_long_piece():
                               for at in range(len(original))]
         ids = np.array(row * len(texts), dtype=np.int64)
         offsets = np.arange(0, 3 * len(texts) + 1, 3, dtype=np.int64)
-        joined = "".join(texts).encode("utf-8")
-        _, exact = token_spans(meta, pieces, np.int64(0), ids, offsets, np.frombuffer(joined + bytes(PADDING), np.uint8),
-                               np.int64(len(joined)), np.array([len(t) for t in texts], dtype=np.int64))
+        _, exact = token_spans(meta, pieces, np.int64(0), ids, offsets, *_utf8(texts))
         assert exact.tolist() == [True] + [False] * len(original), (v, exact)
 
 
