@@ -193,7 +193,7 @@ def test_weights_by_role_and_prompt_weight(family):
 
 
 def test_plans_by_role_alone_are_shared_per_role_sequence_and_read_odd_roles():
-    """Rows weighed by role alone take their plan from one worked out per role sequence (``WeightReader.role_plan``):
+    """Rows weighed by role alone take their plan from one worked out per role sequence (``WeightReader.by_roles``):
     each row still gets its own pieces, and odd roles (missing, not a string, not hashable) read as the rule reads
     them: by their string."""
     from lossmask.chat.locate import locate_messages

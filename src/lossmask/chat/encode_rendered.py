@@ -108,6 +108,7 @@ class LocatedRows:
     roles: list[tuple[tuple[int, int, int, str], ...] | None] = field(default_factory=list)
     plans: list | None = None  # per kept row: its chat.weights.RowPlan (None: defaults); None when not weighing
     exact_plans: Any = None  # the exact ones among them, flat (engine.weights.ExactPlans)
+    exact: list[int] = field(default_factory=list)  # which kept rows those are, ascending
 
 
 def encode_rendered(
@@ -158,6 +159,7 @@ def locate_rendered(
     roles: list[tuple[tuple[int, int, int, str], ...] | None] = []
     plans: list | None = [] if weigh is not None else None
     exact_plans = ExactPlans() if weigh is not None else None
+    exact: list[int] = []
     reader = WeightReader.of(weigh) if weigh is not None else None
     special_rows, special_example = 0, None
     with paused_collection():  # per-row Python over every message: see gc_pause
@@ -191,11 +193,12 @@ def locate_rendered(
             roles.append(_role_spans(messages, located) if check is not None and check[r] else None)
             if plans is not None:
                 plan = plan_row(text, messages, located, reader, names[r])
-                plans.append(plan)
                 if plan is not None and plan.exact:
                     exact_plans.add(plan)
+                    exact.append(len(plans))
+                plans.append(plan)
     return LocatedRows([t for t, k in zip(texts, keep) if k], spans, as_text, keep, dropped, special_rows,
-                       special_example, roles, plans, exact_plans)
+                       special_example, roles, plans, exact_plans, exact)
 
 
 def _role_spans(messages, located) -> tuple[tuple[int, int, int, str], ...]:
@@ -216,8 +219,7 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
     kept_texts, spans, as_text, keep = located.texts, located.spans, located.as_text, located.keep
     dropped, special_rows, special_example = located.dropped, located.special_rows, located.special_example
     checked = [r for r, row_roles in enumerate(located.roles) if row_roles is not None]
-    plans, exact_plans = located.plans, located.exact_plans
-    exact = [r for r, plan in enumerate(plans) if plan is not None and plan.exact] if plans is not None else []
+    plans, exact_plans, exact = located.plans, located.exact_plans, located.exact
     if positions is True:
         need = list(range(len(kept_texts)))
     elif not positions:
@@ -255,8 +257,12 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
     elif by_bytes:
         some = flat.take(by_bytes)
         token_spans, ok = ct.spans_of([kept_texts[r] for r in by_bytes], some)
-    read = {r for r, placed in zip(by_bytes, ok) if placed}
-    again = sorted((set(need) | set(as_text) | set(checked) | set(exact)) - read)
+    read = np.zeros(len(kept_texts), dtype=bool)
+    read[by_bytes] = ok
+    asked = np.zeros(len(kept_texts), dtype=bool)
+    for rows in (need, as_text, checked, exact):
+        asked[rows] = True
+    again = np.flatnonzero(asked & ~read).tolist()
     if not again:
         return EncodedRows(batch, in_content, keep, dropped, special_rows, special_example,
                            weights=_planned(plans, exact, by_bytes, some, token_spans, ok, {}, max_length,
@@ -280,7 +286,7 @@ def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = No
     lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
     roles = _role_tokens(lengths, {r: (rows[r], sub_offsets[local[r]]) for r in checked}, kept_texts, located.roles)
     weights = _planned(plans, exact, by_bytes, some, token_spans, ok,
-                       {r: sub_offsets[local[r]] for r in exact if r not in read}, max_length, exact_plans)
+                       {r: sub_offsets[local[r]] for r in exact if not read[r]}, max_length, exact_plans)
     return EncodedRows(_large_list(rows), in_content, keep, dropped, special_rows, special_example, roles, weights)
 
 
@@ -288,8 +294,9 @@ def _planned(plans: list | None, exact: list[int], by_bytes: list[int], flat: An
              placed: np.ndarray, others: dict, max_length: int | None, exact_plans: Any = None) -> PlannedWeights | None:
     """``planned_weights`` where most exact rows' spans were read off their bytes (``ChatTokenizer.spans_of``: ``flat``
     holds the ids of the ``by_bytes`` rows, ``placed`` says which of them it placed, each token already starting where
-    the one before it ends) and the rest (``others``: row -> its ``(n, 2)`` offsets) come from ``tokenizers``. Runs of
-    rows read off the bytes are taken as whole slices, not row by row."""
+    the one before it ends) and the rest (``others``: row -> its ``(n, 2)`` offsets) come from ``tokenizers``. Where
+    every exact row was read off the bytes (nearly always), their spans are gathered in one go, with no loop over
+    rows."""
     if plans is None:
         return None
     if not by_bytes or (max_length is not None and int(np.diff(flat.offsets).max()) > max_length):
@@ -298,6 +305,17 @@ def _planned(plans: list | None, exact: list[int], by_bytes: list[int], flat: An
             if placed[k]:
                 read[r] = spans[flat.offsets[k]:flat.offsets[k + 1]][:max_length]
         return planned_weights(plans, exact, [read[r] if r in read else others[r] for r in exact], exact_plans)
+    rows = np.asarray(exact, dtype=np.int64)
+    if not others:
+        k = np.searchsorted(np.asarray(by_bytes, dtype=np.int64), rows)  # each exact row among those read
+        starts, ends = spans[:, 0], spans[:, 1]
+        if k.shape[0] != len(by_bytes):  # some rows read are not exact: their tokens are left out
+            offsets = np.asarray(flat.offsets, dtype=np.int64)
+            lengths = offsets[k + 1] - offsets[k]
+            at = np.repeat(offsets[k] - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
+            starts, ends = starts[at], ends[at]
+        return PlannedWeights(plans, rows, np.ascontiguousarray(starts, dtype=np.int32),
+                              np.ascontiguousarray(ends, dtype=np.int32), exact_plans)
     position = {r: k for k, r in enumerate(by_bytes)}
     pieces, run = [], None  # run: (first, last + 1) of consecutive rows read off the bytes
     for r in exact:
@@ -319,8 +337,8 @@ def _planned(plans: list | None, exact: list[int], by_bytes: list[int], flat: An
     # starts and ends each contiguous (int32: a row's characters fit), as the weights' kernel takes them
     starts = np.concatenate([p[:, 0] for p in pieces]) if len(pieces) > 1 else np.ascontiguousarray(pieces[0][:, 0])
     ends = np.concatenate([p[:, 1] for p in pieces]) if len(pieces) > 1 else np.ascontiguousarray(pieces[0][:, 1])
-    return PlannedWeights(plans, np.asarray(exact, dtype=np.int64), starts.astype(np.int32, copy=False),
-                          ends.astype(np.int32, copy=False), exact_plans)
+    return PlannedWeights(plans, rows, starts.astype(np.int32, copy=False), ends.astype(np.int32, copy=False),
+                          exact_plans)
 
 
 def planned_weights(plans: list | None, exact: list[int], offsets: list[np.ndarray],

@@ -48,8 +48,8 @@ class RowPlan:
     weights: list[float] = field(default_factory=list)
     roles: list[str] = field(default_factory=list)
     pieces: list[tuple[int, int, int, bool]] = field(default_factory=list)
-    segments: list[tuple[int, int, float, int, bool]] = field(default_factory=list)
-    leads: list[tuple[int, int, float]] = field(default_factory=list)
+    segments: Sequence[tuple[int, int, float, int, bool]] = ()  # a list where the row has some
+    leads: Sequence[tuple[int, int, float]] = ()
 
 
 DEFAULT_PLAN = RowPlan()
@@ -67,7 +67,7 @@ class WeightReader:
     reasoning_weight: float | None
     mask_empty_think: bool
     by_role: dict  # role -> the weight of its messages without a field of their own (the assistant's included)
-    # role_plan's memo: a role sequence -> (its shared plan, or None where each row needs its own; its weights; the
+    # by_roles' memo: a role sequence -> (its shared plan, or None where each row needs its own; its weights; the
     # roles as strings)
     known_roles: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -82,10 +82,10 @@ class WeightReader:
                    None if reasoning == "train" else 0.0 if reasoning == "mask" else float(reasoning),
                    bool(options.mask_empty_think), {**roles, "assistant": roles.get("assistant", 1.0)})
 
-    def role_plan(self, roles: tuple[str, ...], pieces: Sequence[tuple[int, int, int, bool]]) -> RowPlan:
-        """The plan of a row whose messages weigh by their role alone (no field, span, part or reasoning): worked
-        out once per role sequence, as a batch's rows share a few of them. A row whose turns all weigh one weight
-        shares one plan; an exact one (other roles' text trains) gets its own, with its pieces."""
+    def by_roles(self, roles: tuple) -> tuple[RowPlan | None, tuple[float, ...], tuple[str, ...]]:
+        """What a role sequence alone gives, worked out once per sequence (a batch's rows share a few): the plan rows
+        that weigh by role alone share (None where each needs its own: another role's text trains), each message's
+        weight, and the roles as strings."""
         try:
             known = self.known_roles.get(roles)
         except TypeError:  # a role that cannot be a key (odd data): taken by its string
@@ -93,14 +93,12 @@ class WeightReader:
             known = self.known_roles.get(roles)
         if known is None:
             named = tuple(role if type(role) is str else str(role) for role in roles)
+            # a role's weight; weights never make other roles' text train unless a role option asks for that role
             weights = tuple(self.by_role.get(role, 0.0) for role in named)
             # every assistant turn weighs the role's weight: exact only where another role's text trains
             exact = any(w > 0 for w, role in zip(weights, named) if role != "assistant")
             known = self.known_roles[roles] = (None if exact else RowPlan(uniform=self.assistant_weight), weights, named)
-        shared, weights, named = known
-        if shared is not None:
-            return shared
-        return RowPlan(self.assistant_weight, True, weights, named, sorted(pieces))
+        return known
 
 
 def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row: int = 0) -> RowPlan | None:
@@ -112,28 +110,19 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
     carries = _carries(messages, reader.keys, detail_key)  # "fields", True (spans or parts too) or False
     if reader.plain_roles and not has_reasoning and not reader.mask_empty_think and not carries:
         return None
-    roles = _roles(messages)
-    if not carries and not has_reasoning and not reader.mask_empty_think:  # roles alone: most rows of a role option
-        return reader.role_plan(roles, located.pieces)
-    assistant_weight = reader.assistant_weight
-    roles = tuple(role if type(role) is str else str(role) for role in roles)
-    # a role's weight; weights never make other roles' text train unless a role option asks for that role
-    weights = [reader.by_role.get(role, 0.0) for role in roles]
-    if carries:  # a message's own field overrides its role's, for the roles that train (the others' stay 0)
-        for index, message in enumerate(messages):
-            if type(message) is dict and len(message) <= 2:  # {role, content}: no field (the call costs more)
-                continue
-            value = _field(message, fields, row, index)
-            if value is not None and roles[index] in reader.by_role:
-                weights[index] = value
+    shared, by_role, roles = reader.by_roles(_roles(messages))
+    weights = _with_fields(messages, by_role, roles, reader, row) if carries else by_role
+    characters = has_reasoning or reader.mask_empty_think or carries is True  # something to place within a message
+    if weights is by_role and not characters:  # roles alone (no field changed a weight): most rows of a role option
+        return shared if shared is not None else RowPlan(reader.assistant_weight, True, by_role, roles,
+                                                         sorted(located.pieces))
     turns = {w for w, r in zip(weights, roles) if r == "assistant"}
-    uniform = next(iter(turns)) if len(turns) == 1 else assistant_weight
+    uniform = next(iter(turns)) if len(turns) == 1 else reader.assistant_weight
     others = any(w > 0 for w, r in zip(weights, roles) if r != "assistant")
-    if len(turns) <= 1 and not others and not has_reasoning and not reader.mask_empty_think and carries is not True:
+    if len(turns) <= 1 and not others and not characters:
         return RowPlan(uniform=uniform)  # one weight for every turn: no characters to look at
-    plan = RowPlan(uniform=uniform, weights=weights, roles=roles)
-    plan.pieces = sorted(located.pieces)
-    if not has_reasoning and not reader.mask_empty_think and carries is not True:
+    plan = RowPlan(uniform, False, weights, roles, sorted(located.pieces), [], [])
+    if not characters:
         # turns that weigh differently, or other roles' text that trains (its pieces weigh as its message does:
         # engine/weights reads them off the pieces): nothing more to read per message
         plan.exact = True
@@ -165,6 +154,22 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
 
 
 _ROLE = itemgetter("role")
+
+
+def _with_fields(messages: Sequence[Any], by_role: tuple[float, ...], roles: tuple[str, ...], reader: WeightReader,
+                 row: int) -> Sequence[float]:
+    """The messages' weights once their own fields have their say: a field overrides its role's weight, for the
+    roles that train (the others' stay 0). ``by_role`` itself where no field changes a weight."""
+    weights: Sequence[float] = by_role
+    for index, message in enumerate(messages):
+        if type(message) is dict and len(message) <= 2:  # {role, content}: no field (the call costs more)
+            continue
+        value = _field(message, reader.fields, row, index)
+        if value is not None and value != weights[index] and roles[index] in reader.by_role:
+            if weights is by_role:
+                weights = list(by_role)
+            weights[index] = value
+    return weights
 
 
 def _roles(messages: Sequence[Any]) -> tuple:

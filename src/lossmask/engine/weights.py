@@ -57,23 +57,26 @@ class Weighed:
 
 
 class ExactPlans:
-    """The exact rows' plans of one batch (``chat.weights.RowPlan``), flat, in the order they were made: what
-    ``_exact_arrays`` gathers into the kernel's arrays. Filled as the rows are planned (``add``), so that no second
+    """The exact rows' plans of one batch (``chat.weights.RowPlan``), gathered in the order they were made: what
+    ``_exact_arrays`` turns into the kernel's arrays. Filled as the rows are planned (``add``), so that no second
     pass over per-row objects is needed: on 8,000 chats under ``roles_to_train`` that pass took as long as planning
-    them."""
+    them. Per row it keeps a few counts and references; per message, its weight and its role's code (``names``: the
+    roles in the order they first come, the assistant's code 0), worked out once per role sequence."""
 
-    __slots__ = ("n_messages", "weights", "roles", "n_pieces", "pieces", "n_segments", "segments", "n_leads", "leads")
+    __slots__ = ("n_messages", "weights", "codes", "names", "pieces", "n_segments", "segments", "n_leads", "leads",
+                 "_codes")
 
     def __init__(self) -> None:
         self.n_messages: list[int] = []
         self.weights: list[float] = []
-        self.roles: list[str] = []
-        self.n_pieces: list[int] = []
-        self.pieces: list[int] = []  # (start, end, message, required) a piece, back to back
+        self.codes: list[int] = []  # per message: its role's index in ``names``
+        self.names: dict[str, int] = {"assistant": 0}
+        self.pieces: list[Sequence[tuple]] = []  # per row: its plan's (start, end, message, required) pieces
         self.n_segments: list[int] = []
-        self.segments: list[float] = []  # (start, end, weight, message, assistant)
+        self.segments: list[float] = []  # (start, end, weight, message, assistant) a segment, back to back
         self.n_leads: list[int] = []
         self.leads: list[float] = []  # (message, answer_start, weight)
+        self._codes: dict[tuple, tuple[int, ...]] = {}  # a role sequence -> its codes
 
     @classmethod
     def of(cls, plans: Sequence[Any]) -> "ExactPlans":
@@ -84,11 +87,15 @@ class ExactPlans:
 
     def add(self, plan: Any) -> None:
         """One exact row's ``chat.weights.RowPlan``, appended."""
-        self.n_messages.append(len(plan.weights))
+        roles = plan.roles if type(plan.roles) is tuple else tuple(plan.roles)
+        codes = self._codes.get(roles)
+        if codes is None:
+            names = self.names
+            codes = self._codes[roles] = tuple(names.setdefault(role, len(names)) for role in roles)
+        self.n_messages.append(len(roles))
         self.weights += plan.weights
-        self.roles += plan.roles
-        self.n_pieces.append(len(plan.pieces))
-        self.pieces += chain.from_iterable(plan.pieces)
+        self.codes += codes
+        self.pieces.append(plan.pieces)
         segments, leads = plan.segments, plan.leads
         self.n_segments.append(len(segments))
         if segments:  # most rows have neither
@@ -96,6 +103,16 @@ class ExactPlans:
         self.n_leads.append(len(leads))
         if leads:
             self.leads += chain.from_iterable(leads)
+
+    def piece_array(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every row's pieces as one ``(n, 4)`` int64 array (read straight off the tuples), and where each row's
+        begin."""
+        counts = np.fromiter(map(len, self.pieces), dtype=np.int64, count=len(self.pieces))
+        offsets = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        flat = np.fromiter(chain.from_iterable(chain.from_iterable(self.pieces)), dtype=np.int64,
+                           count=4 * int(offsets[-1]))
+        return flat.reshape(-1, 4), offsets
 
     def __len__(self) -> int:
         return len(self.n_messages)
@@ -188,17 +205,17 @@ def _exact_arrays(planned, row_starts, lengths, names) -> tuple:
     signature)."""
     if planned is None or not planned.plans or not planned.rows.size:
         i, c, f, one = np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(1, np.int64)
-        return (i, i, c, c, one, f, np.zeros(0, bool), np.zeros(0, np.int16), np.zeros(0, np.float64), f, one, i, i, i,
-                one, i, i, f, i, np.zeros(0, bool))
+        return (i, i, c, c, one, f, np.zeros(0, bool), np.zeros(0, np.int16), np.zeros(0, np.float64), f, one, i,
+                i, i, one, i, i, f, i, np.zeros(0, bool))
     rows = planned.rows
     flat = planned.exact_plans
     if flat is None or len(flat) != rows.shape[0]:  # planned by hand (verify, tests): gathered here
         flat = ExactPlans.of([planned.plans[r] for r in rows])
     msg_off = _offsets(flat.n_messages)
     msg_weight = np.array(flat.weights, dtype=np.float32)
-    msg_role = flat.roles
-    msg_assistant = np.array([name == "assistant" for name in msg_role], dtype=bool)
-    pieces, piece_off = np.array(flat.pieces, dtype=np.int64).reshape(-1, 4), _offsets(flat.n_pieces)
+    local = np.array(flat.codes, dtype=np.int16)  # per message, its role's index in flat.names (assistant: 0)
+    msg_assistant = local == 0
+    pieces, piece_off = flat.piece_array()
     segments, seg_off = np.array(flat.segments, dtype=np.float64).reshape(-1, 5), _offsets(flat.n_segments)
     leads, lead_off = np.array(flat.leads, dtype=np.float64).reshape(-1, 3), _offsets(flat.n_leads)
     lead_at = np.full(msg_weight.shape[0], -np.inf)  # no lead: nothing lies before it
@@ -210,12 +227,11 @@ def _exact_arrays(planned, row_starts, lengths, names) -> tuple:
     seg_a = segments[:, 4].astype(bool)
     msg_code = np.zeros(msg_weight.shape[0], dtype=np.int16)  # the role code other roles' text takes where it trains
     if (~seg_a).any() or (~msg_assistant & (msg_weight > 0)).any():
-        for name in dict.fromkeys(msg_role):
+        for name in flat.names:  # in the order they first come
             if name != "assistant" and name not in names:
                 names.append(name)
-        code = {name: c for c, name in enumerate(names)}
-        code["assistant"] = 0
-        msg_code = np.array([code[name] for name in msg_role], dtype=np.int16)
+        table = np.array([0 if name == "assistant" else names.index(name) for name in flat.names], dtype=np.int16)
+        msg_code = table[local]
     # the tokens' characters: int32 in one layout (a row's characters fit; no copy where they come so)
     return (row_starts[rows], lengths[rows], np.ascontiguousarray(planned.starts, dtype=np.int32),
             np.ascontiguousarray(planned.ends, dtype=np.int32), msg_off, msg_weight, msg_assistant, msg_code, lead_at,
