@@ -78,6 +78,14 @@ def _load_tail(values, at, end):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _unpack(packed):
+    """An id's ``meta`` entry: where its bytes start in ``pieces``, how many (``_UNKNOWN``: not known), how many
+    characters they begin, and whether it is an added token."""
+    return (np.int64(packed & np.uint64(0xFFFFFFFF)), np.int64((packed >> np.uint64(_LENGTH_SHIFT)) & np.uint64(0xFFFF)),
+            np.int64((packed >> np.uint64(_CHARS_SHIFT)) & np.uint64(0x7FFF)), (packed >> np.uint64(_ADDED_SHIFT)) != 0)
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _compare(text, n_text, cursor, pieces, start, length):
     """The token's first 8 text bytes (as ``_load8`` gives them) and how they and the rest differ from its piece's
     (0: not at all)."""
@@ -102,15 +110,14 @@ def _row_plain(meta, pieces, row_ids, text, n_text, cursor, row_end, row_lo, row
         v = row_ids[k]
         if v < 0 or v >= size:
             return False, cursor
-        packed = meta[np.uint64(v)]
-        length = np.int64((packed >> np.uint64(_LENGTH_SHIFT)) & np.uint64(0xFFFF))
+        start, length, begun, _ = _unpack(meta[np.uint64(v)])
         if length == _UNKNOWN or cursor + length > row_end:
             return False, cursor
-        word, unlike = _compare(text, n_text, cursor, pieces, np.int64(packed & np.uint64(0xFFFFFFFF)), length)
+        word, unlike = _compare(text, n_text, cursor, pieces, start, length)
         differ |= unlike
         # it begins inside a character when its first byte continues one
         lo = chars - np.int64(cursor < row_end and (word & np.uint64(0xC0)) == np.uint64(0x80))
-        chars += np.int64((packed >> np.uint64(_CHARS_SHIFT)) & np.uint64(0x7FFF))
+        chars += begun
         cursor += length
         row_lo[k] = lo
         row_hi[k] = chars if length > 0 else lo
@@ -127,13 +134,9 @@ def _row_prepend(meta, pieces, prepend, row_ids, text, n_text, cursor, row_end, 
         v = row_ids[k]
         if v < 0 or v >= size:
             return False, cursor
-        packed = meta[np.uint64(v)]
-        length = np.int64((packed >> np.uint64(_LENGTH_SHIFT)) & np.uint64(0xFFFF))
+        start, length, begun, is_added = _unpack(meta[np.uint64(v)])
         if length == _UNKNOWN:
             return False, cursor
-        start = np.int64(packed & np.uint64(0xFFFFFFFF))
-        begun = np.int64((packed >> np.uint64(_CHARS_SHIFT)) & np.uint64(0x7FFF))
-        is_added = (packed >> np.uint64(_ADDED_SHIFT)) != 0
         emptied = False
         if previous_added and not is_added and length > 0 and pieces[start] == 32 \
                 and ((prepend & 3) == 2 or k == 0) \
