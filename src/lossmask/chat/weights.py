@@ -19,8 +19,8 @@ tokens are placed by their character offsets, and ``engine/weights.py`` applies 
 from __future__ import annotations
 
 import math
-from operator import itemgetter
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Mapping, Sequence
 
 import numpy as np

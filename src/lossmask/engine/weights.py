@@ -205,8 +205,8 @@ def _exact_arrays(planned, row_starts, lengths, names) -> tuple:
     signature)."""
     if planned is None or not planned.plans or not planned.rows.size:
         i, c, f, one = np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(1, np.int64)
-        return (i, i, c, c, one, f, np.zeros(0, bool), np.zeros(0, np.int16), np.zeros(0, np.float64), f, one, i,
-                i, i, one, i, i, f, i, np.zeros(0, bool))
+        return (i, i, c, c, one, f, np.zeros(0, bool), np.zeros(0, np.int16), np.zeros(0, np.float64), f, one, i, i, i,
+                one, i, i, f, i, np.zeros(0, bool))
     rows = planned.rows
     flat = planned.exact_plans
     if flat is None or len(flat) != rows.shape[0]:  # planned by hand (verify, tests): gathered here
