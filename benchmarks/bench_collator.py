@@ -99,7 +99,7 @@ def test_collator_vs_python_loop(benchmark, examples, threads):
 @pytest.mark.parametrize("share", ["all", "half"], ids=["all-rows-weighted", "half-the-rows-weighted"])
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding-free"])
 def test_collator_with_loss_weights_vs_without(benchmark, examples, padding_free, share):
-    """Issue 20: rows that carry ``loss_weights`` (Python float lists, as a datasets row gives them) against
+    """Rows that carry ``loss_weights`` (Python float lists, as a datasets row gives them) against
     the same rows without them, same collator settings, same run; ``ratio`` = with / without.
 
     When every row brings its weights the labels follow them and the markers are not run; when only
@@ -137,7 +137,7 @@ def test_collator_with_loss_weights_vs_without(benchmark, examples, padding_free
 
 @pytest.mark.parametrize("per_sequence", [False, True], ids=["per-token", "per-sequence"])
 def test_weighted_loss_vs_cross_entropy(benchmark, per_sequence):
-    """Issue 20: ``weighted_cross_entropy`` against the mean cross-entropy over labels (what the model's own
+    """``weighted_cross_entropy`` against the mean cross-entropy over labels (what the model's own
     loss computes), forward and backward, same logits, same run; ``ratio`` = weighted / plain."""
     from lossmask.collator import weighted_cross_entropy
 

@@ -1,7 +1,7 @@
 """The cost of keeping message text as data, on the messages path, as a ratio to the path without it.
 
 Same run, same 2,000 chats (examples/make_chats.py), same rendering: the baseline tokenises the
-rendered rows with ``encode_texts`` and labels them (what lossmask did before issue 9); the measured
+rendered rows with ``encode_texts`` and labels them (what lossmask did before message text was kept as data); the measured
 path is ``encode_rendered`` (locate every message, check special-token strings, offsets where
 the markers need them) plus ``label_batch(data_mask=...)``. Qwen2.5's markers hold special tokens only,
 so message text cannot match them and no offsets are needed; Llama-2's ``[/INST]`` is plain text, so

@@ -309,7 +309,7 @@ def machine() -> str:
 
 
 def baselines(rows: pa.Array, markers: lossmask.Markers, *, threads: list[int], clock=time.perf_counter) -> str:
-    """The issue's yardsticks on one case, each in Mtok/s and as ``make_labels``' fraction of it: a copy into
+    """Yardsticks on one case, each in Mtok/s and as ``make_labels``' fraction of it: a copy into
     a warm buffer, Arrow's cast to list<int64> and NumPy's astype (both fresh outputs, so they pay for their
     pages), beside ``make_labels``, the kernel into a warm buffer, and ``label_batch``."""
     import numba

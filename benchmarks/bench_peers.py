@@ -27,7 +27,7 @@ lossmask call of a family also pays for loading the fast tokeniser and resolving
 disk afterwards), and is printed on its own. The machine load (``uptime``) is printed with the table.
 
     python benchmarks/bench_peers.py --rows 2000                    # quick
-    python benchmarks/bench_peers.py --rows 20000 --json out.json   # the issue's size
+    python benchmarks/bench_peers.py --rows 20000 --json out.json   # the size docs/benchmarks.md reports
     pytest benchmarks/bench_peers.py --benchmark-enable -s          # LOSSMASK_BENCH_PEER_ROWS (default 2000)
 
 Needs: the shared tokenizers (``$LOSSMASK_TOKENIZERS``), ``trl`` and ``datasets`` (``lossmask[trl]``),
@@ -191,7 +191,7 @@ def unsloth_path(family: str, tokenizer, dataset) -> float | str:
 
 
 def measure_memory_mapped(rows: int, folder: Path, *, repeat: int = 9) -> dict:
-    """Item 5: ``hf.mask_dataset`` on a memory-mapped Parquet dataset of token ids vs ``make_labels`` and Unsloth."""
+    """``hf.mask_dataset`` on a memory-mapped Parquet dataset of token ids vs ``make_labels`` and Unsloth."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -1,4 +1,4 @@
-"""Labelling image chats against the processor's own preprocessing, same rows, same run (issue 21).
+"""Labelling image chats against the processor's own preprocessing, same rows, same run.
 
 2,000 chats (one to three turns, one or two small images each, 28 to 112 pixels a side), in batches of 16 as a
 trainer's collator sees them, through a processor fixture (the real tokenizer with the published image-processor

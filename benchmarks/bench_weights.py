@@ -1,4 +1,4 @@
-"""What weights cost (issue 20): ``mask_files`` on realistic chats, labels alone against each kind of weight, one run.
+"""What weights cost: ``mask_files`` on realistic chats, labels alone against each kind of weight, one run.
 
     python benchmarks/bench_weights.py [--rows 20000] [--repeat 3] [--tokenizer DIR] [--batches]
 

@@ -1,4 +1,4 @@
-"""Helpers for bench_stream.py: write a pre-tokenised ChatML Parquet file, and run one masking job in a fresh process.
+"""Shared by bench_stream.py: write a pre-tokenised ChatML Parquet file, and run one masking job in a fresh process.
 
     python benchmarks/stream_job.py write OUT.parquet ROWS      # ~110 tokens per row, written in chunks
     python benchmarks/stream_job.py mask IN.parquet OUT.parquet  # prints one JSON line: report + peak RSS

@@ -1,4 +1,4 @@
-"""Message content is data, never structure (issue 9), on all 27 shared families.
+"""Message content is data, never structure, on all 27 shared families.
 
 - special-token strings in message text are ordinary text by default; the text path reproduces the
   ordinary tokenisation exactly on rows that hold none;

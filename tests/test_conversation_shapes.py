@@ -1,6 +1,6 @@
-"""Issue 19, items 1-5, 14 and 16: the conversation shapes real dumps hold, and the role invariant.
+"""The conversation shapes real dumps hold, and the role invariant.
 
-Each test is named after its item. The shapes are those of a public ShareGPT dump (a chat that opens with
+The shapes are those of a public ShareGPT dump (a chat that opens with
 an assistant message, a role repeated, an empty message, ShareGPT's ``{from, value}``, OpenAI text parts),
 run through ``mask_files`` (and the CLI) on real tokenizers with their real chat templates. Kept rows are
 checked with an oracle that reads the trained tokens back as text: no user text in them, every assistant
@@ -70,7 +70,7 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
-# -- item 1: shapes as a policy, counted by shape -----------------------------------------------------------
+# -- shapes as a policy, counted by shape -----------------------------------------------------------
 
 MESSY = [PHI3_REPEATED_USER, LEADING_ASSISTANT, ASSISTANT_TWICE, EMPTY_ASSISTANT, [A("Only a greeting.")],
          [S("Be brief."), A("Hi."), U("What is 2 + 2?"), A("4.")]]
@@ -84,7 +84,7 @@ NORMALISED = [
 
 
 @pytest.mark.parametrize("family", ["falcon", "gemma-3", "mistral-v3", "llama-2", "phi-3", "chatml"])
-def test_item1_messy_shapes_are_normalised_kept_and_counted(tmp_path, family):
+def test_messy_shapes_are_normalised_kept_and_counted(tmp_path, family):
     report, table = _mask(tmp_path, family, MESSY)
     # every conversation holding a user and an assistant message is kept; the one without is no_exchange
     assert report.rows_out == 5 and report.dropped["invalid"] == 0, report.summary()
@@ -96,7 +96,7 @@ def test_item1_messy_shapes_are_normalised_kept_and_counted(tmp_path, family):
     _assert_roles_kept(family, table, NORMALISED)
 
 
-def test_item1_the_policy_can_be_turned_off_and_the_template_decides(tmp_path):
+def test_the_policy_can_be_turned_off_and_the_template_decides(tmp_path):
     report, _ = _mask(tmp_path, "falcon", MESSY[:4], consecutive_roles="keep", leading_assistant="keep",
                       empty_messages="keep")
     assert report.shapes == {} and report.rows_out == 0
@@ -106,7 +106,7 @@ def test_item1_the_policy_can_be_turned_off_and_the_template_decides(tmp_path):
         MaskOptions(consecutive_roles="join")
 
 
-def test_item1_cli_flags_are_documented_and_reach_the_job(tmp_path):
+def test_cli_flags_are_documented_and_reach_the_job(tmp_path):
     help_text = io.StringIO()
     with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
         main(["mask", "--help"])
@@ -131,9 +131,9 @@ def test_item1_cli_flags_are_documented_and_reach_the_job(tmp_path):
         assert ("roles_merged" in report["shapes"]) == (not extra)
 
 
-# -- items 2, 3, 14, 16: the role invariant ---------------------------------------------------------------
+# -- the role invariant ---------------------------------------------------------------
 
-def test_item2_phi3_two_user_messages_are_merged_or_the_row_is_dropped(tmp_path):
+def test_phi3_two_user_messages_are_merged_or_the_row_is_dropped(tmp_path):
     report, table = _mask(tmp_path, "phi-3", [PHI3_REPEATED_USER])
     assert report.rows_out == 1 and report.shapes == {"roles_merged": 1}
     trained = _trained_text("phi-3", table)
@@ -147,7 +147,7 @@ def test_item2_phi3_two_user_messages_are_merged_or_the_row_is_dropped(tmp_path)
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3.1", "phi-3"])
-def test_item3_an_assistant_message_without_a_header_is_counted_not_silent(tmp_path, family):
+def test_an_assistant_message_without_a_header_is_counted_not_silent(tmp_path, family):
     kept = dict(consecutive_roles="keep", leading_assistant="keep")
     report, _ = _mask(tmp_path, family, [ASSISTANT_TWICE, LEADING_ASSISTANT], **kept)
     assert report.rows_out == 0 and report.dropped["template_breaks_roles"] == 2, report.summary()
@@ -158,7 +158,7 @@ def test_item3_an_assistant_message_without_a_header_is_counted_not_silent(tmp_p
     _assert_roles_kept(family, table, [NORMALISED[2], NORMALISED[1]])
 
 
-def test_item14_falcon_empty_assistant_message_never_trains_the_user_text_after_it(tmp_path):
+def test_falcon_empty_assistant_message_never_trains_the_user_text_after_it(tmp_path):
     report, table = _mask(tmp_path, "falcon", [EMPTY_ASSISTANT])
     assert report.rows_out == 1 and report.shapes == {"empty_messages_dropped": 1, "roles_merged": 1}
     _assert_roles_kept("falcon", table, [NORMALISED[3]])
@@ -183,7 +183,7 @@ TOOL_AFTER_TOOL = [
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3.1", "qwen2.5", "llama-3.1"])
-def test_item16_a_tool_call_right_after_a_tool_result_trains_or_is_counted(tmp_path, family):
+def test_a_tool_call_right_after_a_tool_result_trains_or_is_counted(tmp_path, family):
     report, table = _mask(tmp_path, family, [TOOL_AFTER_TOOL])
     if report.rows_out == 0:  # DeepSeek-V3 writes no header before the second call: counted, with the message
         assert report.dropped["template_breaks_roles"] == 1, report.summary()
@@ -194,12 +194,12 @@ def test_item16_a_tool_call_right_after_a_tool_result_trains_or_is_counted(tmp_p
     assert "Sunny, 21 C" not in trained and "Weather in Paris" not in trained
 
 
-def test_item16_deepseek_v3_is_the_template_that_breaks_it(tmp_path):
+def test_deepseek_v3_is_the_template_that_breaks_it(tmp_path):
     report, _ = _mask(tmp_path, "deepseek-v3", [TOOL_AFTER_TOOL])
     assert report.dropped["template_breaks_roles"] == 1
 
 
-def test_item2_the_invariant_on_every_row_finds_nothing_on_plain_rows(tmp_path):
+def test_the_invariant_on_every_row_finds_nothing_on_plain_rows(tmp_path):
     rows = [[U("What is 2 + 2?"), A("4.")], [S("Be brief."), U("Hi"), A("Hello."), U("Bye"), A("Goodbye.")]]
     for family in ("qwen2.5", "llama-3.1", "gemma-3"):
         report, table = _mask(tmp_path, family, rows, name=f"{family}.jsonl", check_roles="all")
@@ -207,7 +207,7 @@ def test_item2_the_invariant_on_every_row_finds_nothing_on_plain_rows(tmp_path):
         _assert_roles_kept(family, table, rows)
 
 
-# -- item 4: ShareGPT --------------------------------------------------------------------------------------
+# -- ShareGPT --------------------------------------------------------------------------------------
 
 SHAREGPT = [
     [{"from": "system", "value": "You are terse."}, {"from": "human", "value": "Name a prime."},
@@ -218,7 +218,7 @@ SHAREGPT = [
 ]
 
 
-def test_item4_sharegpt_conversations_are_read_with_a_role_map(tmp_path):
+def test_sharegpt_conversations_are_read_with_a_role_map(tmp_path):
     report, table = _mask(tmp_path, "qwen2.5", SHAREGPT, column="conversations")
     assert report.rows_out == 2 and report.dropped["invalid"] == 1
     error = report.invalid_examples[0]
@@ -237,9 +237,9 @@ def test_item4_sharegpt_conversations_are_read_with_a_role_map(tmp_path):
         MaskOptions(role_map="narrator")
 
 
-# -- item 5: text parts on a template that takes strings ------------------------------------------------------
+# -- text parts on a template that takes strings ------------------------------------------------------
 
-def test_item5_text_parts_are_joined_never_rendered_as_a_python_repr(tmp_path):
+def test_text_parts_are_joined_never_rendered_as_a_python_repr(tmp_path):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Describe"}, {"type": "text", "text": "this file."}]},
              {"role": "assistant", "content": [{"type": "text", "text": "It is a CSV file."}]}]
     image = [{"role": "user", "content": [{"type": "image", "url": "x.png"}, {"type": "text", "text": "What is it?"}]},
@@ -262,10 +262,10 @@ MESSAGES = st.sampled_from([U("Hi there."), U("Tell me more."), A("Sure thing.")
 @given(chats=st.lists(st.lists(MESSAGES, min_size=1, max_size=6), min_size=1, max_size=6),
        merge=st.sampled_from(["merge", "keep"]), leading=st.sampled_from(["drop", "keep"]),
        empty=st.sampled_from(["drop", "keep"]), family=st.sampled_from(["phi-3", "falcon", "deepseek-v3.1"]))
-def test_item1_cli_property_every_messy_run_adds_up_and_keeps_the_roles(chats, merge, leading, empty, family):
+def test_cli_property_every_messy_run_adds_up_and_keeps_the_roles(chats, merge, leading, empty, family):
     from conftest import tokenizer_path
 
-    chat_tokenizer(family)  # loaded once per session; the CLI loads its own
+    chat_tokenizer(family)  # loaded once per test run; the CLI loads its own
     with tempfile.TemporaryDirectory() as base:
         source, output, report_path = (os.path.join(base, n) for n in ("in.jsonl", "out.parquet", "r.json"))
         with open(source, "w") as fh:

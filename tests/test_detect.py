@@ -217,7 +217,7 @@ def test_vocabulary_whitespace_merges_with_the_header(family):
     assert verify(ct, markers, chats).ok
 
 
-# -- tool turns in every argument form, kinds of conversation (issue 9) ----------------------------
+# -- tool turns in every argument form, kinds of conversation ----------------------------
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -277,7 +277,7 @@ def test_parallel_tool_results_are_masked(family):
 def test_gpt_oss_header_between_analysis_and_final_is_trained_by_the_rule():
     """The model writes '<|start|>assistant' between its analysis and its final message in one
     sampling run: the rule trains it. Markers alone cannot (it is the turn's header, token for token); the
-    messages path trains it (its weights join the two trained parts of one assistant message, issue 20),
+    messages path trains it (its weights join the two trained parts of one assistant message),
     and verify takes those tokens' labels from the messages path, so nothing is beyond the markers."""
     from lossmask.engine.labels import label_batch
     import pyarrow as pa

@@ -1,4 +1,4 @@
-"""Hostile files and failing writes (issue 11): nothing lost, nothing counted twice, nothing half-written.
+"""Hostile files and failing writes: nothing lost, nothing counted twice, nothing half-written.
 
 Each case of the issue has a test here (Ray's in test_ray.py); the last test drives ``lossmask mask``
 with generated bad inputs and checks the contract of every run: exit 0 with a report that adds up and
@@ -332,7 +332,7 @@ def test_rows_of_a_folder_are_named_by_file_and_row(tmp_path):
         mask_files(folder, tmp_path / "out.parquet", markers=MARKERS, batch_size=64)
 
 
-# -- issue 9: JSON Lines whose rows differ in shape ------------------------------------------------------
+# -- JSON Lines whose rows differ in shape ------------------------------------------------------
 
 
 def test_json_lines_with_argument_forms_and_tool_schemas_that_differ_per_row(tmp_path):
@@ -380,7 +380,7 @@ def hostile_jobs(draw):
         rows = rows + [draw(st.lists(HOSTILE_TOKENS, min_size=1, max_size=6))]
     return {
         "rows": rows,
-        # issue 19's formats too: compressed JSON Lines, a JSON array file
+        # the other input formats too: compressed JSON Lines, a JSON array file
         "format": draw(st.sampled_from(["parquet", "jsonl", "folder", "jsonl.gz", "jsonl.bz2", "json"])),
         "damage": draw(st.sampled_from(["none"] * 6 + ["truncate", "empty", "bad_line", "latin1", "wrong_type",
                                         "no_column", "second_file_messages", "second_file_extra_column"])),

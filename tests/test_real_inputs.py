@@ -1,7 +1,7 @@
-"""Inputs as real datasets arrive (issue 19, items 6, 7, 9-13): compressed, piped, JSON arrays, globs over
-symlinks, hostile lines and columns, a stopped job, two jobs on one output, and misleading names.
+"""Inputs as real datasets arrive: compressed, piped, JSON arrays, globs over symlinks, hostile lines and
+columns, a stopped job, two jobs on one output, and misleading names.
 
-Each test is named after the item of the issue it covers. Jobs run on token ids with ``MARKERS`` (no
+Each test names the input and what the job does with it. Jobs run on token ids with ``MARKERS`` (no
 tokenizer), so each test takes well under a second or two.
 """
 
@@ -72,14 +72,14 @@ def markers_file(tmp_path):
 @pytest.mark.parametrize("codec, name", [("gzip", "in.jsonl.gz"), ("zstd", "in.jsonl.zst"), ("bz2", "in.jsonl.bz2"),
                                          ("gzip", "in.json.gz"), ("zstd", "in.ndjson.zst"), ("bz2", "in"),
                                          ("zstd", "in.data")])
-def test_item6_compressed_json_lines_are_read(tmp_path, codec, name):
+def test_compressed_json_lines_are_read(tmp_path, codec, name):
     (tmp_path / name).write_bytes(compress(codec, LINES))  # "in" and "in.data": told by the magic bytes
     report = mask_files(tmp_path / name, tmp_path / "out.parquet", markers=MARKERS)
     assert report.rows_in == len(ROWS) == report.rows_out
     assert ids_out(tmp_path / "out.parquet") == list(range(len(ROWS)))
 
 
-def test_item6_a_truncated_compressed_file_is_one_line_naming_it(tmp_path, markers_file):
+def test_a_truncated_compressed_file_is_one_line_naming_it(tmp_path, markers_file):
     data = compress("gzip", LINES * 50)
     (tmp_path / "in.jsonl.gz").write_bytes(data[: len(data) // 2])
     code, _, err = run_cli(tmp_path / "in.jsonl.gz", tmp_path / "out.parquet", "--markers", markers_file)
@@ -87,7 +87,7 @@ def test_item6_a_truncated_compressed_file_is_one_line_naming_it(tmp_path, marke
     assert not (tmp_path / "out.parquet").exists()
 
 
-def test_item6_a_pipe_is_read_once(tmp_path):
+def test_a_pipe_is_read_once(tmp_path):
     """``<(zcat x.jsonl.gz)`` is a pipe named /dev/fd/N: the rows are read, once, and the compression is seen."""
     for payload in (LINES, compress("gzip", LINES)):
         read_end, write_end = os.pipe()
@@ -109,7 +109,7 @@ def test_item6_a_pipe_is_read_once(tmp_path):
 
 
 @pytest.mark.parametrize("source, codec", [("-", None), ("/dev/stdin", "zstd")])
-def test_item6_stdin_is_read_once(tmp_path, markers_file, source, codec):
+def test_stdin_is_read_once(tmp_path, markers_file, source, codec):
     data = LINES if codec is None else compress(codec, LINES)
     done = run_cli_process(source, tmp_path / "out.parquet", "--markers", markers_file, stdin=data)
     assert done.returncode == 0, done.stderr
@@ -139,7 +139,7 @@ def unblocked(fifo):
         watcher.join()
 
 
-def test_item6_a_fifo_is_read_once_and_one_in_a_folder_does_not_hang(tmp_path):
+def test_a_fifo_is_read_once_and_one_in_a_folder_does_not_hang(tmp_path):
     fifo = tmp_path / "live.jsonl"
     os.mkfifo(fifo)
 
@@ -165,7 +165,7 @@ def test_item6_a_fifo_is_read_once_and_one_in_a_folder_does_not_hang(tmp_path):
     assert any("b.jsonl" in m and "not a regular file" in m for m in report.messages), report.messages
 
 
-def test_item6_json_array_files_are_read_as_rows(tmp_path, markers_file):
+def test_json_array_files_are_read_as_rows(tmp_path, markers_file):
     (tmp_path / "records.json").write_text(json.dumps(ROWS))  # what pandas to_json(orient="records") writes
     (tmp_path / "pretty.json").write_text(json.dumps(ROWS, indent=2))  # json.dump(rows, fh, indent=2)
     (tmp_path / "pretty.json.gz").write_bytes(compress("gzip", json.dumps(ROWS, indent=2).encode()))
@@ -187,7 +187,7 @@ def test_item6_json_array_files_are_read_as_rows(tmp_path, markers_file):
 # -- 7: a recursive glob through a symlink loop ---------------------------------------------------------------
 
 
-def test_item7_symlink_loop_glob_reads_each_file_once(tmp_path):
+def test_symlink_loop_glob_reads_each_file_once(tmp_path):
     data = tmp_path / "data"
     (data / "sub").mkdir(parents=True)
     (data / "other").mkdir()
@@ -202,7 +202,7 @@ def test_item7_symlink_loop_glob_reads_each_file_once(tmp_path):
     assert any("same.parquet" in m and "a.parquet" in m for m in report.messages), report.messages
 
 
-def test_item7_two_symlink_loops_are_walked_once_each(tmp_path):
+def test_two_symlink_loops_are_walked_once_each(tmp_path):
     """With two loops, glob.glob would walk 2^40 paths (every mix of the two up to the kernel's 40 links), so this
     asks the walk itself rather than a job, which on a glob without loop checks would never end."""
     from lossmask.jobs.inputs import glob_files
@@ -221,7 +221,7 @@ def test_item7_two_symlink_loops_are_walked_once_each(tmp_path):
 # -- 9: one line naming file and line or row, never a traceback -----------------------------------------------
 
 
-def test_item9_deeply_nested_json_line_is_one_line(tmp_path, markers_file):
+def test_deeply_nested_json_line_is_one_line(tmp_path, markers_file):
     deep = '{"input_ids": [1, 2, 7], "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
     (tmp_path / "deep.jsonl").write_text(json.dumps(ROWS[0]) + "\n" + deep)
     code, _, err = run_cli(tmp_path / "deep.jsonl", tmp_path / "out.parquet", "--markers", markers_file)
@@ -232,7 +232,7 @@ def test_item9_deeply_nested_json_line_is_one_line(tmp_path, markers_file):
     assert not (tmp_path / "out.parquet").exists()
 
 
-def test_item9_unknown_compression_is_refused_with_the_codecs(tmp_path, markers_file):
+def test_unknown_compression_is_refused_with_the_codecs(tmp_path, markers_file):
     (tmp_path / "in.jsonl").write_bytes(LINES)
     code, _, err = run_cli(tmp_path / "in.jsonl", tmp_path / "out.parquet", "--markers", markers_file,
                            "--compression", "rar")
@@ -243,7 +243,7 @@ def test_item9_unknown_compression_is_refused_with_the_codecs(tmp_path, markers_
                    "--compression", "ZSTD")[0] == 0
 
 
-def test_item9_lone_surrogate_names_file_and_line(tmp_path, markers_file):
+def test_lone_surrogate_names_file_and_line(tmp_path, markers_file):
     for value in ('"\\ud800"', '{"text": "ok \\udfff"}'):  # a string column, and text inside an object
         lines = [json.dumps(row) for row in ROWS]
         lines[2] = '{"id": 2, "input_ids": [1, 2, 7], "note": ' + value + "}"
@@ -265,7 +265,7 @@ def _invalid_utf8_strings(values: list[bytes]) -> pa.Array:
                                        pa.py_buffer(b"".join(values)))
 
 
-def test_item9_invalid_utf8_in_a_parquet_string_column_names_file_and_row(tmp_path, markers_file):
+def test_invalid_utf8_in_a_parquet_string_column_names_file_and_row(tmp_path, markers_file):
     folder = tmp_path / "data"
     folder.mkdir()
     write_input(folder / "a.parquet", [CHAT] * 4, note=pa.array(["x"] * 4))
@@ -289,7 +289,7 @@ def test_item9_invalid_utf8_in_a_parquet_string_column_names_file_and_row(tmp_pa
 # -- 10: the length of one line is bounded ---------------------------------------------------------------------
 
 
-def test_item10_a_line_over_the_limit_is_one_error_line(tmp_path, markers_file):
+def test_a_line_over_the_limit_is_one_error_line(tmp_path, markers_file):
     path = tmp_path / "big.jsonl"
     with open(path, "wb") as fh:
         fh.write(LINES)
@@ -300,7 +300,7 @@ def test_item10_a_line_over_the_limit_is_one_error_line(tmp_path, markers_file):
     assert not (tmp_path / "out.parquet").exists()
 
 
-def test_item10_dev_zero_ends_with_one_error_line(tmp_path, markers_file):
+def test_dev_zero_ends_with_one_error_line(tmp_path, markers_file):
     resource = pytest.importorskip("resource")
 
     def limit():  # so that a reader without a bound fails here instead of taking the machine's memory
@@ -317,7 +317,7 @@ def test_item10_dev_zero_ends_with_one_error_line(tmp_path, markers_file):
 # -- 11: SIGTERM -------------------------------------------------------------------------------------------------
 
 
-def test_item11_sigterm_exits_143_with_one_line_and_leaves_nothing(tmp_path, markers_file):
+def test_sigterm_exits_143_with_one_line_and_leaves_nothing(tmp_path, markers_file):
     write_input(tmp_path / "in.parquet", [CHAT] * 20_000)  # in batches of 1 row: seconds of work, so it is stopped
     job = subprocess.Popen([sys.executable, "-m", "lossmask", "mask", str(tmp_path / "in.parquet"),
                             str(tmp_path / "out.parquet"), "--markers", str(markers_file), "--batch-size", "1",
@@ -338,7 +338,7 @@ def test_item11_sigterm_exits_143_with_one_line_and_leaves_nothing(tmp_path, mar
 # -- 12: two jobs on one output ----------------------------------------------------------------------------------
 
 
-def test_item12_a_second_job_on_one_output_is_refused_naming_the_first(tmp_path, markers_file):
+def test_a_second_job_on_one_output_is_refused_naming_the_first(tmp_path, markers_file):
     from lossmask.jobs.outputs import output_lock
 
     (tmp_path / "in.jsonl").write_bytes(LINES)
@@ -359,7 +359,7 @@ def test_item12_a_second_job_on_one_output_is_refused_naming_the_first(tmp_path,
 # -- 13: misleading messages -------------------------------------------------------------------------------------
 
 
-def test_item13_missing_tokenizer_folder_says_it_does_not_exist(tmp_path):
+def test_missing_tokenizer_folder_says_it_does_not_exist(tmp_path):
     (tmp_path / "in.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     for folder in (tmp_path / "nope", "./no/such/tokenizer"):
         code, _, err = run_cli(tmp_path / "in.jsonl", tmp_path / "out.parquet", "--tokenizer", folder)
@@ -367,7 +367,7 @@ def test_item13_missing_tokenizer_folder_says_it_does_not_exist(tmp_path):
         assert "Repo id" not in err
 
 
-def test_item13_output_named_for_another_format_is_refused(tmp_path, markers_file):
+def test_output_named_for_another_format_is_refused(tmp_path, markers_file):
     (tmp_path / "in.jsonl").write_bytes(LINES)
     for name in ("out.jsonl", "out.json", "out.csv", "out.arrow", "out.jsonl.gz"):
         code, _, err = run_cli(tmp_path / "in.jsonl", tmp_path / name, "--markers", markers_file)
@@ -377,7 +377,7 @@ def test_item13_output_named_for_another_format_is_refused(tmp_path, markers_fil
         assert run_cli(tmp_path / "in.jsonl", tmp_path / name, "--markers", markers_file)[0] == 0
 
 
-def test_item13_input_ids_and_messages_says_which_is_used(tmp_path, markers_file):
+def test_input_ids_and_messages_says_which_is_used(tmp_path, markers_file):
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     pq.write_table(pa.table({"input_ids": [CHAT] * 3, "messages": [chat] * 3}), tmp_path / "in.parquet")
     with pytest.warns(UserWarning) as caught:

@@ -141,7 +141,7 @@ def test_table_entry_verifies_exactly_on_the_real_tokenizer(family):
     """Each entry's strings, located in probes rendered by the family's own template, reproduce the ground truth."""
     from lossmask.markers.verify import verify
 
-    ct = chat_tokenizer(family)  # loaded once per session (tests/conftest.py)
+    ct = chat_tokenizer(family)  # loaded once per test run (tests/conftest.py)
     markers = table_markers(ct, family)
     report = verify(ct, markers)
     assert report.ok, str(report)

@@ -180,7 +180,7 @@ def test_dropped_system_prompt_whose_text_reappears_later():
 
 def test_a_reply_whose_whitespace_the_template_rewrites_is_judged_by_its_words():
     """Falcon's template turns blank lines into single newlines: the reply is found with any whitespace
-    between its words, as the messages path finds it, and its truth is read off that (issue 19, item 17)."""
+    between its words, as the messages path finds it, and its truth is read off that."""
     ct = chat_tokenizer("falcon")
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "One.\n\nTwo."}]
     truth = ground_truth(ct, conv)
@@ -192,7 +192,7 @@ def test_a_reply_whose_whitespace_the_template_rewrites_is_judged_by_its_words()
     assert report.ok and report.errors == 0, str(report)
 
 
-# -- what a template drops, and messages that quote markers (issue 9) -----------------------------
+# -- what a template drops, and messages that quote markers -----------------------------
 
 
 def test_missing_message_text_names_each_dropped_piece():

@@ -1,4 +1,4 @@
-"""Issue 21: vision-language chats through a processor (Qwen2-VL, Gemma-3, Idefics3; LLaVA with given markers).
+"""Vision-language chats through a processor (Qwen2-VL, Gemma-3, Idefics3; LLaVA with given markers).
 
 Labels are held to a reference written from the rule, on the processor's own tokenisation: an assistant turn trains
 from after its header through its stop token, and no media token (the processor's image token, its expansion, the

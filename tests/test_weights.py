@@ -1,4 +1,4 @@
-"""Weights per token (issue 20, docs/weights.md), against hand-labelled rows on six template families.
+"""Weights per token (docs/weights.md), against hand-labelled rows on six template families.
 
 Each expectation is written from the rule, not read off the code: the trained text of a row as maximal runs of one
 weight, ``[(text, weight), ...]`` in order (tokens of weight 0 left out). A family's stop token and what it trains

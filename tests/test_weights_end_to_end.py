@@ -1,4 +1,4 @@
-"""Issue 20 end to end: the weights ``lossmask`` writes (from the fields a dataset carries) are the weights the
+"""End to end: the weights ``lossmask`` writes (from the fields a dataset carries) are the weights the
 losses use. OpenAI-style ``weight`` on assistant messages plus a prompt weight, labelled by ``hf.mask_dataset`` /
 ``mask_files``, then trained on by the TRL collator + ``WeightedLoss`` and by the mlx-lm feed + ``make_loss``: each loss
 equals a cross-entropy computed by hand from the rows' own weights, to 1e-6."""

@@ -509,7 +509,7 @@ def _resolve_job_markers(markers: Any, *, tokenizer: Any, model_name: str | None
                          "(--tokenizer DIR) to derive them from its chat template")
     try:
         from ..markers.policy import resolve_markers
-    except ImportError:  # pragma: no cover - the policy lands with issue 3
+    except ImportError:  # pragma: no cover - a build without markers.policy
         from ..markers.detect import detect_markers
 
         return detect_markers(tokenizer), "detected", ()

@@ -1,7 +1,7 @@
-"""Issue 19, the items about message text against its rendering: tool arguments, blame, bounds, verify, specials.
+"""Message text checked against its rendering: tool-call arguments, which turn a drop is blamed on, bounded
+rendering, ``verify`` agreeing with the messages path, and text that spells special tokens.
 
-Each test is named after its item (``test_item8_...``) and runs on the real tokenizers of
-``../shared/tokenizers`` where the item is about one family.
+Where a behaviour belongs to one template family, its test runs on that family's real tokenizer.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ def _dropped(ct, messages, tools=None, text=None):
     return encode_rendered(ct, [text], [messages]).dropped
 
 
-# -- item 8: tool-call arguments are checked by their values --------------------------------------------
+# -- tool-call arguments are checked by their values --------------------------------------------
 
 
 @pytest.mark.parametrize("arguments", BENCH_ARGUMENTS, ids=["float", "nested-arrays", "mixed"])
-def test_item8_glm4_key_value_arguments_with_numbers_are_kept(arguments):
+def test_glm4_key_value_arguments_with_numbers_are_kept(arguments):
     """GLM-4 writes <arg_key>radius</arg_key><arg_value>1.5</arg_value>: every value is there, so the row is
     kept, and the call's values lie in message text."""
     ct = chat_tokenizer("glm-4")
@@ -68,7 +68,7 @@ def test_item8_glm4_key_value_arguments_with_numbers_are_kept(arguments):
     assert any(s <= value_at < e for s, e in spans)
 
 
-def test_item8_a_value_the_template_lost_is_still_content_dropped():
+def test_a_value_the_template_lost_is_still_content_dropped():
     """The check by values still bites: a rendering that lost one value (or a nested array item) drops the row."""
     ct = chat_tokenizer("glm-4")
     messages = _bench_chat({"radius": 2.0, "centers": [[1, 2], [3, 4]]})
@@ -126,7 +126,7 @@ def _v4_text(messages) -> str:
 
 @pytest.mark.parametrize("arguments", BENCH_ARGUMENTS, ids=["float", "nested-arrays", "mixed"])
 @pytest.mark.parametrize("given_as", ["dict", "json-string"])
-def test_item8_deepseek_v4_style_markup_arguments_are_kept(arguments, given_as):
+def test_deepseek_v4_style_markup_arguments_are_kept(arguments, given_as):
     from lossmask.chat.tokenizer import ChatTokenizer
 
     base = chat_tokenizer("deepseek-v3.1")
@@ -142,11 +142,11 @@ def test_item8_deepseek_v4_style_markup_arguments_are_kept(arguments, given_as):
     assert _dropped(ct, messages, text=broken)[0][1] == "content_dropped"
 
 
-# -- item 13: a dropped turn is blamed on itself ---------------------------------------------------------
+# -- a dropped turn is blamed on itself ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("role", ["ipython", "tool"])
-def test_item13_llama31_tool_result_quoted_by_the_reply_is_kept(role):
+def test_llama31_tool_result_quoted_by_the_reply_is_kept(role):
     """Llama-3.1 writes a tool result through tojson ("He said \\"sunny\\""); a reply that quotes the raw text
     must not take the tool turn's place, which made the row content_dropped, blamed on the reply."""
     ct = chat_tokenizer("llama-3.1")
@@ -157,7 +157,7 @@ def test_item13_llama31_tool_result_quoted_by_the_reply_is_kept(role):
         assert _dropped(ct, messages) == []
 
 
-def test_item13_a_dropped_tool_turn_is_named_not_the_reply_after_it():
+def test_a_dropped_tool_turn_is_named_not_the_reply_after_it():
     """Phi-3 drops tool messages; the reply quotes the result, so the in-order search found the result there
     and named the reply as dropped. The message named is the tool turn."""
     ct = chat_tokenizer("phi-3")
@@ -168,11 +168,11 @@ def test_item13_a_dropped_tool_turn_is_named_not_the_reply_after_it():
     assert why.startswith("message 2 (tool): its content"), why
 
 
-# -- item 15: gpt-oss drops the second of two parallel calls ---------------------------------------------
+# -- gpt-oss drops the second of two parallel calls ---------------------------------------------
 
 
 @pytest.mark.parametrize("second", ["weather.get", "weather.forecast"])
-def test_item15_gpt_oss_second_parallel_call_with_the_same_arguments_is_content_dropped(second):
+def test_gpt_oss_second_parallel_call_with_the_same_arguments_is_content_dropped(second):
     ct = chat_tokenizer("gpt-oss")
     arguments = {"city": "Paris", "days": 3}
     calls = [{"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
@@ -189,7 +189,7 @@ def test_item15_gpt_oss_second_parallel_call_with_the_same_arguments_is_content_
     assert _dropped(ct, one) == []
 
 
-# -- item 20: Gemma's newline tokens are not control tokens ----------------------------------------------
+# -- Gemma's newline tokens are not control tokens ----------------------------------------------
 
 NEWLINE_CHATS = [
     [{"role": "user", "content": f"Line one.\nLine two.{nl}Para {k}.\n"},
@@ -199,7 +199,7 @@ NEWLINE_CHATS = [
 
 
 @pytest.mark.parametrize("family", ["gemma-2", "gemma-3"])
-def test_item20_gemma_newlines_in_message_text_are_not_special_token_strings(family):
+def test_gemma_newlines_in_message_text_are_not_special_token_strings(family):
     ct = chat_tokenizer(family)
     texts = [ct.render(chat) for chat in NEWLINE_CHATS]
     for policy in ("text", "drop", "error"):
@@ -217,7 +217,7 @@ def test_item20_gemma_newlines_in_message_text_are_not_special_token_strings(fam
     assert as_text.input_ids.values.to_pylist().count(end) == as_token.input_ids.values.to_pylist().count(end) - 1
 
 
-# -- item 10: rendering one row is bounded in time and memory ---------------------------------------------
+# -- rendering one row is bounded in time and memory ---------------------------------------------
 
 # Each grows with the row (``n`` is its message count), as data-driven loops do: an expression of constants
 # alone is folded by transformers' own compiler before any row renders (see docs/masking-rule.md).
@@ -233,7 +233,7 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("kind", sorted(HOSTILE))
-def test_item10_a_hostile_template_row_is_invalid_with_the_limit_named(kind, monkeypatch):
+def test_a_hostile_template_row_is_invalid_with_the_limit_named(kind, monkeypatch):
     import tracemalloc
 
     import pyarrow as pa
@@ -277,7 +277,7 @@ def _hostile_tokenizer(kind):
 
 @pytest.mark.parametrize("path", ["rows with tools", "encode_chats", "render", "verify"])
 @pytest.mark.parametrize("kind", ["loop", "repeat", "output"])
-def test_item10_every_render_path_is_bounded(path, kind, monkeypatch):
+def test_every_render_path_is_bounded(path, kind, monkeypatch):
     """Not only the direct renderer: rows with tools, Python chats, one render, verify's renders."""
     import tracemalloc
 
@@ -326,7 +326,7 @@ def test_item10_every_render_path_is_bounded(path, kind, monkeypatch):
 
 @pytest.mark.parametrize("constant", ["{{ 'x' * 10**9 }}", "{{ 'x' | center(10**9) }}",
                                       "{% for i in range(10**10) %}{% endfor %}"])
-def test_item10_constant_expressions_are_bounded_too(constant):
+def test_constant_expressions_are_bounded_too(constant):
     """Written as constants, these are folded when a template compiles: ours compiles without folding them."""
     import tracemalloc
 
@@ -345,7 +345,7 @@ def test_item10_constant_expressions_are_bounded_too(constant):
     assert peak < 2**28, peak
 
 
-# -- item 17: verify labels as the messages path labels -------------------------------------------------
+# -- verify labels as the messages path labels -------------------------------------------------
 
 
 def _mask_path_labels(ct, markers, messages):
@@ -368,7 +368,7 @@ QUOTING = [
 
 
 @pytest.mark.parametrize("family", ["qwen2.5", "llama-3.1", "gemma-3", "smollm3"])
-def test_item17_verify_agrees_with_mask_files_on_quoted_markers(family):
+def test_verify_agrees_with_mask_files_on_quoted_markers(family):
     from lossmask import verify
     from conftest import detected_markers
 
@@ -380,7 +380,7 @@ def test_item17_verify_agrees_with_mask_files_on_quoted_markers(family):
         assert row.labels.tolist() == _mask_path_labels(ct, markers, chat)
 
 
-def test_item17_verify_does_not_check_rows_the_messages_path_drops():
+def test_verify_does_not_check_rows_the_messages_path_drops():
     from lossmask import verify
     from conftest import detected_markers
 
@@ -399,7 +399,7 @@ def test_item17_verify_does_not_check_rows_the_messages_path_drops():
     assert second.error is None and second.exact
 
 
-def test_item17_a_left_out_system_prompt_quoted_later_is_kept_by_both():
+def test_a_left_out_system_prompt_quoted_later_is_kept_by_both():
     """Mistral v3 writes the system prompt only when the chat ends with a user turn; a later message quotes
     it. The in-order search found it in the quote and then missed the user turn: the messages path dropped
     the row while verify checked it. Both now keep it."""
@@ -416,7 +416,7 @@ def test_item17_a_left_out_system_prompt_quoted_later_is_kept_by_both():
     assert row.exact and row.labels.tolist() == _mask_path_labels(ct, markers, chat)
 
 
-def test_item17_falcon_rewritten_blank_lines_are_checked_like_the_messages_path():
+def test_falcon_rewritten_blank_lines_are_checked_like_the_messages_path():
     """Falcon writes a message's blank lines as single newlines: the messages path finds the text with any
     whitespace between its words, and verify refused the row (123 of 149 real ShareGPT rows). Both now label it."""
     from lossmask import verify

@@ -1,12 +1,12 @@
-"""Issue 19, items 18 and 19: the TRL drop-in ``train_on_responses_only`` on TRL's own ``SFTTrainer``.
+"""The TRL drop-in ``train_on_responses_only`` on TRL's own ``SFTTrainer``.
 
-18. TRL tokenises a chat with the template and keeps its ``messages`` column beside the ids. Labelled
-    from those ids, a quoted ``<|im_end|>`` is the control token and an injected turn is a turn; the
-    drop-in labels from the messages instead (message text is data), and where none are left it
-    warns once, saying how to get that protection.
-19. ``packing_strategy="wrapped"`` cuts the stream of documents into chunks of ``max_length`` tokens,
-    so a chunk can start inside an assistant turn whose header lies in the chunk before. Each chunk
-    keeps the labels its tokens had in the stream.
+- Labels from the messages. TRL tokenises a chat with the template and keeps its ``messages``
+  column beside the ids. Labelled from those ids, a quoted ``<|im_end|>`` is the control token and an injected turn is a turn; the
+  drop-in labels from the messages instead (message text is data), and where none are left it
+  warns once, saying how to get that protection.
+- Wrapped packing. ``packing_strategy="wrapped"`` cuts the stream of documents into chunks of
+  ``max_length`` tokens, so a chunk can start inside an assistant turn whose header lies in the
+  chunk before. Each chunk keeps the labels its tokens had in the stream.
 
 The trainer is TRL's, as installed, with a tiny Llama built from a config (as tests/test_hf.py does).
 """
@@ -65,7 +65,7 @@ PLAIN = [
 ]
 
 
-def test_18_drop_in_keeps_a_quoted_im_end_as_text(qwen, tmp_path):
+def test_drop_in_keeps_a_quoted_im_end_as_text(qwen, tmp_path):
     """A quoted ``<|im_end|>`` does not cut the answer short: the drop-in labels as ``hf.mask_dataset`` does."""
     data = datasets.Dataset.from_list([{"messages": QUOTED_END}, {"messages": PLAIN}])
     trainer = _trainer(qwen, data, tmp_path)
@@ -82,7 +82,7 @@ def test_18_drop_in_keeps_a_quoted_im_end_as_text(qwen, tmp_path):
     assert np.isfinite(trainer.train().training_loss)
 
 
-def test_18_drop_in_never_trains_an_injected_turn(qwen, tmp_path):
+def test_drop_in_never_trains_an_injected_turn(qwen, tmp_path):
     """User text that writes a whole assistant turn stays user text."""
     data = datasets.Dataset.from_list([{"messages": INJECTED_TURN}, {"messages": PLAIN}])
     trainer = train_on_responses_only(_trainer(qwen, data, tmp_path, max_length=512), verbose=False)
@@ -93,7 +93,7 @@ def test_18_drop_in_never_trains_an_injected_turn(qwen, tmp_path):
     assert list(ours["labels"]) == list(mask_dataset(data, qwen, max_length=512, quiet=True)["labels"])
 
 
-def test_18_drop_in_warns_once_where_no_messages_are_left(qwen, tmp_path):
+def test_drop_in_warns_once_where_no_messages_are_left(qwen, tmp_path):
     """Rows that reach the trainer as token ids only: one warning, naming the way to the protection."""
     rows = [qwen.apply_chat_template(m, tokenize=True, return_dict=False) for m in (PLAIN, QUOTED_END, PLAIN)]
     ids = datasets.Dataset.from_dict({"input_ids": rows})
@@ -108,14 +108,14 @@ def test_18_drop_in_warns_once_where_no_messages_are_left(qwen, tmp_path):
     assert list(trainer.train_dataset["labels"]) == lossmask.make_labels(list(trainer.train_dataset["input_ids"]), markers)
 
 
-def test_18_readme_says_the_drop_in_needs_messages():
+def test_readme_says_the_drop_in_needs_messages():
     lines = [line for line in (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines()
              if "train_on_responses_only" in line and "message text" in line]
     assert lines and any("mask_dataset" in line for line in lines), \
         "README: say that the drop-in keeps message text as data only from messages, and that mask_dataset does"
 
 
-# -- item 19: wrapped packing ------------------------------------------------------------------------
+# -- wrapped packing ------------------------------------------------------------------------
 
 
 def _long_conversations(n=8):
@@ -132,7 +132,7 @@ def _long_conversations(n=8):
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_19_wrapped_packing_keeps_the_labels_tokens_had(qwen, tmp_path, shuffle):
+def test_wrapped_packing_keeps_the_labels_tokens_had(qwen, tmp_path, shuffle):
     """Every chunk of TRL's wrapped packing carries the labels its tokens had in their document."""
     conversations = _long_conversations()
     width = 24
@@ -140,7 +140,7 @@ def test_19_wrapped_packing_keeps_the_labels_tokens_had(qwen, tmp_path, shuffle)
                        packing_strategy="wrapped", max_length=width, shuffle_dataset=shuffle)
     assert "seq_lengths" not in trainer.train_dataset.column_names  # wrapped chunks carry no document bounds
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the ids-only warning of item 18 (packing drops the messages)
+        warnings.simplefilter("ignore")  # the ids-only warning (packing drops the messages)
         train_on_responses_only(trainer, verbose=False)
     markers = lossmask.resolve_markers(qwen).markers
     order = list(range(len(conversations)))
@@ -165,7 +165,7 @@ def test_19_wrapped_packing_keeps_the_labels_tokens_had(qwen, tmp_path, shuffle)
     assert np.isfinite(trainer.train().training_loss)
 
 
-def test_19_wrapped_padding_free_collator_keeps_the_stream_labels(qwen, tmp_path):
+def test_wrapped_padding_free_collator_keeps_the_stream_labels(qwen, tmp_path):
     """Padding-free with wrapped chunks: the collator uses the chunks' labels instead of labelling each chunk alone."""
     from lossmask.collator import CompletionCollator
 
