@@ -34,3 +34,12 @@ def test_example_prints_highlighted_rows_and_counts(capsys):
     assert "[Paris.] [<|im_end|>]" in text  # the answer and its stop token train
     assert "<|im_start|> tool \\n -3C, snow <|im_end|>" in text  # the tool result does not
     assert "dropped: 2 {'no_response': 1, 'empty_response': 1, 'empty': 0}" in text
+
+
+def test_no_command_says_a_command_is_missing():
+    out = subprocess.run([sys.executable, "-m", "lossmask"], capture_output=True, text=True)
+    assert out.returncode == 2
+    usage, error = out.stderr.strip().splitlines()
+    assert usage.startswith("usage: lossmask")
+    assert error.startswith("lossmask: error: a command is missing: example, mask, show, detect or lora")
+    assert out.stdout == ""

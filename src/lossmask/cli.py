@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -261,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # transformers' advice on import ("PyTorch was not found ...") concerns its models, which no command but lora uses
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if argv[:1] == ["lora"]:  # mlx-lm's own parser reads the rest (lossmask.lora)
         from .lora import main as lora_main
 
@@ -268,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:
-        parser.print_help(sys.stderr)
+        parser.print_usage(sys.stderr)
+        print("lossmask: error: a command is missing: example, mask, show, detect or lora (`lossmask -h` says what "
+              "each does)", file=sys.stderr)
         return 2
     return args.run(args)

@@ -413,6 +413,31 @@ def _normalise_templates(template: Any) -> str | dict[str, str] | None:
     raise TypeError(f"chat_template must be a string, a dict or a list of named templates, got {type(template).__name__}")
 
 
+class _ClassNoteFilter:
+    """Drops transformers' note that a folder names ``LlamaTokenizerFast`` over a byte-level ``tokenizer.json``.
+
+    transformers then loads ``TokenizersBackend``, which is right for such a folder (DeepSeek's among them), and asks
+    the reader to edit the folder's ``tokenizer_config.json``: advice for the folder's publisher, not for a user of
+    lossmask, whose labels do not depend on the class."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("`tokenizer_class` is ")
+
+
+def auto_tokenizer(path: str):
+    """``AutoTokenizer.from_pretrained(path, local_files_only=True)``, without transformers' note on the class name."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    logger, note = logging.getLogger("transformers.models.auto.tokenization_auto"), _ClassNoteFilter()
+    logger.addFilter(note)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    finally:
+        logger.removeFilter(note)
+
+
 def load_tokenizer(
     obj: Any, *, template_name: str | None = None, template_kwargs: Mapping[str, Any] | None = None
 ) -> ChatTokenizer:
@@ -445,11 +470,11 @@ def load_tokenizer(
                                  "a folder holding its tokenizer and preprocessor_config.json, or a loaded processor") from exc
             return _over_processor(processor, path, template_name, template_kwargs)
         try:
-            from transformers import AutoTokenizer
+            import transformers  # noqa: F401
         except ImportError:  # pragma: no cover - depends on the environment
             raise ImportError("loading a tokenizer from a path needs transformers: pip install 'lossmask[hf]'") from None
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokenizer = auto_tokenizer(path)
         except Exception as exc:
             raise ValueError(
                 f"could not load a tokenizer from {path!r} offline ({type(exc).__name__}: {exc}); pass a folder "

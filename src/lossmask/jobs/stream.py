@@ -567,11 +567,11 @@ def load_chat_tokenizer(tokenizer: Any, *, chat_template: str | os.PathLike | No
         with open(text, encoding="utf-8") as fh:
             text = fh.read()
     if isinstance(tokenizer, (str, os.PathLike)):  # its folder may hold no template at all: load it bare
-        from transformers import AutoTokenizer
+        from ..chat.tokenizer import auto_tokenizer
 
         path = os.fspath(tokenizer)
         try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            hf_tokenizer = auto_tokenizer(path)
         except Exception as exc:
             check_tokenizer_path(path, loaded=False)
             raise ValueError(f"could not load a tokenizer from {path!r} offline ({type(exc).__name__}: {exc})") from exc
