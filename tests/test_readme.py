@@ -1,8 +1,9 @@
 """The README's snippets run as written: every ```bash and ```python block, except those preceded by
 ``<!-- no-test: reason -->`` (they need a GPU, a cluster, a model or build environments), is run from
 the repository root, with this interpreter's environment first on PATH (so ``lossmask`` and ``python``
-are this environment's). Python blocks run in one interpreter, each in a fresh namespace. The
-README's links stay inside the repository."""
+are this environment's). Python blocks run in one interpreter, each in a fresh namespace. The main
+example's output block is what the command prints, times and paths aside. The README stays under 400 lines
+and its links stay inside the repository."""
 
 from __future__ import annotations
 
