@@ -188,7 +188,7 @@ def load_script(path: Path):
     return module
 
 
-# -- vision-language processors: a real tokenizer + our image-processor config and template -----
+# -- vision-language processors: a real tokenizer + our image-processor config and template ----------------
 
 VISION = FIXTURES / "vision"
 # fixture -> its tokenizer family

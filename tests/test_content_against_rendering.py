@@ -50,7 +50,7 @@ def _dropped(ct, messages, tools=None, text=None):
     return encode_rendered(ct, [text], [messages]).dropped
 
 
-# -- tool-call arguments are checked by their values --------------------------------------------
+# -- tool-call arguments are checked by their values ------------------------------------------------------
 
 
 @pytest.mark.parametrize("arguments", BENCH_ARGUMENTS, ids=["float", "nested-arrays", "mixed"])
@@ -142,7 +142,7 @@ def test_deepseek_v4_style_markup_arguments_are_kept(arguments, given_as):
     assert _dropped(ct, messages, text=broken)[0][1] == "content_dropped"
 
 
-# -- a dropped turn is blamed on itself ---------------------------------------------------------
+# -- a dropped turn is blamed on itself -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("role", ["ipython", "tool"])
@@ -168,7 +168,7 @@ def test_a_dropped_tool_turn_is_named_not_the_reply_after_it():
     assert why.startswith("message 2 (tool): its content"), why
 
 
-# -- gpt-oss drops the second of two parallel calls ---------------------------------------------
+# -- gpt-oss drops the second of two parallel calls -------------------------------------------------------
 
 
 @pytest.mark.parametrize("second", ["weather.get", "weather.forecast"])
@@ -189,7 +189,7 @@ def test_gpt_oss_second_parallel_call_with_the_same_arguments_is_content_dropped
     assert _dropped(ct, one) == []
 
 
-# -- Gemma's newline tokens are not control tokens ----------------------------------------------
+# -- Gemma's newline tokens are not control tokens --------------------------------------------------------
 
 NEWLINE_CHATS = [
     [{"role": "user", "content": f"Line one.\nLine two.{nl}Para {k}.\n"},
@@ -217,7 +217,7 @@ def test_gemma_newlines_in_message_text_are_not_special_token_strings(family):
     assert as_text.input_ids.values.to_pylist().count(end) == as_token.input_ids.values.to_pylist().count(end) - 1
 
 
-# -- rendering one row is bounded in time and memory ---------------------------------------------
+# -- rendering one row is bounded in time and memory ------------------------------------------------------
 
 # Each grows with the row (``n`` is its message count), as data-driven loops do: an expression of constants
 # alone is folded by transformers' own compiler before any row renders (see docs/masking-rule.md).
@@ -345,7 +345,7 @@ def test_constant_expressions_are_bounded_too(constant):
     assert peak < 2**28, peak
 
 
-# -- verify labels as the messages path labels -------------------------------------------------
+# -- verify labels as the messages path labels ------------------------------------------------------------
 
 
 def _mask_path_labels(ct, markers, messages):

@@ -70,7 +70,7 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
-# -- shapes as a policy, counted by shape -----------------------------------------------------------
+# -- shapes as a policy, counted by shape ---------------------------------------------------------------------
 
 MESSY = [PHI3_REPEATED_USER, LEADING_ASSISTANT, ASSISTANT_TWICE, EMPTY_ASSISTANT, [A("Only a greeting.")],
          [S("Be brief."), A("Hi."), U("What is 2 + 2?"), A("4.")]]
@@ -131,7 +131,7 @@ def test_cli_flags_are_documented_and_reach_the_job(tmp_path):
         assert ("roles_merged" in report["shapes"]) == (not extra)
 
 
-# -- the role invariant ---------------------------------------------------------------
+# -- the role invariant ---------------------------------------------------------------------------------------
 
 def test_phi3_two_user_messages_are_merged_or_the_row_is_dropped(tmp_path):
     report, table = _mask(tmp_path, "phi-3", [PHI3_REPEATED_USER])
@@ -207,7 +207,7 @@ def test_the_invariant_on_every_row_finds_nothing_on_plain_rows(tmp_path):
         _assert_roles_kept(family, table, rows)
 
 
-# -- ShareGPT --------------------------------------------------------------------------------------
+# -- ShareGPT -------------------------------------------------------------------------------------------------
 
 SHAREGPT = [
     [{"from": "system", "value": "You are terse."}, {"from": "human", "value": "Name a prime."},
@@ -237,7 +237,7 @@ def test_sharegpt_conversations_are_read_with_a_role_map(tmp_path):
         MaskOptions(role_map="narrator")
 
 
-# -- text parts on a template that takes strings ------------------------------------------------------
+# -- text parts on a template that takes strings --------------------------------------------------------------
 
 def test_text_parts_are_joined_never_rendered_as_a_python_repr(tmp_path):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Describe"}, {"type": "text", "text": "this file."}]},

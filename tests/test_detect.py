@@ -217,7 +217,7 @@ def test_vocabulary_whitespace_merges_with_the_header(family):
     assert verify(ct, markers, chats).ok
 
 
-# -- tool turns in every argument form, kinds of conversation ----------------------------
+# -- tool turns in every argument form, kinds of conversation --------------------------------------
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -332,7 +332,7 @@ def test_rows_of_a_folder_are_named_by_file_and_row(tmp_path):
         mask_files(folder, tmp_path / "out.parquet", markers=MARKERS, batch_size=64)
 
 
-# -- JSON Lines whose rows differ in shape ------------------------------------------------------
+# -- JSON Lines whose rows differ in shape ---------------------------------------------------------------
 
 
 def test_json_lines_with_argument_forms_and_tool_schemas_that_differ_per_row(tmp_path):

@@ -297,7 +297,7 @@ def test_the_shape_policy_applies_to_the_feed_too(tmp_path):
         lm.load_dataset(write(tmp_path / "q", "train", [{"messages": [{"role": "assistant", "content": "Only me."}]}]), phi)
 
 
-# -- per-token loss weights --------------------------------------------------------------
+# -- per-token loss weights -------------------------------------------------------------------------
 
 
 def hand_weights(labels, seed=0):

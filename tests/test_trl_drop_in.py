@@ -115,7 +115,7 @@ def test_readme_says_the_drop_in_needs_messages():
         "README: say that the drop-in keeps message text as data only from messages, and that mask_dataset does"
 
 
-# -- wrapped packing ------------------------------------------------------------------------
+# -- wrapped packing ---------------------------------------------------------------------------------
 
 
 def _long_conversations(n=8):

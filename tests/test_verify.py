@@ -192,7 +192,7 @@ def test_a_reply_whose_whitespace_the_template_rewrites_is_judged_by_its_words()
     assert report.ok and report.errors == 0, str(report)
 
 
-# -- what a template drops, and messages that quote markers -----------------------------
+# -- what a template drops, and messages that quote markers ---------------------------------------
 
 
 def test_missing_message_text_names_each_dropped_piece():
