@@ -233,8 +233,10 @@ def test_axolotl_spans(family):
 
 
 def test_span_weight_and_straddling_token_takes_the_lower():
-    # a span that ends inside the token "answer" (characters 4..6 of "the answer"): that token takes 0.2
-    detail = [{"begin_offset": 4, "end_offset": 6, "weight": 0.2}]
+    # a span that ends inside the token "answer" (characters 4..6 of "the answer"): that token takes 0.2 (the spans
+    # around it train the rest: characters no span covers would not)
+    detail = [{"begin_offset": 0, "end_offset": 3, "train": True}, {"begin_offset": 4, "end_offset": 6, "weight": 0.2},
+              {"begin_offset": 7, "end_offset": 9, "train": True}]
     out, _ = label("chatml", [chat("Hi there", "the answer", train_detail=detail)])
     assert weighted_text("chatml", out) == [("the", 1.0), ("answer", 0.2), ("<|im_end|>", 1.0)]
 

@@ -17,6 +17,7 @@ def _mask(args: argparse.Namespace) -> int:
     from .jobs.stream import mask_files, preview_rows
 
     _fail_cleanly_on_signals()
+    _warnings_on_one_line()
 
     try:
         options = MaskOptions.resolve(
@@ -62,6 +63,13 @@ def _mask(args: argparse.Namespace) -> int:
         print(f"lossmask mask: stopped by {stop.name} after {args.output} was written", file=sys.stderr)
         return 128 + stop.signum
     return 0
+
+
+def _warnings_on_one_line() -> None:
+    """Each warning a job gives is one line on stderr (``lossmask mask: warning: ...``), as its errors are."""
+    import warnings
+
+    warnings.formatwarning = lambda message, *_, **__: f"lossmask mask: warning: {message}\n"
 
 
 class _Stopped(BaseException):
