@@ -21,8 +21,9 @@ EMPTY_MESSAGES = ("drop", "keep")
 CHECK_ROLES = ("unusual", "all")
 TRAIN_ON_EOS = ("turn", "last", "all", "none")
 REASONING = ("train", "mask")
-# a message's own weight, read from the first of these fields it has (OpenAI ``weight``, axolotl ``train``/``training``,
-# ms-swift ``loss``/``loss_scale``, LLaMA-Factory ``loss_weight``); ``weight_field`` names one instead
+# a message's own weight, read from these fields (OpenAI ``weight``, axolotl ``train``/``training``, ms-swift
+# ``loss``/``loss_scale``, LLaMA-Factory ``loss_weight``): a false in any switches it off, else the first number weighs
+# it, else a true gives 1; ``weight_field`` names one instead
 WEIGHT_FIELDS = ("weight", "train", "training", "loss", "loss_scale", "loss_weight")
 # the largest weight: float32's largest finite value (loss_weights are float32); a weight above it is refused, never
 # written as inf

@@ -4,10 +4,11 @@ The labels come from the markers; weights refine them (docs/weights.md). This mo
 over messages, as locating already is), the sources that only the messages know:
 
 - the role's weight (``MaskOptions.weights_by_role`` / ``roles_to_train``);
-- the message's own field (``weight``, ``train``, ``training``, ``loss``, ``loss_scale``, ``loss_weight``, or the
-  one ``weight_field`` names): a boolean is 1 or 0, a number its value;
-- character spans inside the content (axolotl ``[{begin_offset, end_offset, train[, weight]}]``, end inclusive),
-  and content parts carrying ``train`` / ``weight``;
+- the message's own fields (``weight``, ``train``, ``training``, ``loss``, ``loss_scale``, ``loss_weight``, or the
+  one ``weight_field`` names): a ``false`` switches the message off, else the first number is its weight, else a
+  ``true`` gives 1 (ms-swift's ``loss: true, loss_scale: 0.5`` weighs 0.5);
+- character spans inside the content (axolotl ``[{begin_offset, end_offset, train[, weight]}]``, end inclusive: only
+  the spans train, and only in a message that weighs > 0), and content parts carrying ``train`` / ``weight``;
 - the reasoning policy (reasoning text, and the template's text before the answer, take a weight) and the
   empty-think rule (an empty ``<think></think>`` block before the answer is masked).
 
