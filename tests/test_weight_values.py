@@ -140,8 +140,8 @@ def test_rows_weighted_zero_in_any_spelling_are_counted_as_weights_zero(tmp_path
 
 
 def test_minus_zero_is_written_as_zero():
-    out, _ = label("chatml", [chat(weight=-0.0), chat(weight=0.5)])
-    assert all(math.copysign(1.0, w) == 1.0 for w in out["loss_weights"][0].as_py())
+    out, _ = label("chatml", [chat(weight=-0.0), chat(weight=0.5)], keep_dropped=True)
+    assert out.num_rows == 2 and all(math.copysign(1.0, w) == 1.0 for w in out["loss_weights"][0].as_py())
 
 
 # -- options that are accepted but probably not meant -----------------------------------------------------------

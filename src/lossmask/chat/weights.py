@@ -215,10 +215,12 @@ def _field(message: Any, fields: tuple[str, ...], row: int, index: int, where: s
         value = message.get(key)
         if value is None:
             continue
-        if type(value) is bool:
+        kind = type(value)
+        if kind is bool:
             switch = value and switch is not False
-        elif isinstance(value, (int, float)) and 0 <= value <= MAX_WEIGHT:  # NaN and inf fail the comparison
-            number = float(value) + 0.0 if number is None else number  # -0.0 is 0
+        elif (kind is float or kind is int or isinstance(value, (int, float))) and 0 <= value <= MAX_WEIGHT:
+            if number is None:  # NaN and inf fail the comparison; -0.0 is 0
+                number = float(value) + 0.0
         elif isinstance(value, (int, float)) and value > MAX_WEIGHT:
             raise ValueError(f"row {row}, message {index}{where}: {key}={value!r} is beyond float32's range; a weight "
                              f"must be at most {MAX_WEIGHT:.8g} (loss_weights are float32)")
