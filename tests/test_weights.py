@@ -199,7 +199,8 @@ def test_plans_by_role_alone_are_shared_per_role_sequence_and_read_odd_roles():
     from lossmask.chat.locate import locate_messages
     from lossmask.chat.weights import WeightReader, plan_row
 
-    reader = WeightReader.of(MaskOptions(weights_by_role={"user": 0.5, "None": 0.25, "7": 0.75}))
+    with pytest.warns(UserWarning, match="which no chat template writes as a role"):  # odd roles, on purpose
+        reader = WeightReader.of(MaskOptions(weights_by_role={"user": 0.5, "None": 0.25, "7": 0.75}))
     text = "Hi there Hello back Next"
     rows = [chat("Hi there", "Hello back"), chat("Hi there", "Hello back"),
             [{"content": "Hi there"}, {"role": "assistant", "content": "Hello back"}],
