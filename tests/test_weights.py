@@ -199,7 +199,8 @@ def test_plans_by_role_alone_are_shared_per_role_sequence_and_read_odd_roles():
     from lossmask.chat.locate import locate_messages
     from lossmask.chat.weights import WeightReader, plan_row
 
-    reader = WeightReader.of(MaskOptions(weights_by_role={"user": 0.5, "None": 0.25, "7": 0.75}))
+    with pytest.warns(UserWarning, match="which no chat template writes as a role"):  # odd roles, on purpose
+        reader = WeightReader.of(MaskOptions(weights_by_role={"user": 0.5, "None": 0.25, "7": 0.75}))
     text = "Hi there Hello back Next"
     rows = [chat("Hi there", "Hello back"), chat("Hi there", "Hello back"),
             [{"content": "Hi there"}, {"role": "assistant", "content": "Hello back"}],
@@ -233,8 +234,10 @@ def test_axolotl_spans(family):
 
 
 def test_span_weight_and_straddling_token_takes_the_lower():
-    # a span that ends inside the token "answer" (characters 4..6 of "the answer"): that token takes 0.2
-    detail = [{"begin_offset": 4, "end_offset": 6, "weight": 0.2}]
+    # a span that ends inside the token "answer" (characters 4..6 of "the answer"): that token takes 0.2 (the spans
+    # around it train the rest: characters no span covers would not)
+    detail = [{"begin_offset": 0, "end_offset": 3, "train": True}, {"begin_offset": 4, "end_offset": 6, "weight": 0.2},
+              {"begin_offset": 7, "end_offset": 9, "train": True}]
     out, _ = label("chatml", [chat("Hi there", "the answer", train_detail=detail)])
     assert weighted_text("chatml", out) == [("the", 1.0), ("answer", 0.2), ("<|im_end|>", 1.0)]
 

@@ -18,6 +18,7 @@ def _mask(args: argparse.Namespace) -> int:
     from .jobs.stream import mask_files, preview_rows
 
     _fail_cleanly_on_signals()
+    _warnings_on_one_line()
 
     try:
         options = MaskOptions.resolve(
@@ -63,6 +64,13 @@ def _mask(args: argparse.Namespace) -> int:
         print(f"lossmask mask: stopped by {stop.name} after {args.output} was written", file=sys.stderr)
         return 128 + stop.signum
     return 0
+
+
+def _warnings_on_one_line() -> None:
+    """Each warning a job gives is one line on stderr (``lossmask mask: warning: ...``), as its errors are."""
+    import warnings
+
+    warnings.formatwarning = lambda message, *_, **__: f"lossmask mask: warning: {message}\n"
 
 
 class _Stopped(BaseException):
@@ -154,17 +162,18 @@ def _add_mask_command(commands) -> None:
     weights.add_argument("--weights-by-role", metavar="ROLE=W,...",
                          help="a weight per role, over --roles-to-train, e.g. assistant=1,user=0.1")
     weights.add_argument("--weight-field", default="auto", metavar="NAME",
-                         help="the message field read as its weight (true/false or a number): auto (default) reads the "
-                              "first of weight, train, training, loss, loss_scale, loss_weight; none reads none")
+                         help="the message field read as its weight (true/false or a number): auto (default) reads "
+                              "weight, train, training, loss, loss_scale, loss_weight (a false switches the message "
+                              "off, the first number weighs it); none reads none")
     weights.add_argument("--detail-field", default="train_detail", metavar="NAME",
                          help="character spans in a message, [{begin_offset, end_offset (inclusive), train or weight}], "
-                              "as axolotl writes them (default train_detail; none reads none). Content parts carrying "
-                              "train or weight are read too")
+                              "as axolotl writes them: only the spans train (default train_detail; none reads none). "
+                              "Content parts carrying train or weight are read too")
     weights.add_argument("--prompt-weight", type=float, default=0.0, metavar="W",
                          help="the weight of every other token (prompts, headers, other roles), e.g. 0.05; default 0")
     weights.add_argument("--train-on-eos", choices=("turn", "last", "all", "none"), default="turn",
-                         help="stop tokens: each assistant turn's (default), the row's last turn's only, also those after "
-                              "other roles' turns (all), or none")
+                         help="stop tokens, as axolotl's train_on_eos: each trained assistant turn's (default), the row's "
+                              "last turn's only, every one, after other roles' and untrained turns too (all), or none")
     weights.add_argument("--reasoning", default="train", metavar="train|mask|W",
                          help="an assistant turn's reasoning (think block, gpt-oss analysis channel) and the template's "
                               "text up to its answer: train (default), mask, or a weight such as 0.5")

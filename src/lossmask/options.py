@@ -21,9 +21,13 @@ EMPTY_MESSAGES = ("drop", "keep")
 CHECK_ROLES = ("unusual", "all")
 TRAIN_ON_EOS = ("turn", "last", "all", "none")
 REASONING = ("train", "mask")
-# a message's own weight, read from the first of these fields it has (OpenAI ``weight``, axolotl ``train``/``training``,
-# ms-swift ``loss``/``loss_scale``, LLaMA-Factory ``loss_weight``); ``weight_field`` names one instead
+# a message's own weight, read from these fields (OpenAI ``weight``, axolotl ``train``/``training``, ms-swift
+# ``loss``/``loss_scale``, LLaMA-Factory ``loss_weight``): a false in any switches it off, else the first number weighs
+# it, else a true gives 1; ``weight_field`` names one instead
 WEIGHT_FIELDS = ("weight", "train", "training", "loss", "loss_scale", "loss_weight")
+# the largest weight: float32's largest finite value (loss_weights are float32); a weight above it is refused, never
+# written as inf
+MAX_WEIGHT = 3.4028234663852886e38
 DETAIL_FIELD = "train_detail"  # axolotl's character spans: [{begin_offset, end_offset (inclusive), train[, weight]}]
 # ShareGPT's speaker names (``from``) and the roles they become; ``role_map`` adds to this or overrides it
 SHAREGPT_ROLES = {
@@ -31,6 +35,11 @@ SHAREGPT_ROLES = {
     "bard": "assistant", "assistant": "assistant", "system": "system", "function_call": "assistant",
     "observation": "tool", "tool": "tool",
 }
+# the roles chat templates write (and the roles ``role_map`` maps speakers to): a role option naming another warns
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
+# message keys that hold something other than a weight: ``weight_field`` naming one warns
+NOT_WEIGHTS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning", "thinking",
+               "from", "value", "type", "text", "id", "function", "tools", "images", "image", "url")
 SHAREGPT_COLUMN = "conversations"  # read as the chat when the messages column is left at its default and absent
 
 DEFAULT_BATCH_SIZE = 16_384
@@ -133,6 +142,7 @@ class MaskOptions:
             raise TypeError(f"weight_field={self.weight_field!r}: pass 'auto' (reads {WEIGHT_FIELDS}), a field name, or None")
         # a hashable, checked form: a tuple of (speaker, role) pairs, the user's over the defaults
         object.__setattr__(self, "role_map", parse_role_map(self.role_map))
+        _warn_unlikely_weights(self)
         names = [self.labels_column] + ([self.completion_mask_column] if self.completion_mask_column else [])
         if len(set(names)) != len(names):
             raise ValueError(f"labels_column and completion_mask_column must differ, both are {self.labels_column!r}")
@@ -280,14 +290,31 @@ def parse_role_weights(roles_to_train: Any, weights_by_role: Any) -> tuple[tuple
 
 
 def _weight(name: str, value: Any) -> float:
-    """A weight: a finite number >= 0 (booleans are 1 and 0)."""
-    import math
-
+    """A weight: a number from 0 to ``MAX_WEIGHT`` (float32's largest), booleans 1 and 0; -0.0 is 0."""
     if isinstance(value, bool):
         return float(value)
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}={value!r} must be a finite weight >= 0 (0 masks, 1 trains fully, 0.1 trains lightly)")
-    return float(value)
+    if not isinstance(value, (int, float)) or not 0 <= value <= MAX_WEIGHT:  # NaN and inf fail the comparison
+        beyond = isinstance(value, (int, float)) and value > MAX_WEIGHT
+        raise ValueError(f"{name}={value!r} must be a finite weight >= 0 (0 masks, 1 trains fully, 0.1 trains lightly)"
+                         + (f"; float32 holds none above {MAX_WEIGHT:.8g}" if beyond else ""))
+    return float(value) + 0.0
+
+
+def _warn_unlikely_weights(options: MaskOptions) -> None:
+    """One warning line for a role option naming a role no template writes (``wizard``), and for a ``weight_field``
+    that names a field holding something else (``content``): both are accepted, and probably not what was meant."""
+    import warnings
+
+    roles = set(KNOWN_ROLES) | {role for _, role in options.role_map}
+    unknown = sorted(set(dict(options.weights_by_role)) - roles)
+    if unknown:
+        warnings.warn(f"weights_by_role/roles_to_train name {', '.join(map(repr, unknown))}, which no chat template "
+                      f"writes as a role (known: {', '.join(sorted(roles))}): check the spelling, or map the data's "
+                      "speakers to a known role with role_map (--role-map SPEAKER=ROLE)", UserWarning, stacklevel=4)
+    if options.weight_field in NOT_WEIGHTS or options.weight_field == options.detail_field:
+        warnings.warn(f"weight_field={options.weight_field!r} names a message field that holds no weight, so it never "
+                      f"gives one; pass weight_field='auto' (reads {', '.join(WEIGHT_FIELDS)}) or the name of the field "
+                      "that holds each message's weight (--weight-field NAME)", UserWarning, stacklevel=4)
 
 
 def _positive_int(value: Any) -> bool:

@@ -4,10 +4,11 @@ The labels come from the markers; weights refine them (docs/weights.md). This mo
 over messages, as locating already is), the sources that only the messages know:
 
 - the role's weight (``MaskOptions.weights_by_role`` / ``roles_to_train``);
-- the message's own field (``weight``, ``train``, ``training``, ``loss``, ``loss_scale``, ``loss_weight``, or the
-  one ``weight_field`` names): a boolean is 1 or 0, a number its value;
-- character spans inside the content (axolotl ``[{begin_offset, end_offset, train[, weight]}]``, end inclusive),
-  and content parts carrying ``train`` / ``weight``;
+- the message's own fields (``weight``, ``train``, ``training``, ``loss``, ``loss_scale``, ``loss_weight``, or the
+  one ``weight_field`` names): a ``false`` switches the message off, else the first number is its weight, else a
+  ``true`` gives 1 (ms-swift's ``loss: true, loss_scale: 0.5`` weighs 0.5);
+- character spans inside the content (axolotl ``[{begin_offset, end_offset, train[, weight]}]``, end inclusive: only
+  the spans train, and only in a message that weighs > 0), and content parts carrying ``train`` / ``weight``;
 - the reasoning policy (reasoning text, and the template's text before the answer, take a weight) and the
   empty-think rule (an empty ``<think></think>`` block before the answer is masked).
 
@@ -18,13 +19,13 @@ tokens are placed by their character offsets, and ``engine/weights.py`` applies 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..options import MAX_WEIGHT
 from .locate import REASONING_KEYS, THINK_CLOSE, THINK_OPEN
 from .shapes import PART_SPANS
 
@@ -137,8 +138,11 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
         own = by_message.get(index, [])
         role, weight = roles[index], weights[index]
         if carries is True and isinstance(message, dict):
-            plan.segments += _detail_segments(text, message, own, detail_key, weight, role == "assistant", index, row)
-            plan.segments += _part_segments(text, message, own, fields, weight, role == "assistant", index, row)
+            # spans and parts are checked in every message, and weigh only in one that trains (its own flag wins)
+            found = _detail_segments(text, message, own, detail_key, weight, role == "assistant", index, row) + \
+                _part_segments(text, message, own, fields, weight, role == "assistant", index, row)
+            if weight > 0:
+                plan.segments += found
         if role == "assistant" and leading:
             thinking = [p for p in own if p[2] in REASONING_KINDS]
             answers = [s for s, _, kind in own if kind not in REASONING_KINDS and (not thinking or s >= thinking[0][1])]
@@ -197,23 +201,36 @@ def _carries(messages: Sequence[Any], keys: frozenset, detail_key: str | None) -
 
 
 def _field(message: Any, fields: tuple[str, ...], row: int, index: int, where: str = "") -> float | None:
-    """The first of ``fields`` the message (or part) has, as a weight; None when it has none."""
+    """The message's (or part's, or span's) weight from ``fields``; None when it has none of them.
+
+    A boolean switches: ``false`` in any of the fields makes the weight 0, ``true`` alone makes it 1. A number is a
+    weight: the first number among the fields is the weight of a message no ``false`` switched off (ms-swift's
+    ``loss: true, loss_scale: 0.5`` weighs 0.5). Every value is checked, even after the one that decides."""
     if type(message) is not dict and not isinstance(message, Mapping):
         return None
     if len(message) <= 2 and not where:  # {role, content}: no field (most messages; parts always look)
         return None
+    number = switch = None
     for key in fields:
         value = message.get(key)
         if value is None:
             continue
-        if type(value) is bool:
-            return float(value)
-        if isinstance(value, (int, float)) and value >= 0 and math.isfinite(value):
-            return float(value)
-        raise ValueError(f"row {row}, message {index}{where}: {key}={value!r} is not a weight; a message's {key!r} "
-                         "must be true/false or a number >= 0 (pass weight_field=None to ignore such fields, or "
-                         "weight_field='NAME' to read another)")
-    return None
+        kind = type(value)
+        if kind is bool:
+            switch = value and switch is not False
+        elif (kind is float or kind is int or isinstance(value, (int, float))) and 0 <= value <= MAX_WEIGHT:
+            if number is None:  # NaN and inf fail the comparison; -0.0 is 0
+                number = float(value) + 0.0
+        elif isinstance(value, (int, float)) and value > MAX_WEIGHT:
+            raise ValueError(f"row {row}, message {index}{where}: {key}={value!r} is beyond float32's range; a weight "
+                             f"must be at most {MAX_WEIGHT:.8g} (loss_weights are float32)")
+        else:
+            raise ValueError(f"row {row}, message {index}{where}: {key}={value!r} is not a weight; a message's {key!r} "
+                             "must be true/false or a number >= 0 (pass weight_field=None to ignore such fields, or "
+                             "weight_field='NAME' to read another)")
+    if switch is False:
+        return 0.0
+    return number if number is not None else None if switch is None else 1.0
 
 
 def _content_start(text: str, message: Mapping, own: list[tuple[int, int, str]]) -> int | None:
@@ -232,29 +249,63 @@ def _content_start(text: str, message: Mapping, own: list[tuple[int, int, str]])
 
 
 def _detail_segments(text, message, own, detail_key, weight, assistant, index, row) -> list:
-    """axolotl's character spans (``end_offset`` inclusive) as segments of the rendered text."""
+    """axolotl's character spans (``end_offset`` inclusive) as segments of the rendered text. As in axolotl, only the
+    spans train: the message's characters that no span covers weigh 0, and a ``train: true`` span takes the message's
+    weight (a message that weighs 0, ``training: false``, trains nothing). Every span is checked first: offsets must
+    be integers within the message's content, else an error names the row, the message and the span."""
     details = message.get(detail_key) if detail_key else None
     if not details:
         return []
     if not isinstance(details, (list, tuple)):
         raise ValueError(f"row {row}, message {index}: {detail_key!r} must be a list of "
                          "{begin_offset, end_offset, train} objects (or pass detail_field=None)")
-    origin = _content_start(text, message, own)
-    out = []
-    for detail in details:
+    content = message.get("content")
+    size = len(content) if isinstance(content, str) else None
+    spans = []
+    for k, detail in enumerate(details):
+        where = f"row {row}, message {index}, {detail_key} span {k}"
         if not isinstance(detail, Mapping) or not {"begin_offset", "end_offset"} <= set(detail):
-            raise ValueError(f"row {row}, message {index}: {detail_key!r} holds {detail!r}; each span needs "
-                             "begin_offset and end_offset (inclusive), and train or weight")
+            raise ValueError(f"{where}: {detail!r}; each span needs begin_offset and end_offset (inclusive), and "
+                             "train or weight")
+        begin, end = (_offset(detail, key, size, where) for key in ("begin_offset", "end_offset"))
+        if end < begin:
+            raise ValueError(f"{where}: end_offset={end} is before begin_offset={begin} (end_offset is inclusive: "
+                             "a span of one character has begin_offset == end_offset)")
+        train = detail.get("train")
         if detail.get("weight") is not None:
-            value = _field(detail, ("weight",), row, index, f", {detail_key}")
+            value = _field(detail, ("weight",), row, index, f", {detail_key} span {k}")
+        elif train is None or type(train) is bool:
+            value = weight if train is not False else 0.0
         else:
-            value = (weight or 1.0) if detail.get("train", True) else 0.0
-        if origin is None:  # the template rewrote the content: the whole content takes the lower weight
-            out += [(s, e, min(value, weight), index, assistant) for s, e, kind in own if kind == "content"]
-            continue
-        begin, end = int(detail["begin_offset"]), int(detail["end_offset"]) + 1
-        out.append((origin + begin, origin + end, value, index, assistant))
-    return out
+            raise ValueError(f"{where}: train={train!r}; pass true or false (or a weight >= 0 as weight)")
+        spans.append((begin, end + 1, value))
+    if weight <= 0:  # the message's own flag wins: nothing in it trains
+        return []
+    # the characters no span covers, in content offsets (unknown where the content is not one string)
+    gaps, at = [], 0
+    for begin, end, _ in sorted(spans):
+        if begin > at:
+            gaps.append((at, begin, 0.0))
+        at = max(at, end)
+    if size is not None and at < size:
+        gaps.append((at, size, 0.0))
+    origin = _content_start(text, message, own)
+    if origin is None:  # the template rewrote the content: the whole content takes the lowest weight
+        lowest = min(value for _, _, value in gaps + spans)
+        return [(s, e, min(lowest, weight), index, assistant) for s, e, kind in own if kind == "content"]
+    return [(origin + begin, origin + end, value, index, assistant) for begin, end, value in gaps + spans]
+
+
+def _offset(detail: Mapping, key: str, size: int | None, where: str) -> int:
+    """A span's offset: an integer (an integral float, as Arrow may read it) within the content's ``size``
+    characters."""
+    value = detail[key]
+    if type(value) is not bool and isinstance(value, (int, float)) and value == value and float(value).is_integer() \
+            and 0 <= value and (size is None or value < size):
+        return int(value)
+    within = f"0..{size - 1}" if size else "0 or more" if size is None else "none: the content is empty"
+    raise ValueError(f"{where}: {key}={value!r} is not a character offset within the message's content "
+                     f"(integers, {within}; end_offset is inclusive)")
 
 
 def _part_segments(text, message, own, fields, weight, assistant, index, row) -> list:
@@ -267,7 +318,7 @@ def _part_segments(text, message, own, fields, weight, assistant, index, row) ->
             value = _field(part, fields, row, index, f", content part {k}")
             if value is None:
                 continue
-            value = (weight or 1.0) if value == 1.0 else value
+            value = weight if value == 1.0 else value
             if origin is None:
                 out += [(s, e, min(value, weight), index, assistant) for s, e, kind in own if kind == "content"]
             else:
@@ -282,7 +333,7 @@ def _part_segments(text, message, own, fields, weight, assistant, index, row) ->
     for k, (part, (start, end)) in enumerate(zip(texts, found)):
         value = _field(part, fields, row, index, f", content part {k}")
         if value is not None:
-            out.append((start, end, (weight or 1.0) if value == 1.0 else value, index, assistant))
+            out.append((start, end, weight if value == 1.0 else value, index, assistant))
     return out
 
 

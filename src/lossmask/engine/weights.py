@@ -11,8 +11,9 @@ this order, each source over the ones before it:
 3. character segments (spans, content parts, the text of other roles that ``roles_to_train`` trains) and the
    reasoning policy's lead (a turn's trained tokens before its answer); a token that straddles a segment's edge
    takes the lower of the two weights;
-4. the stop-token policy (``train_on_eos``): ``turn`` keeps each run's stop token, ``last`` only the row's last
-   run's, ``none`` none, ``all`` also every stop token outside the runs (weight 1);
+4. the stop-token policy (``train_on_eos``, axolotl's meaning): ``turn`` keeps each run's stop token, ``last`` only
+   the row's last run's, ``none`` none, ``all`` every stop token, outside the runs too; the stop token that ``last``
+   or ``all`` trains weighs 1 where its turn weighs 0;
 5. ``prompt_weight`` for every token nothing above claimed, in the rows where something trains.
 
 Labels are the ids where the weight is > 0. The passes over the batch's tokens are numba kernels
@@ -415,18 +416,29 @@ def _stop_tokens(ids, row_of, row_starts, in_run, weights, role, end_patterns, p
             outside[begin[~closes & ~in_run[end]] + j] = True
     if policy == "none":
         weights[stop] = 0.0
-    elif policy == "last":  # the stop tokens of every run but the row's last
+    elif policy == "last":  # the stop tokens of every run but the row's last; that one trains, whatever its turn weighs
         prev = np.zeros(total, dtype=bool)
         prev[1:] = in_run[:-1] & (row_of[1:] == row_of[:-1])
         starts = np.flatnonzero(in_run & ~prev)
         last_start = np.full(row_starts.shape[0], -1, dtype=np.int64)
         np.maximum.at(last_start, row_of[starts], starts)
         stops = np.flatnonzero(stop)
-        weights[stops[stops < last_start[row_of[stops]]]] = 0.0
-    elif policy == "all":
+        earlier = stops < last_start[row_of[stops]]
+        weights[stops[earlier]] = 0.0
+        _train_stop(stops[~earlier], weights, role)
+    elif policy == "all":  # every stop token trains: after other roles' turns, and after turns that weigh 0
         weights[outside] = 1.0
         role[outside] = _STOP
         in_run |= outside
+        _train_stop(np.flatnonzero(stop), weights, role)
+
+
+def _train_stop(at: np.ndarray, weights: np.ndarray, role: np.ndarray) -> None:
+    """The stop tokens ``at`` train: those of a turn that weighs 0 (``training: false``) take weight 1, as axolotl's
+    ``train_on_eos`` trains them; the others keep their turn's weight."""
+    zero = at[weights[at] <= 0]
+    weights[zero] = 1.0
+    role[zero] = _STOP
 
 
 def weights_to_arrow(like: pa.Array, values: np.ndarray) -> pa.Array:

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..engine.outcomes import DROP_REASONS, INVALID, REJECTED_REASONS, SHAPE_REASONS
+from ..engine.outcomes import DROP_REASONS, INVALID, REJECTED_REASONS, SHAPE_REASONS, WEIGHTS_ZERO, Outcome
 from ..engine.patterns import Markers
 from ..engine.tally import Tally
 
@@ -63,7 +63,7 @@ class MaskReport:
         messages: tuple[str, ...] | list[str] = (),
         decode: Callable[[int], str] | None = None,
     ) -> "MaskReport":
-        untrained = tally.counts.dropped
+        untrained = _weights_apart(tally.counts.dropped, tally.drop_causes.get(WEIGHTS_ZERO, 0))
         dropped = {reason: 0 for reason in DROP_REASONS} if keep_dropped else dict(untrained)
         dropped[INVALID] = tally.invalid
         for reason in REJECTED_REASONS:
@@ -265,4 +265,17 @@ def group_variants(patterns: list[list[int]], texts: list[str] | None = None):
         members.sort(key=lambda m: (len(m[1]) if m[1] is not None else 0, len(m[0])))
         ids, text = members[0]
         out.append((ids, text, len(members) - 1))
+    return out
+
+
+def _weights_apart(untrained: dict[str, int], zeroed: int) -> dict[str, int]:
+    """The rows that train nothing by outcome, with those whose weights were all 0 (a ``weight: 0``, ``false``, a
+    weight too small for float32) counted under ``weights_zero`` rather than ``empty_response``: listed only when some
+    row has it, so that reports of other jobs keep their keys."""
+    if not zeroed:
+        return dict(untrained)
+    out = dict(untrained)
+    empty = Outcome.EMPTY_RESPONSE.reason
+    out[empty] = out.get(empty, 0) - zeroed
+    out[WEIGHTS_ZERO] = zeroed
     return out
