@@ -13,12 +13,20 @@ def _example(args: argparse.Namespace) -> int:
 
 
 def _mask(args: argparse.Namespace) -> int:
-    from .options import MaskOptions
-    from .jobs.stream import mask_files, preview_rows
+    from .jobs.stopping import stop_on_signals
 
     _fail_cleanly_on_signals()
+    with stop_on_signals():  # SIGTERM and Ctrl-C end the job between kernel calls, with one line
+        return _mask_job(args)
+
+
+def _mask_job(args: argparse.Namespace) -> int:
+    from .jobs.stopping import JobStopped
 
     try:
+        from .options import MaskOptions
+        from .jobs.stream import mask_files, preview_rows
+
         options = MaskOptions.resolve(
             input_ids_column=args.input_ids_column, messages_column=args.messages_column,
             prompt_column=args.prompt_column, completion_column=args.completion_column,
@@ -43,7 +51,7 @@ def _mask(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, ImportError) as exc:  # OSError: one line naming the path and the cause
         print(f"lossmask mask: error: {exc}", file=sys.stderr)
         return 1
-    except _Stopped as stop:  # mask_files removed its partial files (and its lock) on the way out
+    except JobStopped as stop:  # mask_files removed its partial files (and its lock) on the way out
         print(f"lossmask mask: stopped by {stop.name}; the partial output was removed, and {args.output} is as it was "
               "before the job", file=sys.stderr)
         return 128 + stop.signum
@@ -58,37 +66,19 @@ def _mask(args: argparse.Namespace) -> int:
             print(f"\nfirst {args.show} rows of {args.output} ({legend}):")
             print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
                                labels_column=args.labels_column, colour=colour))
-    except _Stopped as stop:
+    except JobStopped as stop:
         print(f"lossmask mask: stopped by {stop.name} after {args.output} was written", file=sys.stderr)
         return 128 + stop.signum
     return 0
 
 
-class _Stopped(BaseException):
-    """SIGTERM, raised in the main thread: a ``BaseException``, as Ctrl-C's ``KeyboardInterrupt`` is, so that no
-    ``except Exception`` keeps the job going, and the job's clean-up (partial files, lock) runs on the way out."""
-
-    def __init__(self, signum: int):
-        import signal
-
-        super().__init__(signum)
-        self.signum, self.name = signum, signal.Signals(signum).name
-
-
 def _fail_cleanly_on_signals() -> None:
-    """SIGTERM ends the job like Ctrl-C (its partial files are removed) and says so; beyond the file size limit a
-    write fails with an error (EFBIG) instead of SIGXFSZ killing the process with its partial files in place."""
+    """Beyond the file size limit a write fails with an error (EFBIG) instead of SIGXFSZ killing the process with its
+    partial files in place. (SIGTERM and SIGINT: ``jobs.stopping.stop_on_signals``.)"""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def terminate(signum, frame):
-        raise _Stopped(signum)
-
-    signal.signal(signal.SIGTERM, terminate)
-    if hasattr(signal, "SIGXFSZ"):
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
