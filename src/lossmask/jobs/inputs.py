@@ -3,7 +3,8 @@
 ``open_inputs`` lists the files (a file, a folder, a glob or a list), leaves out the job's own
 output, report and partial files, reads every file's schema and unites them: a column that only some
 files have is null in the others; a column whose types cannot be united is refused, naming both files.
-A file reached under two names (a symlink, a recursive glob through a symlink loop) is read once.
+A file reached under two names (a symlink, a hard link, a recursive glob through a symlink loop) is read
+once: files are told apart by device and inode.
 Parquet and Arrow IPC are read with ``pyarrow.dataset``. JSON Lines are read here, block by block:
 objects and lists of objects (messages, tool calls, tool schemas) are kept as JSON text per message
 or per value (``arrow.json``), so rows whose keys or argument types differ are read as they are;
@@ -305,25 +306,30 @@ def _once_each(paths: list[str]) -> tuple[list[str], list[str]]:
     kept, seen, skipped, again = [], {}, [], []
     for path in paths:
         try:
-            regular = stat.S_ISREG(os.stat(path).st_mode)
+            info = os.stat(path)
         except OSError as exc:
             skipped.append(f"skipped {path}: {exc.strerror or exc} (a broken link?)")
             continue
-        if not regular:
+        if not stat.S_ISREG(info.st_mode):
             skipped.append(f"skipped {path}: not a regular file (a FIFO, socket or device); name it alone to read it")
             continue
-        real = os.path.realpath(path)
-        if real in seen:
-            again.append((path, seen[real]))
+        file = (info.st_dev, info.st_ino)  # one file under two names: symbolic links and hard links alike
+        if file in seen:
+            again.append((path, seen[file]))
             continue
-        seen[real] = path
+        seen[file] = path
         kept.append(path)
     if len(again) <= 3:
-        skipped += [f"skipped {path}: the same file as {first}, read once" for path, first in again]
+        skipped += [f"skipped {path}: the same file as {first} ({_link_kind(path, first)}), read once"
+                    for path, first in again]
     else:
-        skipped.append(f"skipped {len(again):,} paths that name files already read (through symbolic links), "
+        skipped.append(f"skipped {len(again):,} paths that name files already read (through symbolic or hard links), "
                        f"e.g. {again[0][0]}, the same file as {again[0][1]}")
     return kept, skipped
+
+
+def _link_kind(path: str, first: str) -> str:
+    return "a symbolic link" if os.path.realpath(path) == os.path.realpath(first) else "a hard link"
 
 
 def glob_files(pattern: str) -> list[str]:
