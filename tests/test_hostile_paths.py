@@ -28,3 +28,24 @@ def test_a_file_and_its_hard_link_under_one_glob_are_read_once_and_said(tmp_path
     said = [m for m in report.messages if "b.parquet" in m]
     assert said == [f"skipped {data / 'b.parquet'}: the same file as {data / 'a.parquet'} (a hard link), read once"]
     assert said[0] in report.summary()
+
+
+def test_a_newline_in_a_file_name_is_escaped_and_the_error_stays_one_line(tmp_path):
+    MARKERS.to_json(tmp_path / "m.json")
+    bad = tmp_path / "bad\nname.jsonl"
+    bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2,\n')
+    code, _, err = run_cli(bad, tmp_path / "out.parquet", "--markers", tmp_path / "m.json")
+    assert code == 1 and err == f"lossmask mask: error: {tmp_path}/bad\\nname.jsonl, line 2: not valid JSON " \
+                                "(Expecting value at column 21)\n"
+    data = tmp_path / "data"  # a file found in a folder, named by the row's location
+    data.mkdir()
+    write_input(data / "a.parquet", [CHAT] * 3)
+    write_input(data / "b\nc.parquet", [CHAT, [1, 2, -3]])
+    code, _, err = run_cli(data, tmp_path / "out.parquet", "--markers", tmp_path / "m.json")
+    assert code == 1 and err.count("\n") == 1 and f"row 4 ({data}/b\\nc.parquet, row 1) holds the negative" in err
+    code, _, err = run_cli(tmp_path / "missing\nname.jsonl", tmp_path / "out.parquet", "--markers", tmp_path / "m.json")
+    assert code == 1 and err == f"lossmask mask: error: {tmp_path}/missing\\nname.jsonl: no such file or folder\n"
+    os.link(data / "a.parquet", data / "a~\tlink.parquet")  # a report line naming a skipped file
+    code, out, _ = run_cli(data / "a*.parquet", tmp_path / "out.parquet", "--markers", tmp_path / "m.json")
+    assert code == 0 and f"skipped {data}/a~\\tlink.parquet: the same file as {data}/a.parquet" in out
+    assert not partials(tmp_path)

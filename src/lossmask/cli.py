@@ -49,10 +49,11 @@ def _mask_job(args: argparse.Namespace) -> int:
             progress=False if args.no_progress else None, report=args.report,
         )
     except (ValueError, TypeError, OSError, ImportError) as exc:  # OSError: one line naming the path and the cause
-        print(f"lossmask mask: error: {exc}", file=sys.stderr)
+        print(f"lossmask mask: error: {_error_text(exc)}", file=sys.stderr)
         return 1
     except JobStopped as stop:  # mask_files removed its partial files (and its lock) on the way out
-        print(f"lossmask mask: stopped by {stop.name}; the partial output was removed, and {args.output} is as it was "
+        print(f"lossmask mask: stopped by {stop.name}; the partial output was removed, and {_escaped(args.output)} is as "
+              "it was "
               "before the job", file=sys.stderr)
         return 128 + stop.signum
     try:
@@ -67,9 +68,26 @@ def _mask_job(args: argparse.Namespace) -> int:
             print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
                                labels_column=args.labels_column, colour=colour))
     except JobStopped as stop:
-        print(f"lossmask mask: stopped by {stop.name} after {args.output} was written", file=sys.stderr)
+        print(f"lossmask mask: stopped by {stop.name} after {_escaped(args.output)} was written", file=sys.stderr)
         return 128 + stop.signum
     return 0
+
+
+def _escaped(text: str) -> str:
+    from .jobs.display import escaped
+
+    return escaped(str(text))
+
+
+def _error_text(exc: BaseException) -> str:
+    """An error as the command line prints it: one line, a file name with a newline in it escaped as ``repr`` does.
+    The messages written as several lines (too many dropped rows, markers that cannot be resolved) keep their line
+    ends; the names in them are escaped where they are written (``InputFiles.where``)."""
+    from .jobs.safety import TooManyDroppedRows
+    from .markers.policy import MarkerResolutionError
+
+    lines = str(exc).split("\n") if isinstance(exc, (TooManyDroppedRows, MarkerResolutionError)) else [str(exc)]
+    return "\n".join(map(_escaped, lines))
 
 
 def _fail_cleanly_on_signals() -> None:
@@ -191,7 +209,7 @@ def _show(args: argparse.Namespace) -> int:
         check_tokenizer_path(args.tokenizer)
         return run_show(args.tokenizer, args.conversation, html_path=args.html, model_name=args.model_name)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
-        print(f"lossmask show: error: {exc}", file=sys.stderr)
+        print(f"lossmask show: error: {_error_text(exc)}", file=sys.stderr)
         return 1
 
 
@@ -203,7 +221,7 @@ def _detect(args: argparse.Namespace) -> int:
         check_tokenizer_path(args.tokenizer)
         return run_detect(args.tokenizer, model_name=args.model_name, as_json=args.json)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
-        print(f"lossmask detect: error: {exc}", file=sys.stderr)
+        print(f"lossmask detect: error: {_error_text(exc)}", file=sys.stderr)
         return 1
 
 

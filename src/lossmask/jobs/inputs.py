@@ -36,6 +36,8 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
+from .display import escaped
+
 FORMATS = {
     ".parquet": "parquet", ".pq": "parquet",
     ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc",
@@ -163,7 +165,7 @@ class InputFiles:
         segment = self._segments[k]
         if row >= segment.first_row + segment.rows or (segment.unit == "row" and len(self.paths) == 1):
             return None  # a row of the one Parquet/IPC file is already named by its number
-        return f"{segment.path}, {segment.unit} {segment.first + row - segment.first_row}"
+        return f"{escaped(segment.path)}, {segment.unit} {segment.first + row - segment.first_row}"
 
     def name_rows(self, text: str, *, count: int = 0) -> str:
         """``text`` with ``row N`` (a row of the job) followed by where that row is: ``row N (file, line L)``."""
