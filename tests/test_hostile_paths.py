@@ -6,13 +6,16 @@ exit status and one line on stderr.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pyarrow.parquet as pq
 
 from lossmask.jobs.stream import mask_files
 
-from test_hostile import CHAT, partials, run_cli
+from test_hostile import CHAT, partials, run_cli, small_filesystem
 from test_stream import MARKERS, write_input
 
 
@@ -49,3 +52,19 @@ def test_a_newline_in_a_file_name_is_escaped_and_the_error_stays_one_line(tmp_pa
     code, out, _ = run_cli(data / "a*.parquet", tmp_path / "out.parquet", "--markers", tmp_path / "m.json")
     assert code == 0 and f"skipped {data}/a~\\tlink.parquet: the same file as {data}/a.parquet" in out
     assert not partials(tmp_path)
+
+
+def test_a_full_tmpdir_while_stdin_is_copied_is_one_line_naming_stdin_and_tmpdir(tmp_path):
+    MARKERS.to_json(tmp_path / "m.json")
+    with open(tmp_path / "in.jsonl", "w") as fh:  # 1.5 MB of JSON Lines, for a 64 KiB TMPDIR
+        fh.writelines(json.dumps({"input_ids": CHAT, "note": "x" * 200}) + "\n" for _ in range(6000))
+    with small_filesystem(tmp_path / "tmp", size="64k"), open(tmp_path / "in.jsonl", "rb") as stdin:
+        done = subprocess.run([sys.executable, "-m", "lossmask", "mask", "-", str(tmp_path / "out.parquet"),
+                               "--markers", str(tmp_path / "m.json"), "--no-progress"], stdin=stdin,
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+        assert done.returncode == 1 and done.stderr == (
+            f"lossmask mask: error: <stdin>: cannot copy the stream to a temporary file in TMPDIR ({tmp_path / 'tmp'}): "
+            "No space left on device; set TMPDIR to a folder with room for the whole input, or pass the input as a "
+            "file\n")
+        assert os.listdir(tmp_path / "tmp") == []
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "m.json", "tmp"]

@@ -407,18 +407,25 @@ def _copy_stream(path: str) -> str:
     """Copy stdin, a pipe or a FIFO to a temporary file once, and return its path.
 
     Unless the stream is a compressed or a Parquet/Arrow file, a run of ``MAX_LINE_BYTES`` without a line
-    end stops the copy there (``/dev/zero`` would otherwise fill the disk)."""
+    end stops the copy there (``/dev/zero`` would otherwise fill the disk). A temporary folder that is full
+    or cannot be written is one line naming the stream and ``TMPDIR``, and what to do."""
     import tempfile
 
-    fd, copy = tempfile.mkstemp(prefix="lossmask-input-", suffix=".copy")
+    try:
+        fd, copy = tempfile.mkstemp(prefix="lossmask-input-", suffix=".copy")
+    except OSError as exc:
+        raise _no_room(path, tempfile.gettempdir(), exc) from None
     _COPIES.add(copy)
     if len(_COPIES) == 1:
         atexit.register(_remove_copies)
+    reading = False
     try:
         with os.fdopen(fd, "wb") as out, (sys.stdin.buffer if path == STDIN else open(path, "rb")) as stream:
             check, line, since = None, 1, 0
             while True:
+                reading = True
                 chunk = stream.read(1 << 20)
+                reading = False
                 if not chunk:
                     break
                 if check is None:
@@ -433,10 +440,22 @@ def _copy_stream(path: str) -> str:
                     if since > MAX_LINE_BYTES:
                         raise _too_long(path, "line", line)
                 out.write(chunk)
+    except OSError as exc:
+        _remove_copy(copy)
+        if reading:  # the stream's own error
+            raise
+        raise _no_room(path, os.path.dirname(copy), exc) from None
     except BaseException:
         _remove_copy(copy)
         raise
     return copy
+
+
+def _no_room(path: str, folder: str, exc: OSError) -> OSError:
+    error = OSError(f"{path}: cannot copy the stream to a temporary file in TMPDIR ({folder}): {exc.strerror or exc}; "
+                    "set TMPDIR to a folder with room for the whole input, or pass the input as a file")
+    error.errno = exc.errno
+    return error
 
 
 def _remove_copy(copy: str) -> None:
