@@ -68,3 +68,14 @@ def test_a_full_tmpdir_while_stdin_is_copied_is_one_line_naming_stdin_and_tmpdir
             "file\n")
         assert os.listdir(tmp_path / "tmp") == []
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "m.json", "tmp"]
+
+
+def test_output_dash_is_refused_with_what_to_pass_instead(tmp_path, monkeypatch):
+    write_input(tmp_path / "in.parquet", [CHAT] * 3)
+    MARKERS.to_json(tmp_path / "m.json")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli("in.parquet", "-", "--markers", "m.json")
+    assert code == 1 and out == "" and err == (
+        "lossmask mask: error: OUTPUT -: a job writes Parquet to a file, not to stdout (the file is renamed into place "
+        "only when the job succeeds); pass a file path such as out.parquet\n")
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet", "m.json"]
