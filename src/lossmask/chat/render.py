@@ -47,6 +47,7 @@ import pyarrow as pa
 PROOF_ROWS = 64
 MAX_RENDER_SECONDS = 10.0  # wall time to render one row (checked at every loop turn and call)
 MAX_RENDER_CHARS = 64 * 2**20  # characters of one rendered row, and items of any string or list built on the way
+MAX_RENDER_STEPS = 2**20  # loop turns and calls of one row in the bounded sandbox (a fraction of a second)
 
 
 class ChatTemplateError(ValueError):
@@ -58,9 +59,17 @@ class RenderLimitError(ChatTemplateError):
 
 
 _DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("lossmask_render_deadline", default=float("inf"))
+_STEPS: contextvars.ContextVar[list | None] = contextvars.ContextVar("lossmask_render_steps", default=None)
 
 
-def _over_time() -> None:
+def _over_time(steps: int = 1) -> None:
+    """Count ``steps`` loop turns or calls of the row being rendered; raise past the bounds on steps and time."""
+    count = _STEPS.get()  # [steps so far] of the row that render_bounded renders
+    if count is not None:
+        count[0] += steps
+    if count is not None and count[0] > MAX_RENDER_STEPS:
+        raise RenderLimitError(f"render over {MAX_RENDER_STEPS:,} loop turns and calls (MAX_RENDER_STEPS): the chat "
+                               "template loops too long for one row")
     if time.monotonic() > _DEADLINE.get():
         raise RenderLimitError(f"render time over {MAX_RENDER_SECONDS:g} seconds (MAX_RENDER_SECONDS): the chat "
                                "template loops too long for one row")
@@ -90,10 +99,11 @@ def _bounded_filter(function):
 
 
 def _ticks(iterable: Any):
-    """A loop's items, with the clock checked every 256 turns."""
+    """A loop's items, counted as steps and with the clock checked every 256 turns (also when the loop writes
+    nothing)."""
     for k, item in enumerate(iterable):
         if not k & 255:
-            _over_time()
+            _over_time(256)
         yield item
 
 
@@ -146,17 +156,58 @@ def _bounded_environment_class():
     return BoundedSandbox
 
 
+@functools.lru_cache(maxsize=1)
+def _fast_environment_class():
+    from jinja2 import Template
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class SizedTemplate(Template):
+        def render(self, *args, **kwargs):  # what transformers calls: the rendered text held to MAX_RENDER_CHARS
+            return render_bounded(self, **dict(*args, **kwargs))
+
+    class FastSandbox(ImmutableSandboxedEnvironment):  # transformers' sandbox, as it is
+        template_class = SizedTemplate
+
+    return FastSandbox
+
+
 @functools.lru_cache(maxsize=16)
 def bounded_template(template: str) -> Any:
-    """``template`` compiled as transformers compiles it, in a sandbox that keeps the bounds above."""
+    """``template`` compiled as transformers compiles it, in a sandbox that keeps the bounds above.
+
+    A template that ``template_bounds.runaway_reason`` finds bounded by its input's size (every real template
+    lossmask is tested on) is compiled in transformers' own sandbox instead, without the per-operation checks:
+    the same text at the unbounded renderer's speed, its size still held to ``MAX_RENDER_CHARS``. A template whose
+    loops over constant ranges alone make more than ``MAX_RENDER_STEPS`` turns is refused here, once, rather than
+    run to the bound on every row."""
+    from .template_bounds import constant_turns, runaway_reason
+
+    reference = _reference_environment()
+    turns, where = constant_turns(template, reference)
+    if turns > MAX_RENDER_STEPS:
+        raise RenderLimitError(f"the chat template loops {turns:,} times whatever the chat ({where}), over "
+                               f"{MAX_RENDER_STEPS:,} loop turns and calls (MAX_RENDER_STEPS); fix the template")
+    return compile_template(template, checked=runaway_reason(template, reference) is not None)
+
+
+def _reference_environment() -> Any:
     # transformers' environment, from an empty template: compiling the row's template there would fold its
     # constants unbounded ('x' | center(10**9) is computed while compiling)
-    reference = _transformers_compile()("").environment
-    env = _bounded_environment_class()(trim_blocks=reference.trim_blocks, lstrip_blocks=reference.lstrip_blocks,
-                                       extensions=[type(e) for e in reference.extensions.values()])
-    env.filters.update({name: _bounded_filter(f) for name, f in reference.filters.items()})
+    return _transformers_compile()("").environment
+
+
+def compile_template(template: str, *, checked: bool) -> Any:
+    """``template`` in a copy of transformers' sandbox (its filters, globals and extensions): with every operation
+    checked against the bounds (``checked``), or as transformers runs it, with only the rendered text's size held."""
+    reference = _reference_environment()
+    env_class = _bounded_environment_class() if checked else _fast_environment_class()
+    env = env_class(trim_blocks=reference.trim_blocks, lstrip_blocks=reference.lstrip_blocks,
+                    extensions=[type(e) for e in reference.extensions.values()])
+    env.filters.update({name: _bounded_filter(f) for name, f in reference.filters.items()} if checked
+                       else reference.filters)
     env.globals.update(reference.globals)
-    env.globals["__lossmask_ticks"] = _ticks
+    if checked:
+        env.globals["__lossmask_ticks"] = _ticks
     return env.from_string(template)
 
 
@@ -195,7 +246,7 @@ def bounded_rendering():
 
 def render_bounded(template: Any, **variables: Any) -> str:
     """Render a ``bounded_template`` within ``MAX_RENDER_SECONDS`` and ``MAX_RENDER_CHARS``."""
-    token = _DEADLINE.set(time.monotonic() + MAX_RENDER_SECONDS)
+    token, steps = _DEADLINE.set(time.monotonic() + MAX_RENDER_SECONDS), _STEPS.set([0])
     try:
         size, parts = 0, []
         for part in template.generate(**variables):
@@ -207,6 +258,7 @@ def render_bounded(template: Any, **variables: Any) -> str:
         return "".join(parts)
     finally:
         _DEADLINE.reset(token)
+        _STEPS.reset(steps)
 
 
 def text_parts(messages: Sequence[Any]) -> list:
