@@ -16,9 +16,12 @@ back to it, with a warning naming the first differing row. Rows the template rej
 by ``ChatTokenizer.render``, so their error message is the one users see anywhere else.
 
 **Bounds.** A chat template is code from the Hub, and one row must not hang a job or fill memory (a
-nested loop of 10^10 turns, ``'x' * 10**9``). The template is compiled again here, in a copy of
-transformers' sandbox (same filters, globals and extensions) that also keeps count: every loop turn and
-every call ticks a clock (``MAX_RENDER_SECONDS`` per row); every string or list that a ``*``, ``+``, ``%``,
+nested loop of 10^10 turns, ``'x' * 10**9``). The template is read once (``template_bounds``): one whose
+work the chat's size bounds, as every real template is, is compiled in a copy of transformers' sandbox
+as it is, its rendered text held to ``MAX_RENDER_CHARS``, at the speed of transformers' own render. Any
+other is compiled in a copy of that sandbox (same filters, globals and extensions) that also keeps
+count: every loop turn and every call is a step (``MAX_RENDER_STEPS`` per row) and ticks a clock
+(``MAX_RENDER_SECONDS``), also in loops that write nothing; every string or list that a ``*``, ``+``, ``%``,
 ``~``, call or filter builds, and the rendered text itself, is held to ``MAX_RENDER_CHARS``; an integer
 argument above that size is refused before the call allocates (``'x'.ljust(10**9)``), and so is a power
 whose result would be that large. A row over a bound raises ``RenderLimitError`` naming the limit, and
@@ -162,6 +165,8 @@ def _fast_environment_class():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class SizedTemplate(Template):
+        unchecked = True  # render_bounded renders it with jinja's own render
+
         def render(self, *args, **kwargs):  # what transformers calls: the rendered text held to MAX_RENDER_CHARS
             return render_bounded(self, **dict(*args, **kwargs))
 
@@ -169,6 +174,12 @@ def _fast_environment_class():
         template_class = SizedTemplate
 
     return FastSandbox
+
+
+def _jinja_render(template: Any, variables: dict) -> str:
+    from jinja2 import Template
+
+    return Template.render(template, variables)
 
 
 @functools.lru_cache(maxsize=16)
@@ -245,7 +256,16 @@ def bounded_rendering():
 
 
 def render_bounded(template: Any, **variables: Any) -> str:
-    """Render a ``bounded_template`` within ``MAX_RENDER_SECONDS`` and ``MAX_RENDER_CHARS``."""
+    """Render a ``bounded_template`` within ``MAX_RENDER_SECONDS``, ``MAX_RENDER_STEPS`` and ``MAX_RENDER_CHARS``.
+
+    A template of the unchecked path (its work bounded by the chat's size) is rendered by jinja's own
+    ``Template.render``, its text's size checked once at the end; a checked one part by part as it is written."""
+    if getattr(template, "unchecked", False):
+        text = _jinja_render(template, variables)
+        if len(text) > MAX_RENDER_CHARS:
+            raise RenderLimitError(f"rendered text over {MAX_RENDER_CHARS // 2**20} MiB of characters "
+                                   "(MAX_RENDER_CHARS)")
+        return text
     token, steps = _DEADLINE.set(time.monotonic() + MAX_RENDER_SECONDS), _STEPS.set([0])
     try:
         size, parts = 0, []
