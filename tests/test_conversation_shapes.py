@@ -252,6 +252,24 @@ def test_text_parts_are_joined_never_rendered_as_a_python_repr(tmp_path):
     assert report.dropped["invalid"] == 1 and "holds a content part of type 'image'" in report.invalid_examples[0]
 
 
+def test_a_text_part_without_a_string_is_invalid_with_one_line_that_names_its_text(tmp_path):
+    null_text = [U("Describe it."), {"role": "assistant", "content": [{"type": "text", "text": None}]}]
+    no_text = [{"role": "user", "content": [{"type": "text"}]}, A("Fine.")]
+    number = [{"role": "user", "content": [{"type": "text", "text": 7}]}, A("Seven.")]
+    report, _ = _mask(tmp_path, "llama-3.1", [null_text, no_text, number, [U("Hi."), A("Hello.")]])
+    assert report.rows_out == 1 and report.dropped["invalid"] == 3
+    said = [example.split(": ", 1)[1] for example in report.invalid_examples]
+    assert [line.split("'messages': ", 1)[1].removesuffix(" (rows counted from 0)") for line in said] == [
+        'message 1 (assistant) holds a text part whose \'text\' is null, not a string; give it a string ("" for no '
+        "text) or remove the part",
+        'message 0 (user) holds a text part whose \'text\' is missing, not a string; give it a string ("" for no '
+        "text) or remove the part",
+        'message 0 (user) holds a text part whose \'text\' is a int, not a string; give it a string ("" for no '
+        "text) or remove the part",
+    ]
+    assert all("type 'text'" not in line and "\n" not in line for line in report.invalid_examples)
+
+
 # -- the CLI property: messy shapes either train with the roles kept, or are counted --------------------------
 
 MESSAGES = st.sampled_from([U("Hi there."), U("Tell me more."), A("Sure thing."), A("Here it is."), A(""), U(""),

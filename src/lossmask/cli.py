@@ -14,13 +14,21 @@ def _example(args: argparse.Namespace) -> int:
 
 
 def _mask(args: argparse.Namespace) -> int:
-    from .options import MaskOptions
-    from .jobs.stream import mask_files, preview_rows
+    from .jobs.stopping import stop_on_signals
 
     _fail_cleanly_on_signals()
     _warnings_on_one_line()
+    with stop_on_signals():  # SIGTERM and Ctrl-C end the job between kernel calls, with one line
+        return _mask_job(args)
+
+
+def _mask_job(args: argparse.Namespace) -> int:
+    from .jobs.stopping import JobStopped
 
     try:
+        from .options import MaskOptions
+        from .jobs.stream import mask_files, preview_rows
+
         options = MaskOptions.resolve(
             input_ids_column=args.input_ids_column, messages_column=args.messages_column,
             prompt_column=args.prompt_column, completion_column=args.completion_column,
@@ -43,10 +51,11 @@ def _mask(args: argparse.Namespace) -> int:
             progress=False if args.no_progress else None, report=args.report,
         )
     except (ValueError, TypeError, OSError, ImportError) as exc:  # OSError: one line naming the path and the cause
-        print(f"lossmask mask: error: {exc}", file=sys.stderr)
+        print(f"lossmask mask: error: {_error_text(exc)}", file=sys.stderr)
         return 1
-    except _Stopped as stop:  # mask_files removed its partial files (and its lock) on the way out
-        print(f"lossmask mask: stopped by {stop.name}; the partial output was removed, and {args.output} is as it was "
+    except JobStopped as stop:  # mask_files removed its partial files (and its lock) on the way out
+        print(f"lossmask mask: stopped by {stop.name}; the partial output was removed, and {_escaped(args.output)} is as "
+              "it was "
               "before the job", file=sys.stderr)
         return 128 + stop.signum
     try:
@@ -60,8 +69,8 @@ def _mask(args: argparse.Namespace) -> int:
             print(f"\nfirst {args.show} rows of {args.output} ({legend}):")
             print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
                                labels_column=args.labels_column, colour=colour))
-    except _Stopped as stop:
-        print(f"lossmask mask: stopped by {stop.name} after {args.output} was written", file=sys.stderr)
+    except JobStopped as stop:
+        print(f"lossmask mask: stopped by {stop.name} after {_escaped(args.output)} was written", file=sys.stderr)
         return 128 + stop.signum
     return 0
 
@@ -70,34 +79,33 @@ def _warnings_on_one_line() -> None:
     """Each warning a job gives is one line on stderr (``lossmask mask: warning: ...``), as its errors are."""
     import warnings
 
-    warnings.formatwarning = lambda message, *_, **__: f"lossmask mask: warning: {message}\n"
+    warnings.formatwarning = lambda message, *_, **__: f"lossmask mask: warning: {_escaped(message)}\n"
 
 
-class _Stopped(BaseException):
-    """SIGTERM, raised in the main thread: a ``BaseException``, as Ctrl-C's ``KeyboardInterrupt`` is, so that no
-    ``except Exception`` keeps the job going, and the job's clean-up (partial files, lock) runs on the way out."""
+def _escaped(text: str) -> str:
+    from .jobs.display import escaped
 
-    def __init__(self, signum: int):
-        import signal
+    return escaped(str(text))
 
-        super().__init__(signum)
-        self.signum, self.name = signum, signal.Signals(signum).name
+
+def _error_text(exc: BaseException) -> str:
+    """An error as the command line prints it: one line, a file name with a newline in it escaped as ``repr`` does.
+    The messages written as several lines (too many dropped rows, markers that cannot be resolved) keep their line
+    ends; the names in them are escaped where they are written (``InputFiles.where``)."""
+    from .jobs.safety import TooManyDroppedRows
+    from .markers.policy import MarkerResolutionError
+
+    lines = str(exc).split("\n") if isinstance(exc, (TooManyDroppedRows, MarkerResolutionError)) else [str(exc)]
+    return "\n".join(map(_escaped, lines))
 
 
 def _fail_cleanly_on_signals() -> None:
-    """SIGTERM ends the job like Ctrl-C (its partial files are removed) and says so; beyond the file size limit a
-    write fails with an error (EFBIG) instead of SIGXFSZ killing the process with its partial files in place."""
+    """Beyond the file size limit a write fails with an error (EFBIG) instead of SIGXFSZ killing the process with its
+    partial files in place. (SIGTERM and SIGINT: ``jobs.stopping.stop_on_signals``.)"""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def terminate(signum, frame):
-        raise _Stopped(signum)
-
-    signal.signal(signal.SIGTERM, terminate)
-    if hasattr(signal, "SIGXFSZ"):
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
@@ -211,7 +219,7 @@ def _show(args: argparse.Namespace) -> int:
         check_tokenizer_path(args.tokenizer)
         return run_show(args.tokenizer, args.conversation, html_path=args.html, model_name=args.model_name)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
-        print(f"lossmask show: error: {exc}", file=sys.stderr)
+        print(f"lossmask show: error: {_error_text(exc)}", file=sys.stderr)
         return 1
 
 
@@ -223,7 +231,7 @@ def _detect(args: argparse.Namespace) -> int:
         check_tokenizer_path(args.tokenizer)
         return run_detect(args.tokenizer, model_name=args.model_name, as_json=args.json)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
-        print(f"lossmask detect: error: {exc}", file=sys.stderr)
+        print(f"lossmask detect: error: {_error_text(exc)}", file=sys.stderr)
         return 1
 
 

@@ -335,10 +335,14 @@ def start_worker(threads: int, tokenizer: Any, options: Any) -> None:
     """Process-pool initializer: the tokenizer and options arrive once per worker, not once per batch.
 
     ``threads`` caps the Rust thread pools of this worker (set before any tokeniser runs), so that the
-    workers and the parent share the cores instead of each starting one thread per core.
+    workers and the parent share the cores instead of each starting one thread per core. Ctrl-C, which a terminal
+    sends to every process of the job, is the parent's to handle (it stops the job and ends the pool): a worker
+    ignores it rather than print a traceback of its own.
     """
     import os
+    import signal
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
     _WORKER["tokenizer"], _WORKER["options"] = tokenizer, options

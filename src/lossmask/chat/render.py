@@ -16,9 +16,12 @@ back to it, with a warning naming the first differing row. Rows the template rej
 by ``ChatTokenizer.render``, so their error message is the one users see anywhere else.
 
 **Bounds.** A chat template is code from the Hub, and one row must not hang a job or fill memory (a
-nested loop of 10^10 turns, ``'x' * 10**9``). The template is compiled again here, in a copy of
-transformers' sandbox (same filters, globals and extensions) that also keeps count: every loop turn and
-every call ticks a clock (``MAX_RENDER_SECONDS`` per row); every string or list that a ``*``, ``+``, ``%``,
+nested loop of 10^10 turns, ``'x' * 10**9``). The template is read once (``template_bounds``): one whose
+work the chat's size bounds, as every real template is, is compiled in a copy of transformers' sandbox
+as it is, its rendered text held to ``MAX_RENDER_CHARS``, at the speed of transformers' own render. Any
+other is compiled in a copy of that sandbox (same filters, globals and extensions) that also keeps
+count: every loop turn and every call is a step (``MAX_RENDER_STEPS`` per row) and ticks a clock
+(``MAX_RENDER_SECONDS``), also in loops that write nothing; every string or list that a ``*``, ``+``, ``%``,
 ``~``, call or filter builds, and the rendered text itself, is held to ``MAX_RENDER_CHARS``; an integer
 argument above that size is refused before the call allocates (``'x'.ljust(10**9)``), and so is a power
 whose result would be that large. A row over a bound raises ``RenderLimitError`` naming the limit, and
@@ -47,6 +50,7 @@ import pyarrow as pa
 PROOF_ROWS = 64
 MAX_RENDER_SECONDS = 10.0  # wall time to render one row (checked at every loop turn and call)
 MAX_RENDER_CHARS = 64 * 2**20  # characters of one rendered row, and items of any string or list built on the way
+MAX_RENDER_STEPS = 2**20  # loop turns and calls of one row in the bounded sandbox (a fraction of a second)
 
 
 class ChatTemplateError(ValueError):
@@ -58,9 +62,17 @@ class RenderLimitError(ChatTemplateError):
 
 
 _DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("lossmask_render_deadline", default=float("inf"))
+_STEPS: contextvars.ContextVar[list | None] = contextvars.ContextVar("lossmask_render_steps", default=None)
 
 
-def _over_time() -> None:
+def _over_time(steps: int = 1) -> None:
+    """Count ``steps`` loop turns or calls of the row being rendered; raise past the bounds on steps and time."""
+    count = _STEPS.get()  # [steps so far] of the row that render_bounded renders
+    if count is not None:
+        count[0] += steps
+    if count is not None and count[0] > MAX_RENDER_STEPS:
+        raise RenderLimitError(f"render over {MAX_RENDER_STEPS:,} loop turns and calls (MAX_RENDER_STEPS): the chat "
+                               "template loops too long for one row")
     if time.monotonic() > _DEADLINE.get():
         raise RenderLimitError(f"render time over {MAX_RENDER_SECONDS:g} seconds (MAX_RENDER_SECONDS): the chat "
                                "template loops too long for one row")
@@ -90,10 +102,11 @@ def _bounded_filter(function):
 
 
 def _ticks(iterable: Any):
-    """A loop's items, with the clock checked every 256 turns."""
+    """A loop's items, counted as steps and with the clock checked every 256 turns (also when the loop writes
+    nothing)."""
     for k, item in enumerate(iterable):
         if not k & 255:
-            _over_time()
+            _over_time(256)
         yield item
 
 
@@ -146,17 +159,66 @@ def _bounded_environment_class():
     return BoundedSandbox
 
 
+@functools.lru_cache(maxsize=1)
+def _fast_environment_class():
+    from jinja2 import Template
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class SizedTemplate(Template):
+        unchecked = True  # render_bounded renders it with jinja's own render
+
+        def render(self, *args, **kwargs):  # what transformers calls: the rendered text held to MAX_RENDER_CHARS
+            return render_bounded(self, **dict(*args, **kwargs))
+
+    class FastSandbox(ImmutableSandboxedEnvironment):  # transformers' sandbox, as it is
+        template_class = SizedTemplate
+
+    return FastSandbox
+
+
+def _jinja_render(template: Any, variables: dict) -> str:
+    from jinja2 import Template
+
+    return Template.render(template, variables)
+
+
 @functools.lru_cache(maxsize=16)
 def bounded_template(template: str) -> Any:
-    """``template`` compiled as transformers compiles it, in a sandbox that keeps the bounds above."""
+    """``template`` compiled as transformers compiles it, in a sandbox that keeps the bounds above.
+
+    A template that ``template_bounds.runaway_reason`` finds bounded by its input's size (every real template
+    lossmask is tested on) is compiled in transformers' own sandbox instead, without the per-operation checks:
+    the same text at the unbounded renderer's speed, its size still held to ``MAX_RENDER_CHARS``. A template whose
+    loops over constant ranges alone make more than ``MAX_RENDER_STEPS`` turns is refused here, once, rather than
+    run to the bound on every row."""
+    from .template_bounds import constant_turns, runaway_reason
+
+    reference = _reference_environment()
+    turns, where = constant_turns(template, reference)
+    if turns > MAX_RENDER_STEPS:
+        raise RenderLimitError(f"the chat template loops {turns:,} times whatever the chat ({where}), over "
+                               f"{MAX_RENDER_STEPS:,} loop turns and calls (MAX_RENDER_STEPS); fix the template")
+    return compile_template(template, checked=runaway_reason(template, reference) is not None)
+
+
+def _reference_environment() -> Any:
     # transformers' environment, from an empty template: compiling the row's template there would fold its
     # constants unbounded ('x' | center(10**9) is computed while compiling)
-    reference = _transformers_compile()("").environment
-    env = _bounded_environment_class()(trim_blocks=reference.trim_blocks, lstrip_blocks=reference.lstrip_blocks,
-                                       extensions=[type(e) for e in reference.extensions.values()])
-    env.filters.update({name: _bounded_filter(f) for name, f in reference.filters.items()})
+    return _transformers_compile()("").environment
+
+
+def compile_template(template: str, *, checked: bool) -> Any:
+    """``template`` in a copy of transformers' sandbox (its filters, globals and extensions): with every operation
+    checked against the bounds (``checked``), or as transformers runs it, with only the rendered text's size held."""
+    reference = _reference_environment()
+    env_class = _bounded_environment_class() if checked else _fast_environment_class()
+    env = env_class(trim_blocks=reference.trim_blocks, lstrip_blocks=reference.lstrip_blocks,
+                    extensions=[type(e) for e in reference.extensions.values()])
+    env.filters.update({name: _bounded_filter(f) for name, f in reference.filters.items()} if checked
+                       else reference.filters)
     env.globals.update(reference.globals)
-    env.globals["__lossmask_ticks"] = _ticks
+    if checked:
+        env.globals["__lossmask_ticks"] = _ticks
     return env.from_string(template)
 
 
@@ -194,8 +256,17 @@ def bounded_rendering():
 
 
 def render_bounded(template: Any, **variables: Any) -> str:
-    """Render a ``bounded_template`` within ``MAX_RENDER_SECONDS`` and ``MAX_RENDER_CHARS``."""
-    token = _DEADLINE.set(time.monotonic() + MAX_RENDER_SECONDS)
+    """Render a ``bounded_template`` within ``MAX_RENDER_SECONDS``, ``MAX_RENDER_STEPS`` and ``MAX_RENDER_CHARS``.
+
+    A template of the unchecked path (its work bounded by the chat's size) is rendered by jinja's own
+    ``Template.render``, its text's size checked once at the end; a checked one part by part as it is written."""
+    if getattr(template, "unchecked", False):
+        text = _jinja_render(template, variables)
+        if len(text) > MAX_RENDER_CHARS:
+            raise RenderLimitError(f"rendered text over {MAX_RENDER_CHARS // 2**20} MiB of characters "
+                                   "(MAX_RENDER_CHARS)")
+        return text
+    token, steps = _DEADLINE.set(time.monotonic() + MAX_RENDER_SECONDS), _STEPS.set([0])
     try:
         size, parts = 0, []
         for part in template.generate(**variables):
@@ -207,6 +278,7 @@ def render_bounded(template: Any, **variables: Any) -> str:
         return "".join(parts)
     finally:
         _DEADLINE.reset(token)
+        _STEPS.reset(steps)
 
 
 def text_parts(messages: Sequence[Any]) -> list:

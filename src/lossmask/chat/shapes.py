@@ -155,7 +155,14 @@ def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, cha
             texts = []
             for part in message["content"]:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if not isinstance(part, dict) or kind not in (None, "text") or not isinstance(part.get("text"), str):
+                if isinstance(part, dict) and kind in (None, "text") and not isinstance(part.get("text"), str):
+                    text = part.get("text")
+                    shown = "missing" if "text" not in part else "null" if text is None else f"a {type(text).__name__}"
+                    raise ValueError(
+                        f"message {index} ({message.get('role')}) holds a text part whose 'text' is {shown}, not a "
+                        "string; give it a string (\"\" for no text) or remove the part"
+                    )
+                if not isinstance(part, dict) or kind not in (None, "text"):
                     raise ValueError(
                         f"message {index} ({message.get('role')}) holds a content part of type {kind!r}; this chat "
                         "template takes text only, so the row cannot be rendered without losing it"

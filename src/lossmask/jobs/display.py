@@ -30,3 +30,11 @@ def format_row(
     texts = [repr(decode(int(t)))[1:-1] for t in token_ids[start:]]
     trained = [int(label) != ignore_index for label in labels[start:]]
     return ("... " if start else "") + render_tokens(texts, trained, colour=False)
+
+
+def escaped(text: str) -> str:
+    """``text`` with every character that is not printable (a newline, a tab, an escape) written the way ``repr``
+    writes it, so that a file name (or any value) printed in an error or warning line keeps the line one line."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)

@@ -3,7 +3,8 @@
 ``open_inputs`` lists the files (a file, a folder, a glob or a list), leaves out the job's own
 output, report and partial files, reads every file's schema and unites them: a column that only some
 files have is null in the others; a column whose types cannot be united is refused, naming both files.
-A file reached under two names (a symlink, a recursive glob through a symlink loop) is read once.
+A file reached under two names (a symlink, a hard link, a recursive glob through a symlink loop) is read
+once: files are told apart by device and inode.
 Parquet and Arrow IPC are read with ``pyarrow.dataset``. JSON Lines are read here, block by block:
 objects and lists of objects (messages, tool calls, tool schemas) are kept as JSON text per message
 or per value (``arrow.json``), so rows whose keys or argument types differ are read as they are;
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import pyarrow as pa
+
+from .display import escaped
 
 FORMATS = {
     ".parquet": "parquet", ".pq": "parquet",
@@ -162,7 +165,7 @@ class InputFiles:
         segment = self._segments[k]
         if row >= segment.first_row + segment.rows or (segment.unit == "row" and len(self.paths) == 1):
             return None  # a row of the one Parquet/IPC file is already named by its number
-        return f"{segment.path}, {segment.unit} {segment.first + row - segment.first_row}"
+        return f"{escaped(segment.path)}, {segment.unit} {segment.first + row - segment.first_row}"
 
     def name_rows(self, text: str, *, count: int = 0) -> str:
         """``text`` with ``row N`` (a row of the job) followed by where that row is: ``row N (file, line L)``."""
@@ -305,25 +308,30 @@ def _once_each(paths: list[str]) -> tuple[list[str], list[str]]:
     kept, seen, skipped, again = [], {}, [], []
     for path in paths:
         try:
-            regular = stat.S_ISREG(os.stat(path).st_mode)
+            info = os.stat(path)
         except OSError as exc:
             skipped.append(f"skipped {path}: {exc.strerror or exc} (a broken link?)")
             continue
-        if not regular:
+        if not stat.S_ISREG(info.st_mode):
             skipped.append(f"skipped {path}: not a regular file (a FIFO, socket or device); name it alone to read it")
             continue
-        real = os.path.realpath(path)
-        if real in seen:
-            again.append((path, seen[real]))
+        file = (info.st_dev, info.st_ino)  # one file under two names: symbolic links and hard links alike
+        if file in seen:
+            again.append((path, seen[file]))
             continue
-        seen[real] = path
+        seen[file] = path
         kept.append(path)
     if len(again) <= 3:
-        skipped += [f"skipped {path}: the same file as {first}, read once" for path, first in again]
+        skipped += [f"skipped {path}: the same file as {first} ({_link_kind(path, first)}), read once"
+                    for path, first in again]
     else:
-        skipped.append(f"skipped {len(again):,} paths that name files already read (through symbolic links), "
+        skipped.append(f"skipped {len(again):,} paths that name files already read (through symbolic or hard links), "
                        f"e.g. {again[0][0]}, the same file as {again[0][1]}")
     return kept, skipped
+
+
+def _link_kind(path: str, first: str) -> str:
+    return "a symbolic link" if os.path.realpath(path) == os.path.realpath(first) else "a hard link"
 
 
 def glob_files(pattern: str) -> list[str]:
@@ -399,18 +407,25 @@ def _copy_stream(path: str) -> str:
     """Copy stdin, a pipe or a FIFO to a temporary file once, and return its path.
 
     Unless the stream is a compressed or a Parquet/Arrow file, a run of ``MAX_LINE_BYTES`` without a line
-    end stops the copy there (``/dev/zero`` would otherwise fill the disk)."""
+    end stops the copy there (``/dev/zero`` would otherwise fill the disk). A temporary folder that is full
+    or cannot be written is one line naming the stream and ``TMPDIR``, and what to do."""
     import tempfile
 
-    fd, copy = tempfile.mkstemp(prefix="lossmask-input-", suffix=".copy")
+    try:
+        fd, copy = tempfile.mkstemp(prefix="lossmask-input-", suffix=".copy")
+    except OSError as exc:
+        raise _no_room(path, tempfile.gettempdir(), exc) from None
     _COPIES.add(copy)
     if len(_COPIES) == 1:
         atexit.register(_remove_copies)
+    reading = False
     try:
         with os.fdopen(fd, "wb") as out, (sys.stdin.buffer if path == STDIN else open(path, "rb")) as stream:
             check, line, since = None, 1, 0
             while True:
+                reading = True
                 chunk = stream.read(1 << 20)
+                reading = False
                 if not chunk:
                     break
                 if check is None:
@@ -425,10 +440,22 @@ def _copy_stream(path: str) -> str:
                     if since > MAX_LINE_BYTES:
                         raise _too_long(path, "line", line)
                 out.write(chunk)
+    except OSError as exc:
+        _remove_copy(copy)
+        if reading:  # the stream's own error
+            raise
+        raise _no_room(path, os.path.dirname(copy), exc) from None
     except BaseException:
         _remove_copy(copy)
         raise
     return copy
+
+
+def _no_room(path: str, folder: str, exc: OSError) -> OSError:
+    error = OSError(f"{path}: cannot copy the stream to a temporary file in TMPDIR ({folder}): {exc.strerror or exc}; "
+                    "set TMPDIR to a folder with room for the whole input, or pass the input as a file")
+    error.errno = exc.errno
+    return error
 
 
 def _remove_copy(copy: str) -> None:

@@ -49,7 +49,11 @@ def check_output(path: str | os.PathLike, *, what: str = "output", inputs: Itera
 
 
 def check_output_format(path: str) -> None:
-    """Refuse an output whose suffix names another format than Parquet (``out.jsonl`` would hold Parquet)."""
+    """Refuse an output whose suffix names another format than Parquet (``out.jsonl`` would hold Parquet), and ``-``
+    (which would be a file named ``-``: Parquet is written to a file, renamed onto its name when the job succeeds)."""
+    if path == "-":
+        raise ValueError("OUTPUT -: a job writes Parquet to a file, not to stdout (the file is renamed into place "
+                         "only when the job succeeds); pass a file path such as out.parquet")
     suffix = os.path.splitext(path)[1].lower()
     if suffix in OTHER_FORMATS:
         stem = os.path.basename(path)[: -len(suffix)]

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from ..engine.outcomes import DROP_REASONS, INVALID, REJECTED_REASONS, SHAPE_REASONS, WEIGHTS_ZERO, Outcome
 from ..engine.patterns import Markers
 from ..engine.tally import Tally
+from .display import escaped
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ class MaskReport:
             texts = marker_texts(self.markers, decode) if decode is not None else self.marker_texts
             lines.extend("  " + line for line in marker_lines(self.markers, texts))
         lines.extend(self._time_lines())
-        lines.extend(self.messages)
+        lines.extend(map(escaped, self.messages))  # one line each, whatever the file names hold
         return "\n".join(lines)
 
     def _time_lines(self) -> list[str]:

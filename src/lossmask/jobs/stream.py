@@ -29,6 +29,7 @@ from .outputs import (OutputError, as_output_error, check_compression, check_out
                       output_lock, partial_name, remove_quietly, remove_stale_partials)
 from .report import MaskReport, Tally
 from .safety import TooManyDroppedRows, check_drop_fraction
+from .stopping import kernel_call
 
 
 def mask_files(
@@ -171,9 +172,10 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
                         out = encoded.table
                         tally += encoded.tally  # in input order
                     else:
-                        out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
-                                         first_row=first_row, source=source, encoded=encoded,
-                                         write_weights=write_weights)
+                        with kernel_call():  # a stop signal waits for the kernel (jobs/stopping.py)
+                            out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
+                                             first_row=first_row, source=source, encoded=encoded,
+                                             write_weights=write_weights)
                 except (ValueError, TypeError) as exc:
                     raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
                 tally.invalid_examples[seen:] = [dataset.name_rows(e, count=1) for e in tally.invalid_examples[seen:]]

@@ -1,0 +1,68 @@
+"""SIGTERM and Ctrl-C that land while the labelling kernel runs: one line, exit 128 + the signal, nothing left.
+
+A job labels 2 million pre-tokenised rows with ``--markers`` (the kernel is most of its time) and is
+stopped at several delays after its partial output appears. Whatever the kernel was doing, the job must
+end with the documented line and status, with no traceback, no partial file and no lock beside the
+output.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from test_stream import MARKERS
+
+ROWS = 2_000_000
+CHAT = np.array([1, 3, 9, 4, 1, 2, 7, 8, 4], np.int32)  # a user turn, then an assistant turn
+
+
+@pytest.fixture(scope="module")
+def big_input(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("signals")
+    offsets = np.arange(0, (ROWS + 1) * len(CHAT), len(CHAT), dtype=np.int32)
+    ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.tile(CHAT, ROWS)))
+    pq.write_table(pa.table({"input_ids": ids}), folder / "in.parquet", row_group_size=100_000)
+    MARKERS.to_json(folder / "m.json")
+    return folder
+
+
+def _stop_job(folder, signals: list[int], delay: float) -> tuple[subprocess.Popen, str]:
+    out = folder / "out.parquet"
+    job = subprocess.Popen([sys.executable, "-m", "lossmask", "mask", str(folder / "in.parquet"), str(out),
+                            "--markers", str(folder / "m.json"), "--batch-size", "20000", "--no-progress"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while job.poll() is None and time.monotonic() < deadline and not any(
+            name.endswith(".partial") for name in os.listdir(folder)):
+        time.sleep(0.005)
+    time.sleep(delay)  # the labelling loop runs from the moment the partial output exists
+    if job.poll() is not None:
+        pytest.skip("the job ended before it could be stopped")
+    for k, signum in enumerate(signals):
+        if k:
+            time.sleep(0.05)
+        job.send_signal(signum)
+    _, err = job.communicate(timeout=120)
+    return job, err
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.4])
+@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGINT], [signal.SIGINT, signal.SIGINT]],
+                         ids=["sigterm", "sigint", "sigint-twice"])
+def test_a_signal_while_the_kernel_labels_stops_the_job_with_one_line_and_leaves_nothing(big_input, signals, delay):
+    job, err = _stop_job(big_input, signals, delay)
+    name = signal.Signals(signals[0]).name
+    out = big_input / "out.parquet"
+    assert job.returncode == 128 + signals[0], err
+    assert err == (f"lossmask mask: stopped by {name}; the partial output was removed, and {out} is as it was before "
+                   "the job\n")
+    assert sorted(os.listdir(big_input)) == ["in.parquet", "m.json"]
