@@ -386,7 +386,7 @@ def weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_wei
     A batch with no weight at all gives 0.
 
     ``total``: divide by this instead of the batch's own weight sum (per sequence: its count of sequences with
-    weight), as ``window_total`` gives it for a whole accumulated batch: the micro-batches' losses then add up
+    weight), as ``_window_total`` gives it for a whole accumulated batch: the micro-batches' losses then add up
     to the accumulated batch's weighted mean.
     """
     weights, target = _target_weights(targets, loss_weights, ignore_index)
@@ -417,7 +417,7 @@ def _sequence_mass(target: torch.Tensor, weights: torch.Tensor, position_ids: to
     return torch.zeros(slots, device=weights.device).index_add_(0, sequence, weights.reshape(-1)), sequence
 
 
-def batch_total(batch: Any, *, per_sequence: bool = False, ignore_index: int = -100,
+def _batch_total(batch: Any, *, per_sequence: bool = False, ignore_index: int = -100,
                 targets: str = "input_ids") -> torch.Tensor | None:
     """What ``weighted_cross_entropy`` divides one batch's loss by: the weight of its targets, or (per sequence)
     its count of sequences with weight; None for a batch without ``labels``. A batch without ``loss_weights`` weighs
@@ -438,12 +438,12 @@ def batch_total(batch: Any, *, per_sequence: bool = False, ignore_index: int = -
     return (mass > 0).sum().to(torch.float32)
 
 
-def window_total(trainer: Any, batches: Sequence[Any], device: Any, *, per_sequence: bool = False,
+def _window_total(trainer: Any, batches: Sequence[Any], device: Any, *, per_sequence: bool = False,
                  ignore_index: int = -100) -> torch.Tensor | None:
-    """``batch_total`` over the micro-batches of one accumulated batch (``Trainer.get_batch_samples`` fetches them
+    """``_batch_total`` over the micro-batches of one accumulated batch (``Trainer.get_batch_samples`` fetches them
     all before the first forward), over every process under ``average_tokens_across_devices`` (as the Trainer
     counts ``num_items_in_batch``); None when a micro-batch has no weights."""
-    totals = [batch_total(b, per_sequence=per_sequence, ignore_index=ignore_index) for b in batches]
+    totals = [_batch_total(b, per_sequence=per_sequence, ignore_index=ignore_index) for b in batches]
     if not totals or any(t is None for t in totals):
         return None
     total = torch.stack([t.to(device) for t in totals]).sum()
@@ -453,8 +453,8 @@ def window_total(trainer: Any, batches: Sequence[Any], device: Any, *, per_seque
     return total
 
 
-def watch_windows(trainer: Any, keep: Any, *, per_sequence: bool = False, ignore_index: int = -100) -> None:
-    """Wrap ``trainer.get_batch_samples`` so that each accumulated batch's ``window_total`` goes to ``keep``."""
+def _watch_windows(trainer: Any, keep: Any, *, per_sequence: bool = False, ignore_index: int = -100) -> None:
+    """Wrap ``trainer.get_batch_samples`` so that each accumulated batch's ``_window_total`` goes to ``keep``."""
     fetch = getattr(trainer, "get_batch_samples", None)
     if not callable(fetch):
         return
@@ -462,7 +462,7 @@ def watch_windows(trainer: Any, keep: Any, *, per_sequence: bool = False, ignore
 
     def get_batch_samples(epoch_iterator, num_batches, device):
         batches, num_items = fetch(epoch_iterator, num_batches, device)
-        keep(window_total(trainer, batches, device, per_sequence=per_sequence, ignore_index=ignore_index))
+        keep(_window_total(trainer, batches, device, per_sequence=per_sequence, ignore_index=ignore_index))
         return batches, num_items
 
     get_batch_samples._lossmask_fetch = fetch
@@ -530,7 +530,7 @@ class WeightedLoss:
         model._lossmask_weighted_loss_hook = model.register_forward_pre_hook(self._take_batch, with_kwargs=True)
         if model is not trainer_or_model:
             keep_weight_columns(trainer_or_model)
-            watch_windows(trainer_or_model, self._keep_window, per_sequence=self.per_sequence,
+            _watch_windows(trainer_or_model, self._keep_window, per_sequence=self.per_sequence,
                           ignore_index=self.ignore_index)
         return self
 
@@ -588,7 +588,7 @@ class WeightedLossMixin:
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._lossmask_window = window_total(self, batches, device, per_sequence=self.loss_per_sequence)
+        self._lossmask_window = _window_total(self, batches, device, per_sequence=self.loss_per_sequence)
         return batches, num_items
 
     def _set_signature_columns_if_needed(self):

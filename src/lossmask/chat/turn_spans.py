@@ -24,10 +24,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from .encode_batch import json_values, messages_from_arrow
 from .locate import locate_messages
 from .render import ChatTemplateError
-from .shapes import normalise_shapes, takes_content_parts
 
 
 def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: np.ndarray, *,
@@ -98,16 +96,82 @@ def common_prefix(a: str, b: str) -> int:
     return i
 
 
-def chats_of_rows(ct: Any, table: Any, kind: str, options: Any, rows: Sequence[int]) -> list[tuple[list | None, Any]]:
-    """``(messages, tools)`` of some rows of an Arrow batch, as the messages path rendered them: read from the chat
-    column (or prompt + completion) and put through the shape policy (``shapes.normalise_shapes``)."""
-    take = pa.array(list(rows), type=pa.int64())
-    if kind == "messages":
-        conversations = messages_from_arrow(table.column(options.chat_column(table.column_names)).take(take))
-    else:
-        prompts = messages_from_arrow(table.column(options.prompt_column).take(take))
-        completions = messages_from_arrow(table.column(options.completion_column).take(take))
-        conversations = [None if p is None or c is None else p + c for p, c in zip(prompts, completions)]
-    tools = json_values(table.column("tools").take(take)) if "tools" in table.column_names else [None] * len(take)
-    shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(ct))
-    return [(messages, tool or None) for messages, tool in zip(shaped.conversations, tools)]
+def role_breaks(trained: np.ndarray, roles: Any, last_turn_only: bool = False) -> np.ndarray:
+    """Per token: does it break the role invariant under labels that train ``trained`` (a bool per token)? A token
+    of user, system or tool text trains, or one of an assistant's content or tool-call arguments does not
+    (``roles``: ``encode_rendered.RoleTokens``; with ``last_turn_only`` only the first half is asked)."""
+    assistant = roles.names.index("assistant") + 1 if "assistant" in roles.names else -1
+    bad = (roles.role > 0) & (roles.role != assistant) & trained
+    if not last_turn_only:
+        bad |= (roles.role == assistant) & ~trained
+    return bad
+
+
+def breaks_message(roles: Any, at: int, row_start: int) -> str:
+    """Why a row is dropped as ``template_breaks_roles``: its first token ``at`` (in the batch) that breaks it."""
+    role = roles.names[int(roles.role[at]) - 1]
+    what = "trains" if role != "assistant" else "does not train"
+    return (f"token {at - row_start} lies in the text of message {int(roles.message[at])} ({role}) and {what} under "
+            "the markers: the chat template writes this conversation's turns so that the markers cannot tell them "
+            "apart, nor its rendering (see docs/masking-rule.md, the role invariant)")
+
+
+def label_encoded(encoded: Any, markers: Any, *, backend: str | None = None, last_turn_only: bool = False,
+                  ignore_index: int = -100, dtype: Any = "int64") -> Any:
+    """Labels of ``ChatTokenizer.encode_chats`` output (``EncodedChats.label``), as ``mask_files`` gives them: message
+    text inert for markers, and each row held to the role invariant. A row that breaks it under the markers is
+    labelled from its rendering (``trained_from_rendering``) when that keeps the invariant (``from_rendering``
+    lists it); else its labels are null and ``rejected`` names it (``template_breaks_roles``). A row of which the
+    markers train nothing is left so (its outcome says why): such markers are not this template's."""
+    import pyarrow.compute as pc
+
+    from ..engine.labels import LabelledBatch, label_batch
+    from ..engine.outcomes import TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts
+
+    ids = encoded.input_ids
+    result = label_batch(ids, markers, backend=backend, last_turn_only=last_turn_only, ignore_index=ignore_index,
+                         dtype=dtype, data_mask=encoded.in_content)
+    roles = encoded.roles
+    if roles is None or not roles.role.any():
+        return result
+    flat = pc.list_flatten(result.labels).to_numpy(zero_copy_only=False)
+    bad = role_breaks(flat != ignore_index, roles, last_turn_only)
+    if not bad.any():
+        return result
+    lengths = pc.fill_null(pc.list_value_length(ids), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    flat_ids = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
+    row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
+    flat = flat.copy()
+    rejected, from_rendering = [], []
+    null = ~np.asarray(ids.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    for r in np.unique(row_of[bad]).tolist():
+        at = slice(int(starts[r]), int(starts[r] + lengths[r]))
+        messages, tools = encoded.chats[r] if r < len(encoded.chats) and encoded.chats[r] else (None, None)
+        if not (flat[at] != ignore_index).any():  # trains nothing: counted by its outcome, as any such row
+            continue
+        trained = None
+        if messages:
+            trained = trained_from_rendering(encoded.tokenizer, messages, flat_ids[at], tools=tools,
+                                             last_turn_only=last_turn_only,
+                                             special_tokens_in_content=encoded.special_tokens_in_content)
+        part = type(roles)(role=roles.role[at], message=roles.message[at], names=roles.names)
+        if trained is not None and not role_breaks(trained, part, last_turn_only).any():
+            flat[at] = np.where(trained, flat_ids[at], ignore_index)
+            from_rendering.append(r)
+            continue
+        first = int(starts[r]) + int(np.flatnonzero(bad[at])[0])
+        rejected.append((r, TEMPLATE_BREAKS_ROLES, breaks_message(roles, first, int(starts[r]))))
+        null[r] = True
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    labels = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(flat.dtype, copy=False)),
+                                           mask=pa.array(null) if null.any() else None)
+    labels = labels.cast(result.labels.type) if labels.type != result.labels.type else labels
+    running = np.concatenate([[0], np.cumsum(flat != ignore_index)])
+    trained_tokens = np.where(null, 0, running[starts + lengths] - running[starts])
+    outcomes = np.where(null, Outcome.EMPTY, np.where(trained_tokens > 0, Outcome.TRAINED,
+                        np.where(result.outcomes == Outcome.TRAINED, Outcome.EMPTY_RESPONSE, result.outcomes)))
+    outcomes = outcomes.astype(result.outcomes.dtype)
+    counts = OutcomeCounts.from_rows(outcomes, trained_tokens, np.where(null, 0, lengths))
+    return LabelledBatch(labels, trained_tokens, outcomes, counts, rejected=tuple(rejected),
+                         from_rendering=tuple(from_rendering))

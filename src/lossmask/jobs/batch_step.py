@@ -27,9 +27,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..chat.encode_batch import chat_tokenizer
+from ..chat.encode_batch import chat_tokenizer, chats_of_rows
 from ..chat.encode_media import encode_rows
-from ..chat.turn_spans import chats_of_rows, trained_from_rendering
+from ..chat.turn_spans import breaks_message, role_breaks, trained_from_rendering
 from ..engine.buffers import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
 from ..engine.labels import label_batch
 from ..engine.outcomes import CAUSES, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts, classify_drops
@@ -512,7 +512,7 @@ def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid
     flat = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
     if flat.shape[0] != roles.role.shape[0]:  # never: both come from the same ids
         raise AssertionError(f"lossmask: {flat.shape[0]} labels but {roles.role.shape[0]} role marks; please report this")
-    bad = _breaks(flat != options.ignore_index, roles, options)
+    bad = role_breaks(flat != options.ignore_index, roles, options.last_turn_only)
     broken = np.zeros(lengths.shape[0], dtype=bool)
     if not bad.any():
         return broken, None
@@ -530,7 +530,7 @@ def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid
         flat = flat.copy()
         for r, trained_here in fixed.items():
             at = slice(int(starts[r]), int(starts[r] + lengths[r]))
-            row_bad = _breaks(trained_here, _slice_roles(roles, at), options)
+            row_bad = role_breaks(trained_here, _slice_roles(roles, at), options.last_turn_only)
             if row_bad.any():
                 continue
             ids = pc.list_flatten(input_ids[r : r + 1]).to_numpy(zero_copy_only=False)
@@ -548,22 +548,8 @@ def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid
     firsts = np.flatnonzero(bad)
     for r in np.flatnonzero(broken):
         at = int(firsts[np.searchsorted(firsts, starts[r])])
-        role = roles.names[int(roles.role[at]) - 1]
-        what = "trains" if role != "assistant" else "does not train"
-        tally.add_rejected(row_number(int(r)), TEMPLATE_BREAKS_ROLES,
-                           f"token {at - int(starts[r])} lies in the text of message {int(roles.message[at])} ({role}) and "
-                           f"{what} under the markers: the chat template writes this conversation's turns so that the "
-                           "markers cannot tell them apart, nor its rendering (see docs/masking-rule.md, the role invariant)")
+        tally.add_rejected(row_number(int(r)), TEMPLATE_BREAKS_ROLES, breaks_message(roles, at, int(starts[r])))
     return broken, relabelled
-
-
-def _breaks(trained: np.ndarray, roles, options) -> np.ndarray:
-    """Per token: does it break the role invariant under these labels (``trained``, a bool per token)?"""
-    assistant = roles.names.index("assistant") + 1 if "assistant" in roles.names else -1
-    bad = (roles.role > 0) & (roles.role != assistant) & trained
-    if not options.last_turn_only:
-        bad |= (roles.role == assistant) & ~trained
-    return bad
 
 
 def _slice_roles(roles, at: slice):
@@ -581,8 +567,8 @@ def _from_rendering(input_ids, flat, starts, lengths, rows, roles, options, rows
     ct = chat_tokenizer(tokenizer)
     found = {}
     for r, (messages, tools) in zip(rows.tolist(), chats_of_rows(ct, table, kind, options, rows)):
-        if not messages:
-            continue
+        if not messages or not (flat[int(starts[r]): int(starts[r] + lengths[r])] != options.ignore_index).any():
+            continue  # markers that train nothing of the row are not this template's: no rendering stands in for them
         ids = pc.list_flatten(input_ids[r : r + 1]).to_numpy(zero_copy_only=False)
         trained = trained_from_rendering(ct, messages, ids, tools=tools, last_turn_only=options.last_turn_only,
                                          special_tokens_in_content=options.special_tokens_in_content)
