@@ -97,11 +97,14 @@ def test_messy_shapes_are_normalised_kept_and_counted(tmp_path, family):
 
 
 def test_the_policy_can_be_turned_off_and_the_template_decides(tmp_path):
-    report, _ = _mask(tmp_path, "falcon", MESSY[:4], consecutive_roles="keep", leading_assistant="keep",
-                      empty_messages="keep")
-    assert report.shapes == {} and report.rows_out == 0
-    # Falcon refuses the repeated roles; the empty assistant message it renders, but then user text trains
-    assert report.dropped["invalid"] == 3 and report.dropped["template_breaks_roles"] == 1
+    report, table = _mask(tmp_path, "falcon", MESSY[:4], consecutive_roles="keep", leading_assistant="keep",
+                          empty_messages="keep")
+    assert report.shapes == {}
+    # Falcon refuses the repeated roles; the empty assistant message it renders, and then the markers would train
+    # the user text after it: that row is labelled from its rendering instead
+    assert report.dropped["invalid"] == 3 and "template_breaks_roles" not in report.dropped
+    assert report.rows_out == 1 and report.labelled_from_rendering == 1
+    _assert_roles_kept("falcon", table, [EMPTY_ASSISTANT])
     with pytest.raises(ValueError, match="consecutive_roles='join'; pass one of"):
         MaskOptions(consecutive_roles="join")
 
@@ -133,25 +136,30 @@ def test_cli_flags_are_documented_and_reach_the_job(tmp_path):
 
 # -- the role invariant ---------------------------------------------------------------------------------------
 
-def test_phi3_two_user_messages_are_merged_or_the_row_is_dropped(tmp_path):
+def test_phi3_two_user_messages_are_merged_or_labelled_from_the_rendering(tmp_path):
     report, table = _mask(tmp_path, "phi-3", [PHI3_REPEATED_USER])
     assert report.rows_out == 1 and report.shapes == {"roles_merged": 1}
     trained = _trained_text("phi-3", table)
     assert "what does this number mean?" not in trained and "666 is called the number of the beast." in trained
-    # with merging off, the template writes <|assistant|> after the first user message: the row breaks the roles
+    # with merging off, the template writes <|assistant|> after the first user message: the markers break the roles,
+    # so the row is labelled from its rendering (the turn starts after the last generation prompt), counted apart
     report, table = _mask(tmp_path, "phi-3", [PHI3_REPEATED_USER], name="keep.jsonl", consecutive_roles="keep")
-    assert report.rows_out == 0 and report.dropped["template_breaks_roles"] == 1
-    assert report.dropped_examples[0].startswith("template_breaks_roles: row 0: token ")
-    assert "message 1 (user) and trains" in report.dropped_examples[0]
-    assert "template_breaks_roles 1" in report.summary()
+    assert report.rows_out == 1 and "template_breaks_roles" not in report.dropped
+    assert report.labelled_from_rendering == 1 and "labelled_from_rendering: 1 rows" in report.summary()
+    assert report.to_dict()["labelled_from_rendering"] == 1
+    assert _trained_text("phi-3", table) == "666 is called the number of the beast.<|end|>"
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3.1", "phi-3"])
 def test_an_assistant_message_without_a_header_is_counted_not_silent(tmp_path, family):
     kept = dict(consecutive_roles="keep", leading_assistant="keep")
-    report, _ = _mask(tmp_path, family, [ASSISTANT_TWICE, LEADING_ASSISTANT], **kept)
-    assert report.rows_out == 0 and report.dropped["template_breaks_roles"] == 2, report.summary()
-    assert all("(assistant) and does not train" in e for e in report.dropped_examples)
+    report, table = _mask(tmp_path, family, [ASSISTANT_TWICE, LEADING_ASSISTANT], **kept)
+    # the second reply has no header: found from the rendering, the row trains both; an opening assistant message
+    # has no generation prompt before it (the template renders none for an empty chat): dropped, and counted
+    assert report.rows_out == 1 and report.labelled_from_rendering == 1, report.summary()
+    assert report.dropped["template_breaks_roles"] == 1, report.summary()
+    assert "message 0 (assistant) and does not train" in report.dropped_examples[0]
+    _assert_roles_kept(family, table, [ASSISTANT_TWICE])
     # under the default policy both rows train every reply
     report, table = _mask(tmp_path, family, [ASSISTANT_TWICE, LEADING_ASSISTANT], name="default.jsonl")
     assert report.rows_out == 2 and "template_breaks_roles" not in report.dropped
@@ -162,9 +170,11 @@ def test_falcon_empty_assistant_message_never_trains_the_user_text_after_it(tmp_
     report, table = _mask(tmp_path, "falcon", [EMPTY_ASSISTANT])
     assert report.rows_out == 1 and report.shapes == {"empty_messages_dropped": 1, "roles_merged": 1}
     _assert_roles_kept("falcon", table, [NORMALISED[3]])
-    report, _ = _mask(tmp_path, "falcon", [EMPTY_ASSISTANT], name="keep.jsonl", empty_messages="keep")
-    assert report.rows_out == 0 and report.dropped["template_breaks_roles"] == 1
-    assert "message 2 (user) and trains" in report.dropped_examples[0]
+    # kept empty, the markers would train the user text after it: the row is labelled from its rendering instead
+    report, table = _mask(tmp_path, "falcon", [EMPTY_ASSISTANT], name="keep.jsonl", empty_messages="keep")
+    assert report.rows_out == 1 and "template_breaks_roles" not in report.dropped
+    assert report.labelled_from_rendering == 1
+    _assert_roles_kept("falcon", table, [EMPTY_ASSISTANT])
 
 
 def _call(i: int, city: str) -> dict:
@@ -183,20 +193,22 @@ TOOL_AFTER_TOOL = [
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3.1", "qwen2.5", "llama-3.1"])
-def test_a_tool_call_right_after_a_tool_result_trains_or_is_counted(tmp_path, family):
+def test_a_tool_call_right_after_a_tool_result_trains(tmp_path, family):
     report, table = _mask(tmp_path, family, [TOOL_AFTER_TOOL])
-    if report.rows_out == 0:  # DeepSeek-V3 writes no header before the second call: counted, with the message
-        assert report.dropped["template_breaks_roles"] == 1, report.summary()
-        assert "message 3 (assistant) and does not train" in report.dropped_examples[0]
-        return
+    assert report.rows_out == 1 and "template_breaks_roles" not in report.dropped, report.summary()
     trained = _trained_text(family, table)
     assert "Rome" in trained and "Paris is sunny and Rome is cloudy." in trained
     assert "Sunny, 21 C" not in trained and "Weather in Paris" not in trained
 
 
-def test_deepseek_v3_is_the_template_that_breaks_it(tmp_path):
-    report, _ = _mask(tmp_path, "deepseek-v3", [TOOL_AFTER_TOOL])
-    assert report.dropped["template_breaks_roles"] == 1
+def test_deepseek_v3_is_the_template_the_markers_cannot_read_and_its_rendering_labels_it(tmp_path):
+    report, table = _mask(tmp_path, "deepseek-v3", [TOOL_AFTER_TOOL])
+    assert report.labelled_from_rendering == 1 and report.rows_out == 1
+    trained = _trained_text("deepseek-v3", table)
+    # both calls train, each through its stop token, as TRL trains them; no tool result, no user text
+    assert trained.count('"city": "Paris"') == 1 and trained.count('"city": "Rome"') == 1
+    assert trained.count("<｜end▁of▁sentence｜>") == 3
+    assert "Sunny" not in trained and "Cloudy" not in trained and "Weather" not in trained
 
 
 def test_the_invariant_on_every_row_finds_nothing_on_plain_rows(tmp_path):

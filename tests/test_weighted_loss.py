@@ -328,12 +328,66 @@ def test_sft_trainer_with_the_mixin_and_gradient_accumulation(tmp_path, tok):
     assert len(seen) == 2 and all(s[0] for s in seen)
     n_items = int(seen[0][2])  # the Trainer's count: trained targets of the accumulated batch
     assert n_items == sum(int((np.asarray(r["labels"][1:]) != -100).sum()) for r in rows)
-    # each micro-batch: its weighted mean, by hand, times its share of the trained targets
+    # each micro-batch: its weighted sum, by hand, over the weight of the whole accumulated batch
     by_id = {tuple(r["input_ids"]): r for r in rows}
+    everything = _hand_model_loss(initial, rows)
+    mass = sum(float(np.sum(r["loss_weights"][1:])) for r in rows)
     for _, value, _, batch_rows in seen:
         pair = [by_id[tuple(ids)] for ids in batch_rows]
-        share = sum(int((np.asarray(r["labels"][1:]) != -100).sum()) for r in pair) / n_items
-        assert value == pytest.approx(share * _hand_model_loss(initial, pair), rel=1e-6)
+        own = sum(float(np.sum(r["loss_weights"][1:])) for r in pair)
+        assert value == pytest.approx(_hand_model_loss(initial, pair) * own / mass, rel=1e-6)
+    assert sum(s[1] for s in seen) == pytest.approx(everything, rel=1e-6)
+
+
+def _one_step(tmp_path, tok, rows, markers, *, batch, accumulation, per_sequence, mixin):
+    """One optimiser step of SFTTrainer (SGD) over ``rows``: the losses each micro-batch returned, and the weights
+    after the step."""
+    from datasets import Dataset
+    from trl import SFTTrainer
+
+    losses = []
+    model = _tiny_llama(len(tok))
+    extra = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, max_steps=1,
+                 optim="sgd", max_grad_norm=0.0, lr_scheduler_type="constant", seed=0)
+    collator = CompletionCollator(markers=markers, tokenizer=tok, row_labels="keep")
+    if mixin:
+        class Trainer(WeightedLossMixin, SFTTrainer):
+            loss_per_sequence = per_sequence
+
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                value = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                             num_items_in_batch=num_items_in_batch)
+                losses.append(float(value.detach()))
+                return value
+
+        trainer = Trainer(model=model, args=_sft_args(tmp_path, **extra), train_dataset=Dataset.from_list(rows),
+                          processing_class=tok, data_collator=collator)
+    else:
+        loss = Recording(per_sequence=per_sequence)
+        trainer = SFTTrainer(model=model, args=_sft_args(tmp_path, **extra), train_dataset=Dataset.from_list(rows),
+                             processing_class=tok, data_collator=collator, compute_loss_func=loss)
+        loss.attach(trainer)
+    trainer.train()
+    return (losses if mixin else loss.losses), [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mixin", [False, True], ids=["compute_loss_func", "mixin"])
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["per_token", "per_sequence"])
+def test_gradient_accumulation_equals_one_batch_of_the_same_rows(tmp_path, tok, per_sequence, mixin):
+    """Four rows of unequal weights: batch 2 x accumulation 2 gives the loss and the step of one batch of 4, to
+    1e-5, however the rows fall into micro-batches (the weighted mean of the accumulated batch, not of each half)."""
+    rows, markers = _labelled_chats(tok, 4)
+    masses = [float(np.sum(r["loss_weights"][1:])) for r in rows]
+    trained = [int((np.asarray(r["labels"][1:]) != -100).sum()) for r in rows]
+    assert len({round(m / t, 3) for m, t in zip(masses, trained)}) > 1  # the weight per trained target differs
+    whole, after_whole = _one_step(tmp_path / "whole", tok, rows, markers, batch=4, accumulation=1,
+                                   per_sequence=per_sequence, mixin=mixin)
+    halves, after_halves = _one_step(tmp_path / "halves", tok, rows, markers, batch=2, accumulation=2,
+                                     per_sequence=per_sequence, mixin=mixin)
+    assert len(whole) == 1 and len(halves) == 2
+    assert sum(halves) == pytest.approx(whole[0], rel=1e-5)
+    for a, b in zip(after_whole, after_halves):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 # -- the drop-in train_on_responses_only ----------------------------------------------------------

@@ -372,7 +372,7 @@ def _row_labels(examples, layout: _Layout) -> np.ndarray | None:
 
 def weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_weights: torch.Tensor, *,
                            per_sequence: bool = False, position_ids: torch.Tensor | None = None,
-                           ignore_index: int = -100) -> torch.Tensor:
+                           ignore_index: int = -100, total: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross-entropy, each target weighted by its own weight: sum(w * nll) / sum(w).
 
     ``targets`` are the batch's ``input_ids`` (or its ``labels``: a target at ``ignore_index`` counts 0);
@@ -384,23 +384,89 @@ def weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_wei
     counts as much as a short one; sequences are the rows, or, with ``position_ids`` (packed or
     padding-free batches), the runs that start at each position 0. Sequences with no weight are left out.
     A batch with no weight at all gives 0.
+
+    ``total``: divide by this instead of the batch's own weight sum (per sequence: its count of sequences with
+    weight), as ``_window_total`` gives it for a whole accumulated batch: the micro-batches' losses then add up
+    to the accumulated batch's weighted mean.
     """
-    target = targets[..., 1:]
-    weights = loss_weights[..., 1:].to(torch.float32)
-    ignored = target == ignore_index
-    weights = torch.where(ignored, 0.0, weights)
+    weights, target = _target_weights(targets, loss_weights, ignore_index)
     flat_logits = logits[..., :-1, :].reshape(-1, logits.shape[-1]).float()
-    nll = torch.nn.functional.cross_entropy(flat_logits, torch.where(ignored, 0, target).reshape(-1), reduction="none")
+    nll = torch.nn.functional.cross_entropy(flat_logits, torch.where(target == ignore_index, 0, target).reshape(-1),
+                                            reduction="none")
     weighted = nll * weights.reshape(-1)
     tiny = torch.finfo(torch.float32).tiny
     if not per_sequence:
-        return weighted.sum() / weights.sum().clamp(min=tiny)
+        return weighted.sum() / (weights.sum() if total is None else total).clamp(min=tiny)
+    mass, sequence = _sequence_mass(target, weights, position_ids)
+    summed = torch.zeros(mass.shape[0], device=weights.device).index_add_(0, sequence, weighted)
+    live = mass > 0
+    return torch.where(live, summed / mass.clamp(min=tiny), 0.0).sum() / (live.sum() if total is None else total).clamp(min=1)
+
+
+def _target_weights(targets: torch.Tensor, loss_weights: torch.Tensor, ignore_index: int):
+    """The weight of each shifted target (0 where the target is ``ignore_index``), and the targets."""
+    target = targets[..., 1:]
+    weights = loss_weights[..., 1:].to(torch.float32)
+    return torch.where(target == ignore_index, 0.0, weights), target
+
+
+def _sequence_mass(target: torch.Tensor, weights: torch.Tensor, position_ids: torch.Tensor | None):
+    """The weight of each sequence (slots past the last one hold 0) and the sequence of each target (flat)."""
     sequence = _target_sequences(target, position_ids).reshape(-1)
     slots = sequence.numel() + 1  # an upper bound on the sequences: no host sync to count them
-    mass = torch.zeros(slots, device=weights.device).index_add_(0, sequence, weights.reshape(-1))
-    total = torch.zeros(slots, device=weights.device).index_add_(0, sequence, weighted)
-    live = mass > 0
-    return torch.where(live, total / mass.clamp(min=tiny), 0.0).sum() / live.sum().clamp(min=1)
+    return torch.zeros(slots, device=weights.device).index_add_(0, sequence, weights.reshape(-1)), sequence
+
+
+def _batch_total(batch: Any, *, per_sequence: bool = False, ignore_index: int = -100,
+                targets: str = "input_ids") -> torch.Tensor | None:
+    """What ``weighted_cross_entropy`` divides one batch's loss by: the weight of its targets, or (per sequence)
+    its count of sequences with weight; None for a batch without ``labels``. A batch without ``loss_weights`` weighs
+    1 on each trained label (as ``WeightedLoss`` takes it). ``targets``: the batch's ``input_ids`` when their shape
+    is the labels' (as the loss takes them), else its labels."""
+    weights, labels = batch.get(WEIGHTS_COLUMN), batch.get("labels")
+    if labels is None or not torch.is_tensor(labels):
+        return None
+    ids = batch.get(targets)
+    if weights is None:
+        weights, target_ids = (labels != ignore_index).to(torch.float32), labels
+    else:
+        target_ids = ids if ids is not None and ids.shape == labels.shape else labels
+    shifted, target = _target_weights(target_ids, weights, ignore_index)
+    if not per_sequence:
+        return shifted.sum()
+    mass, _ = _sequence_mass(target, shifted, batch.get("position_ids"))
+    return (mass > 0).sum().to(torch.float32)
+
+
+def _window_total(trainer: Any, batches: Sequence[Any], device: Any, *, per_sequence: bool = False,
+                 ignore_index: int = -100) -> torch.Tensor | None:
+    """``_batch_total`` over the micro-batches of one accumulated batch (``Trainer.get_batch_samples`` fetches them
+    all before the first forward), over every process under ``average_tokens_across_devices`` (as the Trainer
+    counts ``num_items_in_batch``); None when a micro-batch has no weights."""
+    totals = [_batch_total(b, per_sequence=per_sequence, ignore_index=ignore_index) for b in batches]
+    if not totals or any(t is None for t in totals):
+        return None
+    total = torch.stack([t.to(device) for t in totals]).sum()
+    args = getattr(trainer, "args", None)
+    if getattr(args, "average_tokens_across_devices", False) and getattr(args, "world_size", 1) > 1:
+        total = trainer.accelerator.gather(total).sum()
+    return total
+
+
+def _watch_windows(trainer: Any, keep: Any, *, per_sequence: bool = False, ignore_index: int = -100) -> None:
+    """Wrap ``trainer.get_batch_samples`` so that each accumulated batch's ``_window_total`` goes to ``keep``."""
+    fetch = getattr(trainer, "get_batch_samples", None)
+    if not callable(fetch):
+        return
+    fetch = getattr(fetch, "_lossmask_fetch", fetch)  # attached twice: wrap the trainer's own once
+
+    def get_batch_samples(epoch_iterator, num_batches, device):
+        batches, num_items = fetch(epoch_iterator, num_batches, device)
+        keep(_window_total(trainer, batches, device, per_sequence=per_sequence, ignore_index=ignore_index))
+        return batches, num_items
+
+    get_batch_samples._lossmask_fetch = fetch
+    trainer.get_batch_samples = get_batch_samples
 
 
 def _target_sequences(target: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -442,14 +508,17 @@ class WeightedLoss:
     ``loss_weights``; it also keeps the ``loss_weights`` column through ``remove_unused_columns``.
     A batch without ``loss_weights`` gets the usual mean over its labels.
 
-    Gradient accumulation: with ``num_items_in_batch`` (the trained targets of the accumulated batch,
-    as the Trainer counts them), each micro-batch's weighted mean counts in proportion to its trained
-    targets; with 0/1 weights this is exactly the Trainer's own loss.
+    Gradient accumulation: attached to a trainer, each micro-batch's loss is its weighted sum over the weight
+    of the whole accumulated batch (per sequence: over its count of sequences), which ``attach`` reads from
+    the trainer's ``get_batch_samples``; the micro-batches then add up to the weighted mean of the accumulated
+    batch, exactly. Attached to a model only, with ``num_items_in_batch`` (the trained targets of the
+    accumulated batch), each micro-batch's weighted mean counts in proportion to its trained targets.
     """
 
     per_sequence: bool = False
     ignore_index: int = -100
     _batch: dict = field(default_factory=dict, repr=False, compare=False)
+    _window: Any = field(default=None, repr=False, compare=False)
 
     def attach(self, trainer_or_model: Any) -> "WeightedLoss":
         """Hook the model (a trainer's ``model``, or a model) so that it hands this loss its batch; returns self."""
@@ -461,7 +530,12 @@ class WeightedLoss:
         model._lossmask_weighted_loss_hook = model.register_forward_pre_hook(self._take_batch, with_kwargs=True)
         if model is not trainer_or_model:
             keep_weight_columns(trainer_or_model)
+            _watch_windows(trainer_or_model, self._keep_window, per_sequence=self.per_sequence,
+                          ignore_index=self.ignore_index)
         return self
+
+    def _keep_window(self, total):
+        self._window = total
 
     def _take_batch(self, module, args, kwargs):
         self._batch = {"loss_weights": kwargs.pop(WEIGHTS_COLUMN, None), "input_ids": kwargs.get("input_ids"),
@@ -478,9 +552,11 @@ class WeightedLoss:
             weights, targets = (labels != self.ignore_index).to(torch.float32), labels
         else:
             targets = input_ids if input_ids is not None and input_ids.shape == labels.shape else labels
+        window = self._window if num_items_in_batch is not None else None  # None in evaluation
         loss = weighted_cross_entropy(logits, targets, weights, per_sequence=self.per_sequence,
-                                      position_ids=batch.get("position_ids"), ignore_index=self.ignore_index)
-        if num_items_in_batch is not None:
+                                      position_ids=batch.get("position_ids"), ignore_index=self.ignore_index,
+                                      total=window)
+        if num_items_in_batch is not None and window is None:
             loss = loss * share_of_accumulated_batch(labels, num_items_in_batch, self.ignore_index)
         return loss
 
@@ -501,11 +577,19 @@ class WeightedLossMixin:
     the loss is ``weighted_cross_entropy``; otherwise the trainer's own. ``class T(WeightedLossMixin, SFTTrainer)``;
     set ``loss_per_sequence = True`` on the class for the per-sequence mean.
 
-    Gradient accumulation as ``WeightedLoss``: with ``num_items_in_batch``, each micro-batch counts in
-    proportion to its trained targets; without it, the Trainer averages the micro-batches.
+    Gradient accumulation as ``WeightedLoss``: each micro-batch's weighted sum is divided by the weight of the
+    whole accumulated batch (per sequence: its count of sequences), read in ``get_batch_samples``, so the
+    micro-batches add up to the accumulated batch's weighted mean; without ``num_items_in_batch`` (the Trainer
+    counts nothing), the Trainer averages the micro-batches.
     """
 
     loss_per_sequence: bool = False
+    _lossmask_window: Any = None
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._lossmask_window = _window_total(self, batches, device, per_sequence=self.loss_per_sequence)
+        return batches, num_items
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
@@ -519,10 +603,12 @@ class WeightedLossMixin:
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         forward = {k: v for k, v in inputs.items() if k != "labels"}
         outputs = model(**forward, use_cache=False)
+        window = self._lossmask_window if num_items_in_batch is not None and "labels" in inputs else None
         loss = weighted_cross_entropy(outputs.logits, inputs["input_ids"], weights, per_sequence=self.loss_per_sequence,
-                                      position_ids=inputs.get("position_ids"))
+                                      position_ids=inputs.get("position_ids"), total=window)
         if num_items_in_batch is not None and "labels" in inputs:
-            loss = loss * share_of_accumulated_batch(inputs["labels"], num_items_in_batch)
+            if window is None:
+                loss = loss * share_of_accumulated_batch(inputs["labels"], num_items_in_batch)
             args = getattr(self, "args", None)
             if getattr(args, "average_tokens_across_devices", False):  # as Trainer.compute_loss: DDP averages ranks
                 loss = loss * getattr(getattr(self, "accelerator", None), "num_processes", 1)

@@ -82,7 +82,10 @@ class MaskedDataset:
     of them raises ``TooManyDroppedRows`` with the likely cause. ``dataset[i]`` is
     ``(tokens, 0)`` as mlx-lm's datasets give it. ``data_mask`` (from ``ChatTokenizer.encode_chats``'s
     ``in_content``) marks message-text tokens, which no marker may match; pre-tokenised rows have
-    none, so there a marker's text inside a message acts as the marker. ``loss_weights`` (a float >= 0 per
+    none, so there a marker's text inside a message acts as the marker. ``input_ids`` may be what
+    ``encode_chats`` returns (``EncodedChats``): its mask is used and its rows are held to the role invariant, as
+    ``lossmask mask`` holds them (a row the markers cannot read is labelled from its rendering; one that even so
+    cannot be labelled raises, naming it). ``loss_weights`` (a float >= 0 per
     token, as ``lossmask mask`` writes them) weight each token's loss and say what trains (weight > 0);
     the batches then carry them (``weight_values`` holds them, row after row).
     """
@@ -93,8 +96,12 @@ class MaskedDataset:
                  data_mask: np.ndarray | None = None, loss_weights: Any = None):
         if mask_prompt and labels is None and not isinstance(markers, Markers):
             raise TypeError(f"{name}: mask_prompt=True needs markers (a lossmask.Markers, e.g. lossmask.detect_markers(tokenizer))")
+        chats = input_ids if callable(getattr(input_ids, "label", None)) and hasattr(input_ids, "in_content") else None
+        if chats is not None:
+            input_ids, data_mask = chats.input_ids, chats.in_content
         array = _as_rows(input_ids)
         self.name = name
+        self.labelled_from_rendering = 0  # rows the markers could not read, labelled from their rendering
         self.markers = markers
         self.mask_prompt = bool(mask_prompt)
         self.last_turn_only = bool(last_turn_only)
@@ -111,9 +118,16 @@ class MaskedDataset:
             self.counts = _counts_from_trained(array, trained, lengths, markers)
             keep = _trained_per_row(trained, lengths) > 0
         elif mask_prompt:
-            labelled = label_batch(array, markers, last_turn_only=last_turn_only, data_mask=data_mask)
+            labelled = label_batch(chats if chats is not None else array, markers, last_turn_only=last_turn_only,
+                                   data_mask=data_mask)
+            if labelled.rejected:
+                row, reason, message = labelled.rejected[0]
+                raise ValueError(
+                    f"{name}: {len(labelled.rejected)} rows cannot be labelled ({reason}); first: row {row}: {message}. "
+                    "Fix or remove them (lossmask mask drops and counts such rows)")
             self.counts, keep = labelled.counts, labelled.keep
-            if data_mask is not None:  # message text is inert: the labels are fixed here, not re-derived from ids per batch
+            self.labelled_from_rendering = len(labelled.from_rendering)
+            if data_mask is not None or chats is not None:  # message text is inert: the labels are fixed here, not re-derived from ids per batch
                 trained = _trained_from_labels(labelled.labels, lengths, -100, name)
         else:  # every token trains (mlx-lm without --mask-prompt, text rows)
             keep = lengths > 0
@@ -242,7 +256,8 @@ def tokenize_rows(rows: Sequence[dict], tokenizer: Any, *, features: Features = 
 
 
 def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_tokens_in_content: str = "text"):
-    """``tokenize_rows`` plus, for chat and completion rows, which tokens are message text (``in_content``)."""
+    """``tokenize_rows`` plus, for chat and completion rows, their ``EncodedChats`` (which tokens are message text,
+    and what the role invariant needs)."""
     from .chat.tokenizer import load_tokenizer
 
     if len(rows) == 0:
@@ -296,7 +311,7 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
             f"{name}: {len(encoded.dropped)} rows cannot be labelled ({reason}); first: row {row}: {message}. "
             "Fix or remove them (a message the chat template does not render would leave its turn mislabelled)"
         )
-    return encoded.input_ids, first, encoded.in_content
+    return encoded.input_ids, first, encoded
 
 
 def _shaped(rows, ct, features, name) -> list:
@@ -376,9 +391,9 @@ def load_dataset(
             ids, labels, weights = _token_columns(rows, str(path))
             out.append(MaskedDataset(ids, markers, labels=labels, loss_weights=weights, **options))
             continue
-        ids, _, in_content = _tokenize_rows(rows, tokenizer, features=features, mask_prompt=mask_prompt,
-                                            name=str(path), special_tokens_in_content=special_tokens_in_content)
-        out.append(MaskedDataset(ids, markers, data_mask=in_content, **options))
+        ids, _, encoded = _tokenize_rows(rows, tokenizer, features=features, mask_prompt=mask_prompt,
+                                         name=str(path), special_tokens_in_content=special_tokens_in_content)
+        out.append(MaskedDataset(encoded if encoded is not None else ids, markers, **options))
     return tuple(out)  # type: ignore[return-value]
 
 

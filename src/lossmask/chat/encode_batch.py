@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -413,3 +413,19 @@ def _message(message: Any) -> Any:
     if isinstance(message, dict):
         return {k: v for k, v in message.items() if v is not None}
     return message
+
+
+def chats_of_rows(ct: Any, table: Any, kind: str, options: Any, rows: Sequence[int]) -> list[tuple[list | None, Any]]:
+    """``(messages, tools)`` of some rows of an Arrow batch, as the messages path rendered them: read from the chat
+    column (or prompt + completion) and put through the shape policy (``shapes.normalise_shapes``)."""
+    take = pa.array(list(rows), type=pa.int64())
+    if kind == "messages":
+        conversations = messages_from_arrow(table.column(options.chat_column(table.column_names)).take(take))
+    else:
+        prompts = messages_from_arrow(table.column(options.prompt_column).take(take))
+        completions = messages_from_arrow(table.column(options.completion_column).take(take))
+        conversations = [None if p is None or c is None else p + c for p, c in zip(prompts, completions)]
+    tools = json_values(table.column("tools").take(take)) if "tools" in table.column_names else [None] * len(take)
+    shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(ct))
+    return [(messages, tool or None) for messages, tool in zip(shaped.conversations, tools)]
+

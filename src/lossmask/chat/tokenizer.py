@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Mapping, Sequence
 
@@ -37,8 +37,11 @@ class EncodedChats:
     ``input_ids`` is a ``LargeList<int32>`` array with one row per conversation; a rejected row is
     null there and listed in ``errors`` as ``(row, message)``. A row where the template dropped or
     rewrote a message (``content_dropped``), or dropped under ``special_tokens_in_content="drop"``, is
-    null too and listed in ``dropped`` as ``(row, reason, message)``. Pass ``in_content`` to
-    ``label_batch(data_mask=...)`` so that message text cannot act as a marker.
+    null too and listed in ``dropped`` as ``(row, reason, message)``, and so is a row the shape policy left with
+    no exchange (``no_exchange``). Label them with ``label(markers)`` (or ``lossmask.label_batch(encoded, markers)``
+    / ``make_labels(encoded, markers)``): message text cannot act as a marker, and each row is held to the role
+    invariant as ``mask_files`` holds it (a row the markers cannot read is labelled from its rendering, or its
+    labels are null and the result's ``rejected`` names it). Labelling ``input_ids`` alone gives neither.
     """
 
     input_ids: pa.LargeListArray
@@ -46,6 +49,22 @@ class EncodedChats:
     in_content: np.ndarray | None = None  # bool per token (rows back to back): inside message text
     dropped: tuple[tuple[int, str, str], ...] = ()  # (row, reason, message): rendered, never to be labelled
     special_rows: int = 0  # rows whose message text held a special-token string
+    shapes: dict = field(default_factory=dict)  # rows the conversation-shape policy changed, per shape (shapes.py)
+    # per token, whose text it lies in (encode_rendered.RoleTokens), for the role invariant (rows of unusual shape)
+    roles: Any = field(default=None, repr=False, compare=False)
+    # per row: (messages, tools) as rendered (after the shape policy), None for a null row; and what rendered them
+    chats: tuple = field(default=(), repr=False, compare=False)
+    tokenizer: Any = field(default=None, repr=False, compare=False)
+    special_tokens_in_content: str = "text"
+
+    def label(self, markers: Any, *, backend: str | None = None, last_turn_only: bool = False,
+              ignore_index: int = -100, dtype: Any = "int64"):
+        """``engine.LabelledBatch`` of these rows: message text inert, each row held to the role invariant
+        (``turn_spans.label_encoded``)."""
+        from .turn_spans import label_encoded
+
+        return label_encoded(self, markers, backend=backend, last_turn_only=last_turn_only,
+                             ignore_index=ignore_index, dtype=dtype)
 
     @property
     def ok(self) -> np.ndarray:
@@ -350,6 +369,7 @@ class ChatTokenizer:
         add_generation_prompt: bool = False,
         max_length: int | None = None,
         special_tokens_in_content: str = "text",
+        options: Any = None,
     ) -> EncodedChats:
         """Render and tokenise many conversations: one batch tokenisation, per-row template errors.
 
@@ -359,42 +379,81 @@ class ChatTokenizer:
         ``max_length`` tokens of each row (right truncation, as TRL does).
         ``special_tokens_in_content``: what special-token strings in message text become (``"text"``,
         the default: ordinary text; ``"keep"``: control tokens; ``"drop"``: the row; ``"error"``: raise).
+
+        Rows to train on (``add_generation_prompt=False``) first go through the conversation-shape policy of
+        ``options`` (a ``MaskOptions``; default: ``lossmask mask``'s), as in ``mask_files`` (docs/inputs.md):
+        repeated roles merged, a leading assistant message and empty messages dropped, a row left with no exchange
+        null and in ``dropped`` as ``no_exchange``. Prompts to generate from are rendered as they are.
         """
+        from ..options import MaskOptions
         from .encode_rendered import encode_rendered
+        from .shapes import normalise_shapes, takes_content_parts
 
         if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
             raise ValueError(f"max_length={max_length!r} must be a positive integer or None")
+        options = options if options is not None else MaskOptions(special_tokens_in_content=special_tokens_in_content)
         texts: list[str] = []
         chats: list[Any] = []
+        row_tools_kept: list[Any] = []
+        check: list[bool] = []
         rendered_rows: list[int] = []
         errors: list[tuple[int, str]] = []
+        read: list[tuple[Any, Any]] = []
         for row, conversation in enumerate(conversations):
             messages, row_tools = conversation, tools
             if isinstance(conversation, Mapping):
                 if "messages" not in conversation:
                     errors.append((row, f"row {row} is a mapping without 'messages' (keys: {sorted(conversation)})"))
+                    read.append((None, None))
                     continue
                 messages, row_tools = conversation["messages"], conversation.get("tools") or tools
+            read.append((list(messages) if messages is not None else None, row_tools))
+        shaped_dropped: list[tuple[int, str, str]] = []
+        unusual = [False] * len(read)
+        shapes: dict = {}
+        if not add_generation_prompt:  # the shape policy, as mask_files applies it (shapes.py)
+            shaped = normalise_shapes([m for m, _ in read], options, takes_parts=takes_content_parts(self))
+            errors += [(r, f"row {r}: {message}") for r, message in shaped.invalid]
+            shaped_dropped = [(r, reason, message) for r, reason, message in shaped.dropped]
+            refused = {r for r, _ in shaped.invalid} | {r for r, _, _ in shaped.dropped}
+            read = [(None, None) if r in refused else (m, t) for r, ((_, t), m) in
+                    enumerate(zip(read, shaped.conversations))]
+            unusual = shaped.unusual
+            shapes = {shape: n for shape, n in shaped.shapes.items() if n}
+        errored = {r for r, _ in errors}
+        for row, (messages, row_tools) in enumerate(read):
+            if messages is None or row in errored:
+                continue
             try:
                 texts.append(self.render(messages, tools=row_tools, add_generation_prompt=add_generation_prompt))
             except ChatTemplateError as exc:
                 errors.append((row, f"row {row}: {exc}"))
                 continue
-            chats.append(list(messages))
+            chats.append(messages)
+            row_tools_kept.append(row_tools)
+            check.append(bool(unusual[row]))
             rendered_rows.append(row)
-        n = len(rendered_rows) + len(errors)
+        errors.sort()
+        n = len(read)
         rendered = encode_rendered(self, texts, chats, special_tokens_in_content=special_tokens_in_content,
-                                   max_length=max_length, row_numbers=rendered_rows)
+                                   max_length=max_length, row_numbers=rendered_rows,
+                                   check=check if any(check) else None)
         encoded = rendered.input_ids
-        kept_rows = np.asarray(rendered_rows, dtype=np.int64)[rendered.keep]
+        kept = np.flatnonzero(rendered.keep)
+        kept_rows = np.asarray(rendered_rows, dtype=np.int64)[kept] if kept.size else np.zeros(0, np.int64)
+        per_row: list[Any] = [None] * n
+        for local, row in zip(kept.tolist(), kept_rows.tolist()):
+            per_row[row] = (chats[local], row_tools_kept[local])
+        extra = dict(shapes=shapes, roles=rendered.roles, chats=tuple(per_row), tokenizer=self,
+                     special_tokens_in_content=special_tokens_in_content)
         if kept_rows.size == n:
-            return EncodedChats(encoded, (), rendered.in_content, (), rendered.special_rows)
+            return EncodedChats(encoded, (), rendered.in_content, (), rendered.special_rows, **extra)
         # scatter the kept rows back among the rejected and dropped ones (nulls)
         take = np.full(n, -1, dtype=np.int64)
         take[kept_rows] = np.arange(kept_rows.size)
         indices = pa.array(take, mask=take < 0)
-        return EncodedChats(encoded.take(indices), tuple(errors), rendered.in_content, tuple(rendered.dropped),
-                            rendered.special_rows)
+        return EncodedChats(encoded.take(indices), tuple(errors), rendered.in_content,
+                            tuple(sorted(shaped_dropped + list(rendered.dropped))), rendered.special_rows, **extra)
 
 
 def _normalise_templates(template: Any) -> str | dict[str, str] | None:

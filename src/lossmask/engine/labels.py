@@ -33,6 +33,10 @@ class LabelledBatch:
     trained_tokens: np.ndarray
     outcomes: np.ndarray
     counts: OutcomeCounts
+    # rows of ``ChatTokenizer.encode_chats`` output: ``(row, reason, message)`` of those whose labels are null
+    # (``template_breaks_roles``), and the rows labelled from their rendering (``labelled_from_rendering``)
+    rejected: tuple = ()
+    from_rendering: tuple = ()
 
     @property
     def keep(self) -> np.ndarray:
@@ -99,7 +103,14 @@ def label_batch(
     gives it). No pattern can match such a token, so message text never opens, closes or extends a
     span; it is still trained where its span is. Pre-tokenised ``input_ids`` carry no such mask: a
     marker's text inside a message there acts as the marker.
+
+    ``input_ids`` may also be what ``ChatTokenizer.encode_chats`` returns (``EncodedChats``): its data mask is
+    used, and its rows are held to the role invariant, as ``mask_files`` holds them (``EncodedChats.label``).
     """
+    label_chats = getattr(input_ids, "label", None)
+    if callable(label_chats) and hasattr(input_ids, "in_content"):  # EncodedChats (chat stage): it labels itself
+        return label_chats(markers, backend=backend, last_turn_only=last_turn_only, ignore_index=ignore_index,
+                           dtype=dtype)
     label_dtype = buffers.resolve_label_dtype(dtype)
     info = np.iinfo(label_dtype)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)) or not (

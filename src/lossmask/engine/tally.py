@@ -33,6 +33,9 @@ class Tally:
     drop_examples: dict[str, tuple[int, list[int], list[int]]] = field(default_factory=dict)  # cause -> (row, ids, labels)
     shapes: dict[str, int] = field(default_factory=dict)  # rows the conversation-shape policy changed, per shape
     media_tokens: int = 0  # image tokens of the rows labelled (placeholders, expansions, begin/end): never trained
+    # rows whose marker labels broke the role invariant, labelled from the rendering instead (outcomes.LABELLED_FROM_RENDERING)
+    from_rendering: int = 0
+    from_rendering_example: str | None = None
     # where weights were computed: role -> [trained tokens, weight mass]; source value -> [rows, trained tokens, mass]
     weights_by_role: dict[str, list] = field(default_factory=dict)
     weights_by_source: dict[str, list] = field(default_factory=dict)
@@ -58,6 +61,8 @@ class Tally:
             drop_examples={**other.drop_examples, **self.drop_examples},
             shapes={k: self.shapes.get(k, 0) + other.shapes.get(k, 0) for k in self.shapes | other.shapes},
             media_tokens=self.media_tokens + other.media_tokens,
+            from_rendering=self.from_rendering + other.from_rendering,
+            from_rendering_example=self.from_rendering_example or other.from_rendering_example,
             weights_by_role=_add_lists(self.weights_by_role, other.weights_by_role),
             weights_by_source=_add_lists(self.weights_by_source, other.weights_by_source),
         )
@@ -83,6 +88,11 @@ class Tally:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         if len(self.rejected_examples) < MAX_EXAMPLES:
             self.rejected_examples.append(f"{reason}: row {row}: {message}")
+
+    def add_from_rendering(self, row: int, message: str) -> None:
+        """A row the markers could not tell apart, labelled from the rendering (kept, counted apart)."""
+        self.from_rendering += 1
+        self.from_rendering_example = self.from_rendering_example or f"row {row}: {message}"
 
     def add_shapes(self, shapes: dict[str, int]) -> None:
         for shape, rows in shapes.items():
@@ -117,6 +127,8 @@ class Tally:
             "drop_causes": dict(self.drop_causes),
             "drop_examples": {c: list(e) for c, e in self.drop_examples.items()},
             "shapes": dict(self.shapes),
+            "from_rendering": self.from_rendering,
+            "from_rendering_example": self.from_rendering_example,
             "weights_by_role": {k: list(v) for k, v in self.weights_by_role.items()},
             "weights_by_source": {k: list(v) for k, v in self.weights_by_source.items()},
         }
@@ -138,6 +150,8 @@ class Tally:
             drop_causes=dict(data.get("drop_causes", {})),
             drop_examples={c: tuple(e) for c, e in data.get("drop_examples", {}).items()},
             shapes=dict(data.get("shapes", {})),
+            from_rendering=int(data.get("from_rendering") or 0),
+            from_rendering_example=data.get("from_rendering_example"),
             weights_by_role={k: list(v) for k, v in data.get("weights_by_role", {}).items()},
             weights_by_source={k: list(v) for k, v in data.get("weights_by_source", {}).items()},
         )

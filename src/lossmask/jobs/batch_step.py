@@ -27,7 +27,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..chat.encode_batch import chat_tokenizer, chats_of_rows
 from ..chat.encode_media import encode_rows
+from ..chat.turn_spans import breaks_message, role_breaks, trained_from_rendering
 from ..engine.buffers import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
 from ..engine.labels import label_batch
 from ..engine.outcomes import CAUSES, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts, classify_drops
@@ -236,7 +238,15 @@ def mask_batch(
         tally.time("engine", time.perf_counter() - engine_started)
         roles = getattr(encoded, "roles", None) if kind != "input_ids" else None
         if roles is not None:  # checked on the marker labels, before weights apply (docs/weights.md)
-            broken = _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid)
+            broken, relabelled = _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid,
+                                              rows_of=None if media_span is not None else (table, kind, tokenizer))
+            if relabelled is not None:  # rows labelled from the rendering instead: their counts follow
+                labels, row_trained = relabelled
+                trained = row_trained
+                lengths = _lengths(input_ids)
+                outcomes = np.where(trained > 0, Outcome.TRAINED,
+                                    np.where(outcomes == Outcome.TRAINED, Outcome.EMPTY_RESPONSE, outcomes)).astype(np.int8)
+                counts = OutcomeCounts.from_rows(outcomes, trained, lengths)
     weights = None
     if write_weights or _weighing(options, encoded if kind != "input_ids" else None):
         started_weights = time.perf_counter()
@@ -485,10 +495,16 @@ def _ones_where_trained(labels, options: MaskOptions) -> pa.Array:
 _ROW = re.compile(r"\brow (\d+)\b")
 
 
-def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid) -> np.ndarray:
+def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid, rows_of=None):
     """The role invariant (docs/masking-rule.md): per row, does a token of user, system or tool text train, or a
-    token of an assistant's content or tool-call arguments not? One pass over the batch's tokens; the rows that
-    break it are counted as ``template_breaks_roles``, with the first token that does, and returned (a bool per row).
+    token of an assistant's content or tool-call arguments not? One pass over the batch's tokens.
+
+    A row that breaks it under the markers is labelled from its rendering instead (``chat.turn_spans``: each
+    assistant turn found by rendering up to it and through it), when ``rows_of`` (the batch's ``(table, kind,
+    tokenizer)``) gives its messages; it is kept when those labels keep the invariant, and counted as
+    ``labelled_from_rendering``. The rows that still break it are counted as ``template_breaks_roles``, with the
+    first token that does. Returns the rows that break it (a bool per row) and, when some row was labelled from
+    its rendering, ``(labels, trained tokens per row)`` for the whole batch (else None).
 
     With ``last_turn_only`` earlier assistant turns are meant to stay untrained, so only the first half is checked.
     """
@@ -496,30 +512,69 @@ def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid
     flat = pc.list_flatten(labels).to_numpy(zero_copy_only=False)
     if flat.shape[0] != roles.role.shape[0]:  # never: both come from the same ids
         raise AssertionError(f"lossmask: {flat.shape[0]} labels but {roles.role.shape[0]} role marks; please report this")
-    trained = flat != options.ignore_index
-    assistant = roles.names.index("assistant") + 1 if "assistant" in roles.names else -1
-    other = (roles.role > 0) & (roles.role != assistant)
-    bad = other & trained
-    if not options.last_turn_only:
-        bad |= (roles.role == assistant) & ~trained
+    bad = role_breaks(flat != options.ignore_index, roles, options.last_turn_only)
     broken = np.zeros(lengths.shape[0], dtype=bool)
     if not bad.any():
-        return broken
+        return broken, None
     row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
     broken[row_of[bad]] = True
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     index = np.flatnonzero(keep_valid) if keep_valid is not None else None
+
+    def row_number(r: int) -> int:
+        return first_row + (int(index[r]) if index is not None and r < index.size else int(r))
+
+    relabelled = None
+    fixed = _from_rendering(input_ids, flat, starts, lengths, np.flatnonzero(broken), roles, options, rows_of)
+    if fixed:
+        flat = flat.copy()
+        for r, trained_here in fixed.items():
+            at = slice(int(starts[r]), int(starts[r] + lengths[r]))
+            row_bad = role_breaks(trained_here, _slice_roles(roles, at), options.last_turn_only)
+            if row_bad.any():
+                continue
+            ids = pc.list_flatten(input_ids[r : r + 1]).to_numpy(zero_copy_only=False)
+            flat[at] = np.where(trained_here, ids, options.ignore_index)
+            broken[r] = False
+            bad[at] = False
+            tally.add_from_rendering(row_number(r), "its assistant turns, found from the rendering, keep the role "
+                                     "invariant; the markers' labels did not")
+        if fixed.keys() - set(np.flatnonzero(broken).tolist()):
+            values = flat.astype(options.label_dtype, copy=False)
+            running = np.concatenate([[0], np.cumsum(flat != options.ignore_index)])
+            trained = running[starts + lengths] - running[starts]
+            relabelled = (_rebuild(input_ids if not isinstance(input_ids, pa.ChunkedArray) else input_ids.combine_chunks(),
+                                   values, lengths), trained)
     firsts = np.flatnonzero(bad)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     for r in np.flatnonzero(broken):
         at = int(firsts[np.searchsorted(firsts, starts[r])])
-        role = roles.names[int(roles.role[at]) - 1]
-        what = "trains" if role != "assistant" else "does not train"
-        row = first_row + (int(index[r]) if index is not None and r < index.size else int(r))
-        tally.add_rejected(row, TEMPLATE_BREAKS_ROLES,
-                           f"token {at - int(starts[r])} lies in the text of message {int(roles.message[at])} ({role}) and "
-                           f"{what} under the markers: the chat template writes this conversation's turns so that the "
-                           "markers cannot tell them apart (see docs/masking-rule.md, the role invariant)")
-    return broken
+        tally.add_rejected(row_number(int(r)), TEMPLATE_BREAKS_ROLES, breaks_message(roles, at, int(starts[r])))
+    return broken, relabelled
+
+
+def _slice_roles(roles, at: slice):
+    return type(roles)(role=roles.role[at], message=roles.message[at], names=roles.names)
+
+
+def _from_rendering(input_ids, flat, starts, lengths, rows, roles, options, rows_of) -> dict:
+    """``{row: trained bool per token}`` for the ``rows`` whose assistant turns can be found from their rendering
+    (``chat.turn_spans``); rows that cannot be rendered again, or are not the conversation given, are left out."""
+    if rows_of is None:
+        return {}
+    table, kind, tokenizer = rows_of
+    if tokenizer is None or kind == "input_ids":
+        return {}
+    ct = chat_tokenizer(tokenizer)
+    found = {}
+    for r, (messages, tools) in zip(rows.tolist(), chats_of_rows(ct, table, kind, options, rows)):
+        if not messages or not (flat[int(starts[r]): int(starts[r] + lengths[r])] != options.ignore_index).any():
+            continue  # markers that train nothing of the row are not this template's: no rendering stands in for them
+        ids = pc.list_flatten(input_ids[r : r + 1]).to_numpy(zero_copy_only=False)
+        trained = trained_from_rendering(ct, messages, ids, tools=tools, last_turn_only=options.last_turn_only,
+                                         special_tokens_in_content=options.special_tokens_in_content)
+        if trained is not None:
+            found[r] = trained
+    return found
 
 
 def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid,

@@ -47,6 +47,9 @@ class MaskReport:
     marker_texts: dict[str, list[str]] | None = None  # each marker pattern decoded, when a tokenizer was at hand
     shapes: dict[str, int] = field(default_factory=dict)  # rows the conversation-shape policy changed, per shape
     media_tokens: int = 0  # of tokens_in: image tokens (chats through a processor), never trained
+    # rows kept whose marker labels broke the role invariant: labelled from the rendering (docs/masking-rule.md)
+    labelled_from_rendering: int = 0
+    labelled_from_rendering_example: str | None = None
     # where weights applied (docs/weights.md): role -> {tokens, weight}; source value -> {rows, tokens, weight}
     weights_by_role: dict[str, dict[str, float]] = field(default_factory=dict)
     weights_by_source: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -93,6 +96,8 @@ class MaskReport:
             marker_texts=None if markers is None or decode is None else marker_texts(markers.to_dict(), decode),
             shapes={shape: rows for shape, rows in tally.shapes.items() if rows},
             media_tokens=tally.media_tokens,
+            labelled_from_rendering=tally.from_rendering,
+            labelled_from_rendering_example=tally.from_rendering_example,
             weights_by_role={role: {"tokens": int(t), "weight": round(float(m), 6)}
                              for role, (t, m) in tally.weights_by_role.items()},
             weights_by_source={value: {"rows": int(r), "tokens": int(t), "weight": round(float(m), 6)}
@@ -136,6 +141,9 @@ class MaskReport:
             "dropped_examples": list(self.dropped_examples),
             "shapes": dict(self.shapes),
             **({"media_tokens": self.media_tokens} if self.media_tokens else {}),  # only for chats with images
+            **({"labelled_from_rendering": self.labelled_from_rendering,
+                "labelled_from_rendering_example": self.labelled_from_rendering_example}
+               if self.labelled_from_rendering else {}),
             **({"weights_by_role": dict(self.weights_by_role)} if self.weights_by_role else {}),
             **({"weights_by_source": dict(self.weights_by_source)} if self.weights_by_source else {}),
         }
@@ -183,6 +191,12 @@ class MaskReport:
         if self.shapes:
             changed = ", ".join(f"{shape} {n:,}" for shape, n in self.shapes.items())
             lines.append(f"conversation shapes changed before rendering (rows): {changed}; see docs/inputs.md")
+        if self.labelled_from_rendering:
+            lines.append(
+                f"labelled_from_rendering: {self.labelled_from_rendering:,} rows whose turns the markers cannot tell "
+                f"apart, each assistant turn found from the rendering (e.g. {self.labelled_from_rendering_example}); "
+                "see docs/masking-rule.md"
+            )
         if self.special_tokens_in_content:
             lines.append(
                 f"special tokens in message text: {self.special_tokens_in_content:,} rows "

@@ -50,6 +50,7 @@ from ..options import MaskOptions
 from ..chat.locate import locate_messages as locate_message_text
 from ..chat.probes import Conversation, renderable_probes
 from ..chat.tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
+from ..chat.turn_spans import common_prefix
 from ..engine.labels import label_batch
 from ..engine.patterns import Markers
 from .content import MissingText, message_texts, missing_message_text
@@ -169,14 +170,6 @@ def _last_located(spans: Sequence[tuple[int, int] | None]) -> int | None:
     return None
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
     """Render ``conversation`` and decide, from the rule alone, which tokens must be trained."""
     ct = load_tokenizer(tokenizer)
@@ -227,7 +220,7 @@ def ground_truth(tokenizer: Any, conversation: Any) -> GroundTruth:
             alone_span = locate_messages(alone, messages[: i + 1], stripped=True)[i]
             alone_end = alone_span[1] if alone_span is not None else len(alone)
             between = text[content_end : following[0]]
-            closing = between[: _common_prefix(alone[alone_end:], between)]
+            closing = between[: common_prefix(alone[alone_end:], between)]
             stop = _last_special(special, offsets, content_end, content_end + len(closing))
             if stop is None:  # no end-of-turn token of its own: the first special token that follows stops it
                 stop = _first_special(special, starts, content_end, following[0])
@@ -353,14 +346,14 @@ def _turn_start(
             )
     located = locate_messages(no_prompt, before, stripped=stripped)
     no_prompt_anchor = located[anchor][1] if anchor is not None and located[anchor] else 0
-    added_at = _common_prefix(tail, no_prompt[no_prompt_anchor:])  # where add_generation_prompt's text begins
+    added_at = common_prefix(tail, no_prompt[no_prompt_anchor:])  # where add_generation_prompt's text begins
     if text.startswith(tail, text_at):
         start = text_at + len(tail)
     else:
         # The prompt ends with a prefill this turn does not have (Qwen3 with enable_thinking=False
         # writes '<think>\n\n</think>\n\n' in the prompt and in the last turn only): accepted when the
         # turn's own text starts right where the two part, after some of the header.
-        shared = _common_prefix(tail, text[text_at:])
+        shared = common_prefix(tail, text[text_at:])
         # part at a token boundary of the prompt ('<think>' and '<tool_call>' share '<t')
         _, prompt_offsets = ct.encode_with_offsets(prompt)
         boundaries = prompt_offsets[:, 0][prompt_offsets[:, 0] <= prompt_at + shared]
