@@ -84,7 +84,7 @@ class VisionCollator:
             table = pa.Table.from_pylist(chats)
         except (pa.ArrowInvalid, pa.ArrowTypeError):  # messages of mixed shapes (string and list content): as JSON
             table = pa.table({"messages": [[json.dumps(m) for m in chat["messages"]] for chat in chats]})
-        encoded = encode_media_table(self.chat, table, self.options, images=images)
+        encoded = encode_media_table(self.chat, table, self.options, images=images, keep_features=True)
         if encoded.errors or not encoded.valid.all():
             row, detail = encoded.errors[0] if encoded.errors else encoded.dropped[0][::2] if encoded.dropped else (-1, "?")
             detail = f"row {row}: {detail}"
