@@ -35,9 +35,10 @@ def photo(w, h, mode="RGB"):
     rgb = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], axis=-1).astype(np.uint8)
     rgb[: h // 3, : w // 4] = (250, 20, 20)
     image = Image.fromarray(rgb, "RGB")
-    if mode == "RGBA":
+    if mode in ("RGBA", "LA"):
         alpha = ((x * 255) // max(w - 1, 1)).astype(np.uint8)  # semi-transparent, left to right
         image.putalpha(Image.fromarray(alpha, "L"))
+        image = image.convert(mode)
     elif mode == "P":  # a palette with one transparent entry
         image = image.quantize(16)
         image.info["transparency"] = 0

@@ -5,7 +5,9 @@ Each example is a chat (``messages``, content parts with ``{"type": "image"}``) 
 (``images``: PIL images, paths, bytes; or the image inside each part). Per batch it:
 
 1. renders the chats with the processor's chat template and expands every image as the processor
-   does (``chat/media.py``), running the processor's image step once for the batch's images;
+   does (``chat/media.py``), running the processor's image step once for the batch's images, with
+   ``options.processor_kwargs`` (Gemma-3's ``do_pan_and_scan``) and each image in its own mode (the processor
+   composites alpha onto white itself), EXIF orientation applied to images opened from paths or bytes;
 2. tokenises them as lossmask does for any chat (message text kept as data) and labels them with the
    markers detected and verified from the processor's template, every media token masked
    (``markers/media.py``);
