@@ -270,6 +270,7 @@ def test_llava_with_given_markers_never_trains_the_template_text_around_an_image
     assert proc.tokenizer.decode(trained) == "Here it is. "
 
 
+@pytest.mark.filterwarnings("ignore:.*has no valid.jsonl:UserWarning")
 def test_the_mlx_feed_refuses_image_rows_naming_the_row(tmp_path):
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")

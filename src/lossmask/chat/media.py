@@ -14,8 +14,9 @@ template's media part, read by rendering probes with and without an image, and t
 special token the media part and the expansion write), checks that the template's image handling is
 what the processor expects, and expands rendered rows with the processor's own replacement strings
 (``expand_rows``), so that lossmask tokenises exactly the text the processor tokenises. Images are
-opened here (paths, bytes, ``{"bytes", "path"}`` structs, PIL images, ``data:`` URLs); a web URL is
-never fetched.
+opened here (paths, bytes, ``{"bytes", "path"}`` structs, PIL images, ``data:`` URLs; ``open_image``: EXIF
+orientation applied, mode kept for the processor's own conversion, bounded in pixels); a web URL is never
+fetched.
 
 Which tokens train is the marker rule's business (``markers``); the media ids found here are never
 trained (``markers.media.with_media``: each is a one-token ``mask_out`` pattern).
