@@ -71,7 +71,8 @@ def chat(where="user"):
     if where == ASSISTANT_IMAGE:
         return [{"role": "user", "content": [text("Show me.")]},
                 {"role": "assistant", "content": [IMG, text("Here it is.")]}]
-    return [{"role": "user", "content": [IMG, text("What is it?")]}, {"role": "assistant", "content": [text("A photo.")]}]
+    return [{"role": "user", "content": [IMG, text("What is it?")]},
+            {"role": "assistant", "content": [text("A photo.")]}]
 
 
 def test_exif_orientation_is_applied_to_paths_bytes_and_image_structs(folders, tmp_path):
@@ -88,7 +89,8 @@ def test_exif_orientation_is_applied_to_paths_bytes_and_image_structs(folders, t
         (got,) = hf.mask_dataset(datasets.Dataset.from_dict({"messages": [messages], "images": [[form]]}), proc,
                                  quiet=True)
         assert got["input_ids"] == truth
-        assert got["labels"] == reference_labels("idefics3", truth, proc.tokenizer.convert_ids_to_tokens(truth)).tolist()
+        tokens = proc.tokenizer.convert_ids_to_tokens(truth)
+        assert got["labels"] == reference_labels("idefics3", truth, tokens).tolist()
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "P", "CMYK", "L", "EXIF"])
@@ -238,7 +240,8 @@ def test_processor_kwargs_reach_every_processor_call_and_pan_and_scan_text_never
     (got,) = hf.mask_dataset(ds, proc, quiet=True, processor_kwargs={"do_pan_and_scan": True})
     assert got["input_ids"] == truth
     assert proc.tokenizer.decode([i for i, lab in zip(got["input_ids"], got["labels"]) if lab != -100]) == answer
-    batch = VisionCollator(proc, processor_kwargs={"do_pan_and_scan": True})([{"messages": messages, "images": [image]}])
+    collator = VisionCollator(proc, processor_kwargs={"do_pan_and_scan": True})
+    batch = collator([{"messages": messages, "images": [image]}])
     assert batch["input_ids"][0].tolist() == truth
     assert np.array_equal(batch["pixel_values"].numpy(), np.asarray(theirs["pixel_values"]))
     trained = batch["input_ids"][0][batch["labels"][0] != -100].tolist()
@@ -323,7 +326,8 @@ def test_every_family_agrees_with_its_processor_on_photographs_and_their_variant
     out = hf.mask_dataset(ds, proc, markers=markers, quiet=True)
     assert len(out) == len(rows)
     for (messages, image), got in zip(rows, out):
-        truth = processor_ids(proc, messages, [as_datasets_opens(image if isinstance(image, bytes) else encoded(image))])
+        data = image if isinstance(image, bytes) else encoded(image)
+        truth = processor_ids(proc, messages, [as_datasets_opens(data)])
         assert got["input_ids"] == truth
         if family == "llava":
             answer = "Here it is. " if messages[1]["content"][0] == IMG else "A photo. "

@@ -23,11 +23,11 @@ def _add_image_arguments(parser: argparse.ArgumentParser) -> None:
                         help="options given to every call of the processor, values read as JSON where they parse "
                              "(do_pan_and_scan=true,max_pixels=1003520)")
     images.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
-                        help=f"the most pixels one image may hold, read from its header (default {DEFAULT_MAX_IMAGE_PIXELS:,}); "
-                             "a row with a larger image is invalid, named")
+                        help="the most pixels one image may hold, read from its header "
+                             f"(default {DEFAULT_MAX_IMAGE_PIXELS:,}); a row with a larger image is invalid, named")
     images.add_argument("--max-media-tokens", type=int, default=DEFAULT_MAX_MEDIA_TOKENS, metavar="N",
-                        help=f"the most image tokens the processor may make for one row (default {DEFAULT_MAX_MEDIA_TOKENS:,}); "
-                             "a row over it is invalid, named")
+                        help="the most image tokens the processor may make for one row "
+                             f"(default {DEFAULT_MAX_MEDIA_TOKENS:,}); a row over it is invalid, named")
 
 
 def _image_options(args: argparse.Namespace) -> dict:
