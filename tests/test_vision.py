@@ -425,7 +425,17 @@ def test_collator_takes_string_and_part_contents_in_one_batch(folders):
 
 def llava_reference(ids, tokens, response, instruction):
     """The marker rule written out for LLaVA-1.5 (no stop token): after each ``ASSISTANT:`` until the next ``USER:``,
-    ``<image>`` tokens excepted."""
+    each image part excepted: its ``<image>`` tokens, the newline the template writes after them (the tokeniser's
+    space after a special token, then ``<0x0A>``) and the separator space left alone before them."""
+    part = np.zeros(len(ids), dtype=bool)
+    for k, token in enumerate(tokens):
+        if token == "<image>":
+            part[k] = True
+            if k and tokens[k - 1] == "▁":
+                part[k - 1] = True
+            if k + 1 < len(tokens) and tokens[k + 1] != "<image>":
+                after = k + 1 + (tokens[k + 1] == "▁")
+                part[k + 1:after + (after < len(tokens) and tokens[after] == "<0x0A>")] = True
     labels = np.full(len(ids), -100, dtype=np.int64)
     inside = False
     k = 0
@@ -435,7 +445,7 @@ def llava_reference(ids, tokens, response, instruction):
             continue
         if ids[k:k + len(instruction)] == instruction:
             inside = False
-        if inside and tokens[k] != "<image>":
+        if inside and not part[k]:
             labels[k] = ids[k]
         k += 1
     return labels

@@ -13,6 +13,29 @@ def _example(args: argparse.Namespace) -> int:
     return run_example()
 
 
+def _add_image_arguments(parser: argparse.ArgumentParser) -> None:
+    from .options import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_MEDIA_TOKENS
+
+    images = parser.add_argument_group("chats with images, through a processor (docs/vision.md)")
+    images.add_argument("--media-dir", metavar="DIR",
+                        help="the folder a relative image path is read from (default: the folder of the data file "
+                             "that holds the row); absolute paths are read as they are")
+    images.add_argument("--processor-kwargs", metavar="KEY=VALUE,...",
+                        help="options given to every call of the processor, values read as JSON where they parse "
+                             "(do_pan_and_scan=true,max_pixels=1003520)")
+    images.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
+                        help="the most pixels one image may hold, read from its header "
+                             f"(default {DEFAULT_MAX_IMAGE_PIXELS:,}); a row with a larger image is invalid, named")
+    images.add_argument("--max-media-tokens", type=int, default=DEFAULT_MAX_MEDIA_TOKENS, metavar="N",
+                        help="the most image tokens the processor may make for one row "
+                             f"(default {DEFAULT_MAX_MEDIA_TOKENS:,}); a row over it is invalid, named")
+
+
+def _image_options(args: argparse.Namespace) -> dict:
+    return dict(media_dir=args.media_dir, processor_kwargs=args.processor_kwargs,
+                max_image_pixels=args.max_image_pixels, max_media_tokens=args.max_media_tokens)
+
+
 def _mask(args: argparse.Namespace) -> int:
     from .jobs.stopping import stop_on_signals
 
@@ -43,6 +66,7 @@ def _mask_job(args: argparse.Namespace) -> int:
             prompt_weight=args.prompt_weight, train_on_eos=args.train_on_eos, reasoning=args.reasoning,
             mask_empty_think=args.mask_empty_think, loss_weights=args.loss_weights,
             loss_weights_column=args.loss_weights_column, source_column=args.source_column,
+            **_image_options(args),
         )
         report = mask_files(
             args.input, args.output, tokenizer=args.tokenizer, chat_template=args.chat_template,
@@ -160,6 +184,7 @@ def _add_mask_command(commands) -> None:
                         help="rows checked for user, system or tool text that trains and assistant text that does not "
                              "(dropped as template_breaks_roles): every row of an unusual shape (default), or all rows "
                              "(slower)")
+    _add_image_arguments(mask)
     weights = mask.add_argument_group(
         "weights (docs/weights.md): a float per token, labels train where it is > 0; sources apply in this order: "
         "role, the message's field, character spans and content parts, reasoning, stop tokens, prompt weight. "

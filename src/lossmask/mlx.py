@@ -277,6 +277,8 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
                 f"{name} mixes row shapes: row 0 is {first}, row {index} is {shape}; mlx-lm picks one shape "
                 "from the first row and fails or silently misreads the rest. Put one shape per split"
             )
+    if first == "chat":
+        _refuse_media(rows, features, name)
     ct = load_tokenizer(tokenizer)
     if first == "text":
         if mask_prompt:
@@ -312,6 +314,22 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
             "Fix or remove them (a message the chat template does not render would leave its turn mislabelled)"
         )
     return encoded.input_ids, first, encoded
+
+
+def _refuse_media(rows: Sequence[dict], features: Features, name: str) -> None:
+    """A chat row with an image (or video, audio) part, or an ``images`` entry, raises naming the row: the feed
+    tokenises text only, so the processor's expansion and the pixels would be missing and a model would train on a
+    row whose placeholder count does not match its images."""
+    from .chat.media import image_parts, other_media
+
+    for index, row in enumerate(rows):
+        messages = row.get(features.chat)
+        kind = other_media(messages) or ("image" if image_parts(messages) or row.get("images") else None)
+        if kind:
+            raise ValueError(
+                f"{name} row {index} holds a {kind!r} part; the MLX feed trains text models only and would tokenise "
+                "it as one unexpanded placeholder with no pixels. Remove such rows (or train them with "
+                "lossmask.vision.VisionCollator)")
 
 
 def _shaped(rows, ct, features, name) -> list:

@@ -45,6 +45,10 @@ SHAREGPT_COLUMN = "conversations"  # read as the chat when the messages column i
 DEFAULT_BATCH_SIZE = 16_384
 DEFAULT_MAX_DROP_FRACTION = 0.30  # the safety net's default: a job stops when more of its rows train nothing
 LABEL_DTYPES = ("int64", "int32")
+# images (docs/vision.md): the most pixels one image may hold, read from its header before it is decoded, and the
+# most image tokens a processor may make for one row's images; a row over either is invalid, named
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+DEFAULT_MAX_MEDIA_TOKENS = 65_536
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,13 @@ class MaskOptions:
     max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION
     # how much is read at a time
     batch_size: int = DEFAULT_BATCH_SIZE
+    # chats with images, through a processor (docs/vision.md): the folder a relative image path is read from (default:
+    # the folder of the data file that holds the row; the current folder for in-memory datasets), options given to
+    # every call of the processor (a dict, or "do_pan_and_scan=true,max_pixels=1000000"), and the bounds above
+    media_dir: str | None = None
+    processor_kwargs: Any = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_media_tokens: int = DEFAULT_MAX_MEDIA_TOKENS
 
     def __post_init__(self) -> None:
         if self.max_length is not None and not _positive_int(self.max_length):
@@ -109,6 +120,14 @@ class MaskOptions:
         if isinstance(self.max_drop_fraction, bool) or not isinstance(self.max_drop_fraction, (int, float)) \
                 or not 0.0 <= self.max_drop_fraction <= 1.0:
             raise ValueError(f"max_drop_fraction={self.max_drop_fraction!r} must be a fraction in [0, 1] (e.g. 0.30)")
+        for name in ("max_image_pixels", "max_media_tokens"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if self.media_dir is not None:
+            import os
+
+            object.__setattr__(self, "media_dir", os.fspath(self.media_dir))
+        object.__setattr__(self, "processor_kwargs", parse_processor_kwargs(self.processor_kwargs))
         if self.label_dtype not in LABEL_DTYPES:
             raise ValueError(f"label_dtype={self.label_dtype!r}; pass one of {LABEL_DTYPES}")
         if self.special_tokens_in_content not in SPECIAL_TOKENS_IN_CONTENT:
@@ -184,6 +203,10 @@ class MaskOptions:
             return ()
         return WEIGHT_FIELDS if self.weight_field == "auto" else (self.weight_field,)
 
+    def processor_call_kwargs(self) -> dict[str, Any]:
+        """The keywords given to every processor call (``processor_kwargs``)."""
+        return dict(self.processor_kwargs)
+
     def roles(self) -> dict[str, str]:
         """The ShareGPT speaker -> role map this job uses."""
         return dict(self.role_map)
@@ -253,6 +276,33 @@ def _pairs(name: str, text: str, form: str, example: str, convert: Any = str) ->
         if not sep or not key or not value:
             raise ValueError(f"{name}={text!r}: {item!r} is not {form}; write it as {example!r}") from None
     return given
+
+
+def parse_processor_kwargs(kwargs: Any) -> tuple[tuple[str, Any], ...]:
+    """``processor_kwargs`` (None, a dict, pairs, or ``"do_pan_and_scan=true,max_pixels=1000000"``, each value read as
+    JSON where it parses, else kept as a string) as sorted pairs."""
+    import json
+
+    if kwargs is None:
+        return ()
+    if isinstance(kwargs, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in kwargs):
+        given = dict(kwargs)
+    elif isinstance(kwargs, str):
+        def value(text: str) -> Any:
+            try:
+                return json.loads(text)
+            except ValueError:
+                return text
+
+        given = _pairs("processor_kwargs", kwargs, "KEY=VALUE", "do_pan_and_scan=true", value)
+    elif isinstance(kwargs, dict):
+        given = dict(kwargs)
+    else:
+        raise TypeError(f"processor_kwargs={kwargs!r}: pass a dict such as {{'do_pan_and_scan': True}} or "
+                        "'do_pan_and_scan=true'")
+    if not all(isinstance(k, str) and k.isidentifier() for k in given):
+        raise ValueError(f"processor_kwargs={kwargs!r}: keys must be the processor's keyword names")
+    return tuple(sorted(given.items()))
 
 
 def parse_roles(roles: Any) -> list[str]:

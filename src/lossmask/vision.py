@@ -5,7 +5,9 @@ Each example is a chat (``messages``, content parts with ``{"type": "image"}``) 
 (``images``: PIL images, paths, bytes; or the image inside each part). Per batch it:
 
 1. renders the chats with the processor's chat template and expands every image as the processor
-   does (``chat/media.py``), running the processor's image step once for the batch's images;
+   does (``chat/media.py``), running the processor's image step once for the batch's images, with
+   ``options.processor_kwargs`` (Gemma-3's ``do_pan_and_scan``) and each image in its own mode (the processor
+   composites alpha onto white itself), EXIF orientation applied to images opened from paths or bytes;
 2. tokenises them as lossmask does for any chat (message text kept as data) and labels them with the
    markers detected and verified from the processor's template, every media token masked
    (``markers/media.py``);
@@ -84,7 +86,7 @@ class VisionCollator:
             table = pa.Table.from_pylist(chats)
         except (pa.ArrowInvalid, pa.ArrowTypeError):  # messages of mixed shapes (string and list content): as JSON
             table = pa.table({"messages": [[json.dumps(m) for m in chat["messages"]] for chat in chats]})
-        encoded = encode_media_table(self.chat, table, self.options, images=images)
+        encoded = encode_media_table(self.chat, table, self.options, images=images, keep_features=True)
         if encoded.errors or not encoded.valid.all():
             row, detail = encoded.errors[0] if encoded.errors else encoded.dropped[0][::2] if encoded.dropped else (-1, "?")
             detail = f"row {row}: {detail}"

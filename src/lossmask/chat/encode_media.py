@@ -26,14 +26,14 @@ IMAGES_COLUMN = "images"
 
 
 def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0, markers: Any = "unknown",
-                       images: Sequence[Any] | None = None):
+                       images: Sequence[Any] | None = None, keep_features: bool = False):
     """``encode_batch.encode_table`` for chat rows through a processor: rendered as any chat, each image placeholder
     expanded as the processor expands it, then tokenised as any chat (message text kept as data).
 
     A row whose images cannot be used is ``invalid``, named. The number of counted media tokens in each row must be
     what the processor produced for its images: a mismatch (a ``max_length`` that cuts an image) raises, naming the
-    row. Rows without images are encoded exactly as without a processor. The processor's image outputs for the
-    rows' images (``pixel_values``...) are kept on the result as ``media``."""
+    row. Rows without images are encoded exactly as without a processor. With ``keep_features`` (a collator), the
+    processor's image outputs for the rows' images (``pixel_values``...) are kept on the result as ``media``."""
     import dataclasses
     import time
 
@@ -44,7 +44,7 @@ def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0
         images = table.column(IMAGES_COLUMN).to_pylist()
     if images is not None:  # per row of the table: its images (given by a collator, or the column)
         given = [images[r - first_row] for r in rendered.rows]
-    expanded = expand_rows(tok, rendered.texts, rendered.chats, given)
+    expanded = expand_rows(tok, rendered.texts, rendered.chats, given, options, keep_features=keep_features)
     errors = list(rendered.errors)
     valid = rendered.valid.copy()
     texts, chats, rows, check, expected = expanded.texts, list(rendered.chats), list(rendered.rows), rendered.check, expanded.expected
@@ -77,5 +77,6 @@ def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0
             f"{want[bad]} for its images (max_length={options.max_length} may cut an image: raise it, or leave it unset)")
     offsets = ids.offsets.to_numpy()
     values = ids.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
-    spans = media_spans(values, offsets - offsets[0], media.ids, [c for c, k in zip(per_image, kept) if k])
+    spans = media_spans(values, offsets - offsets[0], media.ids, [c for c, k in zip(per_image, kept) if k],
+                        blank=lambda token: media.blank(tok, token))
     return dataclasses.replace(encoded, media=expanded.features, media_ids=media.ids, media_span=spans)

@@ -167,6 +167,14 @@ class InputFiles:
             return None  # a row of the one Parquet/IPC file is already named by its number
         return f"{escaped(segment.path)}, {segment.unit} {segment.first + row - segment.first_row}"
 
+    def folder_of(self, row: int) -> str | None:
+        """The folder of the file that holds row ``row`` of the job, once read (None for stdin, or a row not read):
+        where a relative image path in that row is read from."""
+        k = bisect.bisect_right(self._starts, row) - 1
+        if k < 0 or self._segments[k].path == "-":
+            return None
+        return os.path.dirname(os.path.abspath(self._segments[k].path))
+
     def name_rows(self, text: str, *, count: int = 0) -> str:
         """``text`` with ``row N`` (a row of the job) followed by where that row is: ``row N (file, line L)``."""
 

@@ -10,6 +10,7 @@ job leaves no file that looks complete (``outputs.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -173,9 +174,9 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
                         tally += encoded.tally  # in input order
                     else:
                         with kernel_call():  # a stop signal waits for the kernel (jobs/stopping.py)
-                            out = mask_batch(batch, resolved, options, tally, tokenizer=tokenizer, kind=kind,
-                                             first_row=first_row, source=source, encoded=encoded,
-                                             write_weights=write_weights)
+                            out = mask_batch(batch, resolved, _batch_options(options, dataset, first_row, tokenizer),
+                                             tally, tokenizer=tokenizer, kind=kind, first_row=first_row,
+                                             source=source, encoded=encoded, write_weights=write_weights)
                 except (ValueError, TypeError) as exc:
                     raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
                 tally.invalid_examples[seen:] = [dataset.name_rows(e, count=1) for e in tally.invalid_examples[seen:]]
@@ -377,6 +378,15 @@ class _Labelled(NamedTuple):
 
     table: pa.Table
     tally: Tally
+
+
+def _batch_options(options: MaskOptions, dataset: InputFiles, first_row: int, tokenizer: Any) -> MaskOptions:
+    """``options`` for one batch: through a processor, with no ``media_dir`` given, a relative image path is read
+    from the folder of the data file that holds the row (a batch is read from one file)."""
+    if options.media_dir is not None or getattr(tokenizer, "processor", None) is None:
+        return options
+    folder = dataset.folder_of(first_row)
+    return options if folder is None else dataclasses.replace(options, media_dir=folder)
 
 
 def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc, markers="unknown", *,

@@ -1,0 +1,337 @@
+"""Images as the processor sees them: EXIF orientation, alpha and other modes, where a path is read from, the bounds
+on one image and on one row, per-call processor options (Gemma-3's pan-and-scan), LLaVA's template text around an
+image, and the MLX feed's refusal of image rows.
+
+Ground truth is the processor's own output on the image as ``datasets`` and transformers' ``load_image`` open it (the
+EXIF orientation applied, the mode kept): its ``input_ids``, its ``pixel_values``, and labels written from the rule
+(assistant text trains; every token of an image's expansion, and the template's text around it, never trains).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+from PIL import Image, ImageOps  # noqa: E402
+
+from lossmask import hf, load_tokenizer, mask_files  # noqa: E402
+from lossmask.chat.media import MediaDetectionError, load_processor, media_tokens  # noqa: E402
+from test_vision import IMG, folders, processor, processor_ids, reference_labels, text  # noqa: E402,F401
+
+ASSISTANT_IMAGE = "assistant"
+
+
+def photo(w, h, mode="RGB"):
+    """A small image with structure (a gradient and a block), so that a turn, a flip or a lost channel shows."""
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], axis=-1).astype(np.uint8)
+    rgb[: h // 3, : w // 4] = (250, 20, 20)
+    image = Image.fromarray(rgb, "RGB")
+    if mode in ("RGBA", "LA"):
+        alpha = ((x * 255) // max(w - 1, 1)).astype(np.uint8)  # semi-transparent, left to right
+        image.putalpha(Image.fromarray(alpha, "L"))
+        image = image.convert(mode)
+    elif mode == "P":  # a palette with one transparent entry
+        image = image.quantize(16)
+        image.info["transparency"] = 0
+    elif mode != "RGB":
+        image = image.convert(mode)
+    return image
+
+
+def encoded(image, fmt="PNG", orientation=None) -> bytes:
+    buffer = io.BytesIO()
+    kwargs = {}
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        kwargs["exif"] = exif
+    if image.mode == "P" and "transparency" in image.info:
+        kwargs["transparency"] = image.info["transparency"]
+    image.save(buffer, format=fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def as_datasets_opens(data: bytes):
+    """The image as the ``datasets`` Image feature (and ``load_image``, less its RGB conversion) gives it."""
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return ImageOps.exif_transpose(image)
+
+
+def chat(where="user"):
+    if where == ASSISTANT_IMAGE:
+        return [{"role": "user", "content": [text("Show me.")]},
+                {"role": "assistant", "content": [IMG, text("Here it is.")]}]
+    return [{"role": "user", "content": [IMG, text("What is it?")]},
+            {"role": "assistant", "content": [text("A photo.")]}]
+
+
+def test_exif_orientation_is_applied_to_paths_bytes_and_image_structs(folders, tmp_path):
+    """Idefics3 splits a 728x364 image into one row of two tiles and its turned form into two rows of one: the ids
+    name the tiles (<row_1_col_2> against <row_2_col_1>), so an orientation left out writes other ids."""
+    proc = processor(folders, "idefics3")
+    data = encoded(photo(364, 728), orientation=6)  # stored upright 364x728, shown turned: 728x364
+    path = tmp_path / "turned.png"
+    path.write_bytes(data)
+    messages = chat()
+    truth = processor_ids(proc, messages, [as_datasets_opens(data)])
+    assert truth != processor_ids(proc, messages, [Image.open(io.BytesIO(data))])  # the orientation matters here
+    for form in (str(path), data, {"bytes": data, "path": None}, {"bytes": None, "path": str(path)}):
+        (got,) = hf.mask_dataset(datasets.Dataset.from_dict({"messages": [messages], "images": [[form]]}), proc,
+                                 quiet=True)
+        assert got["input_ids"] == truth
+        tokens = proc.tokenizer.convert_ids_to_tokens(truth)
+        assert got["labels"] == reference_labels("idefics3", truth, tokens).tolist()
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P", "CMYK", "L", "EXIF"])
+def test_collator_pixels_equal_the_processors_for_every_image_mode(folders, mode):
+    """Alpha is composited onto white by the processor itself (a semi-transparent image's hidden colour never shows);
+    palette, CMYK and grayscale images are converted by it; an EXIF-turned image is turned first."""
+    import torch
+
+    from lossmask.vision import VisionCollator
+
+    proc = processor(folders, "qwen2-vl")
+    if mode == "EXIF":
+        data = encoded(photo(56, 112), orientation=8)
+        given, truth = data, as_datasets_opens(data)
+    elif mode == "CMYK":
+        data = encoded(photo(112, 56, "CMYK"), fmt="JPEG")
+        given, truth = data, as_datasets_opens(data)
+    else:
+        given = truth = photo(112, 56, mode)
+    messages = chat()
+    batch = VisionCollator(proc)([{"messages": messages, "images": [given]}])
+    rendered = proc.apply_chat_template(messages, tokenize=False)
+    theirs = proc(text=[rendered], images=[[truth]], add_special_tokens=False, return_tensors="pt")
+    assert batch["input_ids"][0].tolist() == theirs["input_ids"][0].tolist()
+    assert torch.equal(batch["image_grid_thw"], theirs["image_grid_thw"])
+    assert torch.equal(batch["pixel_values"], theirs["pixel_values"])
+
+
+def write_rows(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def path_row(image_path):
+    return {"messages": [{"role": "user", "content": [{"type": "image", "image": image_path}, text("What is it?")]},
+                         {"role": "assistant", "content": [text("A photo.")]}]}
+
+
+def test_relative_image_paths_are_read_from_the_data_files_folder_or_media_dir(folders, tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from lossmask.cli import main
+
+    data = tmp_path / "data"
+    (data / "img").mkdir(parents=True)
+    (data / "img" / "a.png").write_bytes(encoded(photo(64, 48)))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the current folder holds no image
+    source = write_rows(data / "chats.jsonl", [path_row("img/a.png")])
+    report = mask_files(source, tmp_path / "out.parquet", tokenizer=folders["qwen2-vl"], progress=False)
+    assert report.rows_out == 1 and report.media_tokens > 0
+    # a media folder apart from the data (datasets' and LLaMA-Factory's layout): --media-dir / media_dir
+    media = tmp_path / "media"
+    (media / "img").mkdir(parents=True)
+    (media / "img" / "b.png").write_bytes(encoded(photo(64, 48)))
+    source = write_rows(tmp_path / "other" / "chats.jsonl", [path_row("img/b.png")])
+    assert main(["mask", str(source), str(tmp_path / "out2.parquet"), "--tokenizer", str(folders["qwen2-vl"]),
+                 "--media-dir", str(media), "--no-progress"]) == 0
+    assert pq.read_table(tmp_path / "out2.parquet").num_rows == 1
+    # absolute paths are read as they are
+    report = mask_files(write_rows(tmp_path / "abs" / "chats.jsonl", [path_row(str(media / "img" / "b.png"))]),
+                        tmp_path / "out3.parquet", tokenizer=folders["qwen2-vl"], progress=False)
+    assert report.rows_out == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_an_image_path_that_is_not_a_regular_file_is_invalid_and_never_read(folders, tmp_path):
+    os.mkfifo(tmp_path / "pipe.png")  # opening it would wait for a writer forever
+    (tmp_path / "folder.png").mkdir()
+    rows = [path_row("pipe.png"), path_row("folder.png"), path_row("missing.png")]
+    report = mask_files(write_rows(tmp_path / "chats.jsonl", rows), tmp_path / "out.parquet",
+                        tokenizer=folders["qwen2-vl"], progress=False, max_drop_fraction=1.0)
+    assert report.dropped["invalid"] == 3
+    examples = " ".join(report.invalid_examples)
+    assert "pipe.png' is not a regular file" in examples and "folder.png' is not a regular file" in examples
+    assert "missing.png" in examples and "FileNotFoundError" in examples
+
+
+def png_header(width, height) -> bytes:
+    """A PNG that says it is ``width`` x ``height`` and holds one row: refused from its header, never decoded."""
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\x00" * (width + 1)))
+            + chunk(b"IEND", b""))
+
+
+def test_an_image_over_max_image_pixels_is_invalid_from_its_header(folders):
+    proc = processor(folders, "qwen2-vl")
+    rows = {"messages": [chat(), chat(), chat()],
+            "images": [[png_header(12000, 12000)], [encoded(photo(64, 48))], [encoded(photo(64, 48))]]}
+    out, report = hf.mask_dataset(datasets.Dataset.from_dict(rows), proc, return_report=True, quiet=True,
+                                  max_drop_fraction=1.0)
+    assert report.rows_out == 2 and report.dropped["invalid"] == 1
+    assert "row 0: image 0 is 12000x12000, 144,000,000 pixels, over max_image_pixels=50,000,000" in \
+        report.invalid_examples[0]
+    _, report = hf.mask_dataset(datasets.Dataset.from_dict(rows), proc, return_report=True, quiet=True,
+                                max_drop_fraction=1.0, max_image_pixels=1000)
+    assert report.rows_out == 0 and report.dropped["invalid"] == 3
+
+
+def test_a_row_over_max_media_tokens_is_invalid_before_its_pixels_are_made(folders):
+    """The processor's own count from the image sizes is read before its image step runs: a ``min_pixels`` of 1e12
+    would make each 64x64 image a trillion pixels."""
+    proc = processor(folders, "qwen2-vl")
+    rows = {"messages": [chat()] * 2, "images": [[encoded(photo(64, 64))]] * 2}
+    _, report = hf.mask_dataset(datasets.Dataset.from_dict(rows), proc, return_report=True, quiet=True,
+                                max_drop_fraction=1.0, processor_kwargs={"min_pixels": 10 ** 12})
+    assert report.dropped["invalid"] == 2 and "over max_media_tokens=65,536" in report.invalid_examples[0]
+    big = {"messages": [chat()], "images": [[encoded(photo(200, 200))]]}  # 49 image tokens
+    _, report = hf.mask_dataset(datasets.Dataset.from_dict(big), proc, return_report=True, quiet=True,
+                                max_drop_fraction=1.0, max_media_tokens=20)
+    assert report.dropped["invalid"] == 1
+    assert "its images make 49 image tokens, over max_media_tokens=20" in report.invalid_examples[0]
+
+
+def test_a_processor_config_that_blows_every_image_up_is_refused_at_setup(folders, tmp_path):
+    import shutil
+
+    folder = tmp_path / "huge"
+    shutil.copytree(folders["qwen2-vl"], folder)
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    config.update(min_pixels=10 ** 12, max_pixels=10 ** 13)
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    with pytest.raises(MediaDetectionError, match="image tokens for a 56x56 probe image"):
+        media_tokens(load_tokenizer(folder))
+
+
+@pytest.mark.parametrize("where", ["user", ASSISTANT_IMAGE])
+def test_processor_kwargs_reach_every_processor_call_and_pan_and_scan_text_never_trains(folders, where):
+    """Gemma-3's pan-and-scan writes the whole image and its crops, with text between them ("Here is the original
+    image ... and here it is cropped"): its ids are the processor's with the same keyword, and none of it trains."""
+    from lossmask.vision import VisionCollator
+
+    proc = processor(folders, "gemma-3")
+    image = photo(600, 400)
+    messages = chat(where)
+    rendered = proc.apply_chat_template(messages, tokenize=False)
+    theirs = proc(text=[rendered], images=[[image]], add_special_tokens=False, do_pan_and_scan=True)
+    truth = [int(i) for i in theirs["input_ids"][0]]
+    assert len(truth) > len(processor_ids(proc, messages, [image])) + 256  # crops were made
+    answer = "Here it is.<end_of_turn>" if where == ASSISTANT_IMAGE else "A photo.<end_of_turn>"
+    ds = datasets.Dataset.from_dict({"messages": [messages], "images": [[encoded(image)]]})
+    (got,) = hf.mask_dataset(ds, proc, quiet=True, processor_kwargs={"do_pan_and_scan": True})
+    assert got["input_ids"] == truth
+    assert proc.tokenizer.decode([i for i, lab in zip(got["input_ids"], got["labels"]) if lab != -100]) == answer
+    collator = VisionCollator(proc, processor_kwargs={"do_pan_and_scan": True})
+    batch = collator([{"messages": messages, "images": [image]}])
+    assert batch["input_ids"][0].tolist() == truth
+    assert np.array_equal(batch["pixel_values"].numpy(), np.asarray(theirs["pixel_values"]))
+    trained = batch["input_ids"][0][batch["labels"][0] != -100].tolist()
+    assert proc.tokenizer.decode(trained) == answer
+
+
+def test_processor_kwargs_are_read_from_the_command_line_form():
+    from lossmask import MaskOptions
+
+    options = MaskOptions(processor_kwargs="do_pan_and_scan=true,max_pixels=1003520,resample=bicubic")
+    assert options.processor_call_kwargs() == {"do_pan_and_scan": True, "max_pixels": 1003520, "resample": "bicubic"}
+    with pytest.raises(ValueError, match="processor_kwargs"):
+        MaskOptions(processor_kwargs="do_pan_and_scan")
+
+
+def test_llava_with_given_markers_never_trains_the_template_text_around_an_image(folders):
+    """LLaVA-1.5's template writes ``ASSISTANT: <image>\\n``: the space before the image and the newline after it
+    are the image part's, not the answer's."""
+    from lossmask import markers_from_strings
+
+    proc = processor(folders, "llava")
+    markers = markers_from_strings(load_tokenizer(proc), response="ASSISTANT:", instruction="USER:")
+    messages = chat(ASSISTANT_IMAGE)
+    (got,) = hf.mask_dataset(datasets.Dataset.from_dict({"messages": [messages], "images": [[encoded(photo(40, 40))]]}),
+                             proc, markers=markers, quiet=True)
+    assert got["input_ids"] == processor_ids(proc, messages, [photo(40, 40)])
+    trained = [i for i, lab in zip(got["input_ids"], got["labels"]) if lab != -100]
+    assert proc.tokenizer.convert_ids_to_tokens(trained)[0] == "Here"
+    assert proc.tokenizer.decode(trained) == "Here it is. "
+
+
+@pytest.mark.filterwarnings("ignore:.*has no valid.jsonl:UserWarning")
+def test_the_mlx_feed_refuses_image_rows_naming_the_row(tmp_path):
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    import lossmask
+    from lossmask import mlx as lm
+
+    from conftest import tokenizer_path
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path("lfm2"))
+    plain = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    pictured = {"messages": [{"role": "user", "content": [IMG, text("What is it?")]},
+                             {"role": "assistant", "content": "A photo."}]}
+    folder = tmp_path / "d"
+    write_rows(folder / "train.jsonl", [plain, pictured])
+    with pytest.raises(ValueError, match=r"train.jsonl row 1 holds a 'image' part; the MLX feed trains text models"):
+        lm.load_dataset(folder, tok, markers=lossmask.detect_markers(tok))
+
+
+def photographs():
+    """A real photograph where a package here ships one (matplotlib's sample data), else a generated image; and the
+    variants the processors must agree on: EXIF-turned, alpha, palette, CMYK, grayscale, a thin strip, a tiny one."""
+    import importlib.util
+
+    base = photo(300, 200)
+    spec = importlib.util.find_spec("matplotlib")
+    if spec is not None and spec.submodule_search_locations:
+        sample = os.path.join(spec.submodule_search_locations[0], "mpl-data", "sample_data", "grace_hopper.jpg")
+        if os.path.isfile(sample):
+            base = Image.open(sample).convert("RGB").resize((300, 352))
+    rgba = base.copy()
+    rgba.putalpha(Image.fromarray(np.tile(np.arange(base.width, dtype=np.uint8), (base.height, 1)), "L"))
+    return [encoded(base, orientation=6), rgba, encoded(base.quantize(32)), encoded(base.convert("CMYK"), fmt="JPEG"),
+            encoded(base.convert("L")), base.resize((300, 20)), base.resize((20, 15))]
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "gemma-3", "idefics3", "llava"])
+def test_every_family_agrees_with_its_processor_on_photographs_and_their_variants(folders, family):
+    """Each image in a user turn and in an assistant turn: ids equal the processor's on the image as ``datasets``
+    opens it, labels the rule's (``reference_labels``; LLaVA: the answer's text alone trains)."""
+    from lossmask import markers_from_strings
+
+    proc = processor(folders, family)
+    markers = markers_from_strings(load_tokenizer(proc), response="ASSISTANT:", instruction="USER:") \
+        if family == "llava" else None
+    images = photographs()
+    rows = [(chat(where), image) for image in images for where in ("user", ASSISTANT_IMAGE)]
+    ds = datasets.Dataset.from_dict({"messages": [m for m, _ in rows],
+                                     "images": [[i if isinstance(i, bytes) else encoded(i)] for _, i in rows]})
+    out = hf.mask_dataset(ds, proc, markers=markers, quiet=True)
+    assert len(out) == len(rows)
+    for (messages, image), got in zip(rows, out):
+        data = image if isinstance(image, bytes) else encoded(image)
+        truth = processor_ids(proc, messages, [as_datasets_opens(data)])
+        assert got["input_ids"] == truth
+        if family == "llava":
+            answer = "Here it is. " if messages[1]["content"][0] == IMG else "A photo. "
+            assert proc.tokenizer.decode([i for i, lab in zip(truth, got["labels"]) if lab != -100]) == answer
+        else:
+            tokens = proc.tokenizer.convert_ids_to_tokens(truth)
+            assert got["labels"] == reference_labels(family, truth, tokens).tolist()
