@@ -10,7 +10,8 @@ message's pieces in the rendered text, in order:
 - the reasoning fields (``reasoning_content``, ``reasoning``, ``thinking``);
 - each tool call's name and arguments: the JSON text as ``tojson`` writes it, else the arguments' values
   (every scalar, in the forms templates print it, found in order): GLM-4 and DeepSeek-V4 write
-  arguments as key/value markup (``<arg_key>a</arg_key><arg_value>1.5</arg_value>``), not JSON.
+  arguments as key/value markup (``<arg_key>a</arg_key><arg_value>1.5</arg_value>``), not JSON; arguments
+  that print no value (``{}``, empty strings) are found by the call's name, as those templates write nothing else.
 
 A piece is looked for as written, then stripped (Llama-3 trims contents), then with every
 whitespace run allowed to be any whitespace run (Falcon rewrites blank lines and CRLF); where a string
@@ -96,15 +97,17 @@ def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
             pieces.append((function["name"], False, "tool call name"))
         arguments = function.get("arguments")
         if isinstance(arguments, Mapping) or (isinstance(arguments, str) and arguments.strip()):
-            pieces.append((_Arguments(arguments), True, "tool call arguments"))
+            name = function.get("name") if isinstance(function.get("name"), str) else ""
+            pieces.append((_Arguments(arguments, name.strip()), True, "tool call arguments"))
     return pieces
 
 
 def _leaves(value: Any) -> list[Any]:
-    """The scalar leaves of a JSON value, in order (an object's keys are the template's business, not data)."""
-    if isinstance(value, Mapping):
+    """The scalar leaves of a JSON value, in order (an object's keys are the template's business, not data); an
+    empty object or list is a leaf of its own (GLM-4 writes ``<arg_value>[]</arg_value>``)."""
+    if isinstance(value, Mapping) and value:
         return [s for v in value.values() for s in _leaves(v)]
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and value:
         return [s for v in value for s in _leaves(v)]
     return [value]
 
@@ -217,9 +220,11 @@ def _blame(text: str, piece: str, found_at, messages) -> tuple[int, str, str] | 
 class _Arguments(str):
     """A tool call's arguments (an object, or its JSON text). ``str`` of it is the text as given (or as
     ``tojson`` writes an object); ``forms``: the JSON texts a template may write; ``leaves``: for each scalar
-    value, the forms a template prints it in, for templates that write key/value markup instead of JSON."""
+    value, the forms a template prints it in, for templates that write key/value markup instead of JSON.
+    ``name``: the call's name, the one text left to find when the arguments print no value (``{}``, or only empty
+    strings: GLM-4 and DeepSeek-V4 write nothing for them)."""
 
-    def __new__(cls, arguments: Any):
+    def __new__(cls, arguments: Any, name: str = ""):
         value = arguments
         if isinstance(arguments, str):
             try:
@@ -232,8 +237,9 @@ class _Arguments(str):
         if isinstance(value, (Mapping, list)):
             forms += [json.dumps(value, ensure_ascii=False), json.dumps(value), json.dumps(value, separators=(",", ":"))]
         self.forms = tuple(dict.fromkeys(forms))
-        self.leaves = [_leaf_pattern(v) for v in _leaves(value)] if isinstance(value, (Mapping, list)) else []
+        self.leaves = [_leaf_pattern(v) for v in _leaves(value)] if isinstance(value, (Mapping, list)) and value else []
         self.leaves = [p for p in self.leaves if p is not None]
+        self.name = name if isinstance(value, (Mapping, list)) and not self.leaves else ""
         # the string values, which templates copy verbatim (the raw text when it is not a JSON object or list)
         self.strings = ([v for v in _leaves(value) if isinstance(v, str) and v.strip()]
                         if isinstance(value, (Mapping, list)) else [first])
@@ -243,13 +249,16 @@ class _Arguments(str):
 def _leaf_pattern(value: Any) -> re.Pattern | None:
     """How a template may print one argument value: a string quoted as JSON or between markup (``>v<``),
     a number as JSON or Python writes it, a boolean or null as JSON or Python; a number or word is
-    matched whole (``1`` is not found inside ``10``). Empty strings print as nothing: None."""
+    matched whole (``1`` is not found inside ``10``); an empty object or list as ``{}`` or ``[]``. Empty strings print
+    as nothing: None."""
     if isinstance(value, str):
         if not value.strip():
             return None
         forms = {json.dumps(value, ensure_ascii=False), json.dumps(value), f">{value}<", f">{value.strip()}<",
                  f"'{value}'"}
         return re.compile("|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)))
+    if isinstance(value, (Mapping, list, tuple)):  # an empty object or list, as JSON or Python writes it
+        return re.compile(r"\{\s*\}" if isinstance(value, Mapping) else r"\[\s*\]")
     if isinstance(value, bool) or value is None:
         words = {"true", "True"} if value is True else {"false", "False"} if value is False else {"null", "None"}
         return re.compile(r"(?<!\w)(?:" + "|".join(sorted(words)) + r")(?!\w)")
@@ -270,6 +279,8 @@ def find_piece(text: str, piece: str, start: int = 0) -> tuple[int, int] | None:
 def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
     if isinstance(piece, _Arguments):
         found = _find_first(text, piece.forms, start) or _find_text(text, str(piece), start)
+        if found is None and piece.name:  # no value to find: the call is there when its name is
+            return _find_text(text, piece.name, start)
         if found is not None or not piece.leaves:
             return found
         # each value in order, after the last: the call's own text (an earlier look-alike is not the call)

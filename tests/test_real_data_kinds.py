@@ -1,0 +1,113 @@
+"""Kinds of row that real public data holds (BFCL, Glaive, LLaMA-Factory's samples) and peers' dataset forms.
+
+Each test runs on a real tokenizer with its real chat template (``conftest.chat_tokenizer``), on rows written
+here in the shape those datasets have; a row the template changes is counted, never labelled silently.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import chat_tokenizer
+from lossmask import mask_files
+from lossmask.chat.encode_rendered import encode_rendered
+from lossmask.chat.locate import locate_messages
+
+U = lambda text: {"role": "user", "content": text}  # noqa: E731
+A = lambda text: {"role": "assistant", "content": text}  # noqa: E731
+
+
+def _dropped(ct, messages, tools=None, text=None):
+    text = ct.render(messages, tools=tools) if text is None else text
+    return encode_rendered(ct, [text], [messages]).dropped
+
+
+def _mask(tmp_path, family, rows, name="in.jsonl", **options):
+    path = tmp_path / name
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    out = tmp_path / (name + ".parquet")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = mask_files(path, out, tokenizer=chat_tokenizer(family), max_drop_fraction=1.0, **options)
+    assert report.rows_in == report.rows_out + sum(report.dropped.values())
+    return report, pq.read_table(out)
+
+
+def _trained_text(family, table, row=0) -> str:
+    ids, labels = table.column("input_ids")[row].as_py(), table.column("labels")[row].as_py()
+    return chat_tokenizer(family).decode([t for t, label in zip(ids, labels) if label != -100])
+
+
+# -- a tool call whose arguments print no value ----------------------------------------------------------
+
+
+def _call_chat(arguments, name="get_time") -> list[dict]:
+    return [
+        U("What time is it?"),
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]},
+        {"role": "tool", "content": "12:00"},
+        A("It is noon."),
+    ]
+
+
+@pytest.mark.parametrize("arguments", [{}, {"zone": ""}, {"zones": []}], ids=["empty", "empty-string", "empty-list"])
+def test_glm4_tool_call_with_no_argument_values_is_kept(arguments):
+    """GLM-4 writes nothing for ``{}`` (and an empty value as ``<arg_value></arg_value>``): the call is there, found
+    by its name (and an empty list by its ``[]``), so the row is kept."""
+    ct = chat_tokenizer("glm-4")
+    messages = _call_chat(arguments)
+    text = ct.render(messages)
+    assert "<tool_call>get_time" in text
+    assert _dropped(ct, messages, text=text) == []
+    located = locate_messages(text, messages)
+    at = text.index("get_time", text.index("<tool_call>"))
+    assert located.missing is None
+    assert any(s <= at < e and index == 1 for s, e, index, _ in located.pieces)  # the name is the call's text
+
+
+def test_glm4_tool_call_with_empty_arguments_trains_end_to_end(tmp_path):
+    report, table = _mask(tmp_path, "glm-4", [{"messages": _call_chat({})}], check_roles="all")
+    assert report.rows_out == 1 and sum(report.dropped.values()) == 0
+    trained = _trained_text("glm-4", table)
+    assert "get_time" in trained and "It is noon." in trained and "What time" not in trained
+
+
+V4_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+    "{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>"
+    "{% elif m.role == 'assistant' %}<｜Assistant｜>{{ m.content or '' }}"
+    "{% for tc in m.tool_calls or [] %}<｜DSML｜invoke name=\"{{ tc.function.name }}\">\n"
+    "{% for k, v in tc.function.arguments.items() %}"
+    "<｜DSML｜parameter name=\"{{ k }}\" string=\"{{ 'true' if v is string else 'false' }}\">"
+    "{{ v if v is string else v | tojson }}</｜DSML｜parameter>\n{% endfor %}</｜DSML｜invoke>{% endfor %}"
+    "<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+)
+
+
+def test_deepseek_v4_style_tool_call_with_empty_arguments_is_kept():
+    from lossmask.chat.tokenizer import ChatTokenizer
+
+    ct = ChatTokenizer(chat_tokenizer("deepseek-v3.1").tokenizer, chat_template=V4_TEMPLATE, name="deepseek-v4-style")
+    messages = _call_chat({})
+    text = ct.render(messages)
+    assert '<｜DSML｜invoke name="get_time">\n</｜DSML｜invoke>' in text
+    assert _dropped(ct, messages, text=text) == []
+
+
+def test_a_dropped_call_with_empty_arguments_is_still_content_dropped():
+    """The name stands in for the arguments only where the template wrote it: a rendering without the call drops
+    the row, naming the call's message."""
+    ct = chat_tokenizer("glm-4")
+    messages = _call_chat({})
+    text = ct.render(messages)
+    broken = text.replace("<tool_call>get_time", "<tool_call>")
+    (row, reason, why), = _dropped(ct, messages, text=broken)
+    assert reason == "content_dropped" and "message 1 (assistant)" in why
