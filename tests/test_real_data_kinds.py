@@ -111,3 +111,52 @@ def test_a_dropped_call_with_empty_arguments_is_still_content_dropped():
     broken = text.replace("<tool_call>get_time", "<tool_call>")
     (row, reason, why), = _dropped(ct, messages, text=broken)
     assert reason == "content_dropped" and "message 1 (assistant)" in why
+
+
+# -- a stray </think> inside an answer ------------------------------------------------------------------
+
+# The shape of a real answer (LLaMA-Factory's reasoning/tool-use sample): a long reply that quotes the close tag
+# part-way through, with no <think> before it; its reasoning, where there is some, is a field of its own.
+STRAY_ANSWER = ("Apologies, but the scheduling tool cannot send that message: it takes a date, a recipient and a "
+                "body, and the request gives no recipient. " * 8 + "</think> Please tell me who should receive it, "
+                "and I will schedule the email for Friday at nine.")
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3.1"])
+@pytest.mark.parametrize("reasoning", [None, "The user wants an email scheduled."], ids=["no-reasoning", "field"])
+def test_deepseek_answer_cut_at_a_stray_think_close_is_content_dropped(tmp_path, family, reasoning):
+    """DeepSeek-V3 and V3.1 keep only the text after the last ``</think>``: the answer before it is gone from the
+    row, so the row is counted as ``content_dropped``, naming the message and the tag."""
+    ct = chat_tokenizer(family)
+    answer = {"role": "assistant", "content": STRAY_ANSWER,
+              **({"reasoning_content": reasoning} if reasoning else {})}
+    messages = [U("Schedule an email for Friday at nine."), answer]
+    text = ct.render(messages)
+    assert STRAY_ANSWER.partition("</think>")[0].strip() not in text
+    (row, reason, why), = _dropped(ct, messages, text=text)
+    assert reason == "content_dropped" and "message 1 (assistant)" in why and "'</think>'" in why
+    report, table = _mask(tmp_path, family, [{"messages": messages}, {"messages": [U("Hi."), A("Hello.")]}])
+    assert report.dropped.get("content_dropped") == 1 and report.rows_out == 1
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3.1"])
+def test_a_second_think_close_is_answer_text(family):
+    """In ``<think>r</think>a</think>b`` the reasoning ends at the first tag; a template that keeps only ``b``
+    lost answer text."""
+    ct = chat_tokenizer(family)
+    messages = [U("How do reasoning tags close?"),
+                A("<think>\nThe user asks about tags.\n</think>\n\nA block closes with </think> and the answer follows.")]
+    text = ct.render(messages)
+    dropped = _dropped(ct, messages, text=text)
+    if "A block closes with </think>" in text:  # V3.1 strips the reasoning of this turn only
+        assert dropped == []
+    else:
+        (row, reason, why), = dropped
+        assert reason == "content_dropped" and "message 1 (assistant)" in why
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3.1", "qwen3"])
+def test_r1_style_reasoning_in_content_is_still_kept(family):
+    ct = chat_tokenizer(family)
+    messages = [U("Is 11 prime?"), A("<think>\nEleven has no divisor.\n</think>\n\nYes, 11 is prime.")]
+    assert _dropped(ct, messages) == []

@@ -32,7 +32,7 @@ from ..engine.outcomes import CONTENT_DROPPED, SPECIAL_TOKENS
 from ..engine.weights import ExactPlans
 from ..options import SPECIAL_TOKENS_IN_CONTENT
 from .gc_pause import paused_collection
-from .locate import locate_messages
+from .locate import locate_messages, stray_think
 from .weights import WeightReader, plan_row
 
 
@@ -170,7 +170,7 @@ def locate_rendered(
                 keep[r] = False
                 dropped.append((names[r], CONTENT_DROPPED,
                                 f"message {index} ({role}): its {what} is not in the rendered row (the chat template "
-                                "dropped or rewrote it)"))
+                                f"dropped or rewrote it{stray_think(messages[index], what)})"))
                 continue
             hit = _first_special(tokens, text, located)
             if hit is not None:

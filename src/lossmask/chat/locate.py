@@ -5,8 +5,11 @@ message text (data) and which the template wrote (structure). ``locate_messages`
 message's pieces in the rendered text, in order:
 
 - the content (a string, or the ``text`` parts of a list of parts); assistant content holding a reasoning
-  close tag (``</think>``, R1-style data) is two pieces, the reasoning before the tag and the answer
-  after it, because templates move, reformat or drop the part before the tag;
+  close tag (``</think>``) that opens with ``<think>`` (R1-style data) is two pieces, the reasoning up to the
+  first close tag and the answer after it, because templates move, reformat or drop the part before the tag.
+  Any other ``</think>`` (a second one, one in content that does not open with ``<think>``, one beside a
+  reasoning field) is answer text: DeepSeek-V3 keeps only what follows the last tag, and a row that loses
+  answer text so is ``content_dropped``;
 - the reasoning fields (``reasoning_content``, ``reasoning``, ``thinking``);
 - each tool call's name and arguments: the JSON text as ``tojson`` writes it, else the arguments' values
   (every scalar, in the forms templates print it, found in order): GLM-4 and DeepSeek-V4 write
@@ -76,8 +79,8 @@ def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
         if isinstance(value, str) and value.strip():
             pieces.append((value, False, key))
     if isinstance(content, str):
-        if THINK_CLOSE in content and message.get("role") == "assistant":
-            reasoning, _, answer = content.rpartition(THINK_CLOSE)
+        if THINK_CLOSE in content and message.get("role") == "assistant" and r1_style(message):
+            reasoning, _, answer = content.partition(THINK_CLOSE)
             reasoning = reasoning.replace(THINK_OPEN, "", 1)
             if reasoning.strip():
                 pieces.append((reasoning, False, "reasoning in content"))
@@ -100,6 +103,22 @@ def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
             name = function.get("name") if isinstance(function.get("name"), str) else ""
             pieces.append((_Arguments(arguments, name.strip()), True, "tool call arguments"))
     return pieces
+
+
+def r1_style(message: Mapping) -> bool:
+    """Does the content open with ``<think>`` (R1-style reasoning, up to the first ``</think>``), with no reasoning
+    field beside it? Otherwise a ``</think>`` in the content is answer text."""
+    content = message.get("content")
+    return isinstance(content, str) and content.lstrip().startswith(THINK_OPEN) and \
+        not any(isinstance(message.get(key), str) and message[key].strip() for key in REASONING_KEYS)
+
+
+def stray_think(message: Any, what: str) -> str:
+    """What to add to a missing content's report when a ``</think>`` in it is answer text (``message_pieces``)."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if what != "content" or not isinstance(content, str) or THINK_CLOSE not in content:
+        return ""
+    return f"; it holds {THINK_CLOSE!r}, and this template keeps only the text after that tag"
 
 
 def _leaves(value: Any) -> list[Any]:
