@@ -19,9 +19,10 @@ message's pieces in the rendered text, in order:
 A piece is looked for as written, then stripped (Llama-3 trims contents), then with every
 whitespace run allowed to be any whitespace run (Falcon rewrites blank lines and CRLF); where a string
 is also written through ``tojson`` (Llama-3.1's tool results), the nearest of its forms wins, so that a
-later reply quoting the raw text does not take the message's place. The required pieces of one message
-never share characters: gpt-oss drops the second of two parallel calls, and the second call's
-arguments, when equal to the first's, must not be found inside the first.
+later reply quoting the raw text does not take the message's place. The pieces of one message never
+share characters: gpt-oss drops the second of two parallel calls, and the second call's arguments must
+not be found inside the first's (when equal) nor, by their values, inside the reasoning it writes before
+the call (which may name the second call and quote its values).
 
 When a message is missing, the blame goes to the message the template dropped: an earlier message whose
 text was only found inside the missing message's text (a dropped tool result quoted by the reply after
@@ -96,12 +97,14 @@ def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
         function = call.get("function", call) if isinstance(call, Mapping) else {}
         if not isinstance(function, Mapping):
             continue
-        if isinstance(function.get("name"), str) and function["name"].strip():
-            pieces.append((function["name"], False, "tool call name"))
+        name = function.get("name") if isinstance(function.get("name"), str) else ""
         arguments = function.get("arguments")
-        if isinstance(arguments, Mapping) or (isinstance(arguments, str) and arguments.strip()):
-            name = function.get("name") if isinstance(function.get("name"), str) else ""
-            pieces.append((_Arguments(arguments, name.strip()), True, "tool call arguments"))
+        given = isinstance(arguments, Mapping) or (isinstance(arguments, str) and bool(arguments.strip()))
+        piece = _Arguments(arguments, name.strip()) if given else None
+        if name.strip() and not (piece is not None and piece.name):  # else the arguments are found at the name
+            pieces.append((name, False, "tool call name"))
+        if piece is not None:
+            pieces.append((piece, True, "tool call arguments"))
     return pieces
 
 
@@ -183,12 +186,13 @@ def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, sk
             found_at.append((cursor, []))
             continue
         after = cursor
-        own: list[tuple[int, int]] = []  # this message's required pieces: they never share characters
+        # this message's pieces never share characters: a call's arguments are not found by their values inside
+        # its reasoning (gpt-oss drops a second parallel call, and reasoning that names it is not the call)
         mine: list[tuple[int, int]] = []
         for piece, required, what in message_pieces(message):
-            found = _find_clear(text, piece, after, own if required else ())
+            found = _find_clear(text, piece, after, mine)
             if found is None and after != cursor:  # pieces out of the usual order
-                found = _find_clear(text, piece, cursor, own if required else ())
+                found = _find_clear(text, piece, cursor, mine)
             if found is None:
                 if required and missing is None and not (system_optional and role == "system"):
                     blamed = _blame(text, piece, found_at, messages)
@@ -198,8 +202,6 @@ def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, sk
                         return _locate_pieces(text, messages, system_optional, skip | {blamed[0]})
                     missing = blamed or (index, role, what)
                 continue
-            if required:
-                own.append(found)
             mine.append(found)
             spans.append(_core(text, found))
             pieces.append((*spans[-1], index, required))
@@ -300,14 +302,15 @@ def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
         found = _find_first(text, piece.forms, start) or _find_text(text, str(piece), start)
         if found is None and piece.name:  # no value to find: the call is there when its name is
             return _find_text(text, piece.name, start)
-        if found is not None or not piece.leaves:
+        if not piece.leaves:
             return found
-        # each value in order, after the last: the call's own text (an earlier look-alike is not the call)
+        # each value in order, after the last: the call's own text (an earlier look-alike is not the call); it wins
+        # over the JSON text when it ends before that (a later tool result that echoes the arguments as JSON)
         at, first = start, None
         for leaf in piece.leaves:
-            match = leaf.search(text, at)
+            match = leaf.search(text, at, found[0] if found is not None else len(text))
             if match is None:
-                return None
+                return found
             first = match.start() if first is None else first
             at = match.end()
         return first, at
