@@ -160,3 +160,114 @@ def test_r1_style_reasoning_in_content_is_still_kept(family):
     ct = chat_tokenizer(family)
     messages = [U("Is 11 prime?"), A("<think>\nEleven has no divisor.\n</think>\n\nYes, 11 is prime.")]
     assert _dropped(ct, messages) == []
+
+
+# -- gpt-oss: a parallel call the template drops, named in the reasoning --------------------------------
+
+
+def _parallel_chat(thinking: str) -> list[dict]:
+    call = lambda name, arguments: {"type": "function", "function": {"name": name, "arguments": arguments}}  # noqa: E731
+    return [
+        U("Fetch top news in Canada in English, and backlinks for the domain example.es."),
+        {"role": "assistant", "thinking": thinking,
+         "tool_calls": [call("top_news", {"region": "CA", "hl": "en"}),
+                        call("exact_url_non_english", {"domain": "example.es"})]},
+    ]
+
+
+@pytest.mark.parametrize("thinking", [
+    "Two calls are needed: top_news with region CA, then exact_url_non_english with domain \"example.es\".",
+    "Two calls are needed: the news first, then the backlinks.",
+], ids=["reasoning-names-the-second-call", "reasoning-without-it"])
+def test_gpt_oss_second_parallel_call_dropped_by_the_template_is_content_dropped(thinking):
+    """gpt-oss writes only the first of an assistant message's calls. Where its reasoning (which it renders before
+    a last call) names the second call and quotes its value, that text is reasoning, not the call: the row is
+    ``content_dropped`` either way."""
+    ct = chat_tokenizer("gpt-oss")
+    messages = _parallel_chat(thinking)
+    text = ct.render(messages)
+    assert thinking in text and "functions.exact_url_non_english" not in text
+    (row, reason, why), = _dropped(ct, messages, text=text)
+    assert reason == "content_dropped" and "message 1 (assistant)" in why and "tool call arguments" in why
+
+
+def test_pieces_of_one_message_never_share_characters():
+    """A call found by its values is found outside its message's reasoning: the row rendered with both calls is
+    kept, each call located at its own text."""
+    from lossmask.chat.tokenizer import ChatTokenizer
+
+    template = ("{% for m in messages %}{% if m.role == 'user' %}<u>{{ m.content }}</u>{% else %}<a>"
+                "{% if m.thinking %}<r>{{ m.thinking }}</r>{% endif %}{% for c in m.tool_calls %}<c>{{ c.function.name }}"
+                "{% for k, v in c.function.arguments.items() %}<v>{{ v }}</v>{% endfor %}</c>{% endfor %}</a>"
+                "{% endif %}{% endfor %}")
+    ct = ChatTokenizer(chat_tokenizer("gpt-oss").tokenizer, chat_template=template, name="markup-calls")
+    messages = _parallel_chat("Call top_news with >CA< and >en<, then exact_url_non_english with >example.es<.")
+    text = ct.render(messages)
+    located = locate_messages(text, messages)
+    assert located.missing is None
+    calls = text.index("</r>")
+    required = [(s, e) for s, e, index, req in located.pieces if index == 1 and req]
+    assert len(required) == 2 and all(s > calls for s, _ in required)
+
+
+# -- LLaMA-Factory's ShareGPT tool form -------------------------------------------------------------------
+
+NOTE_TOOLS = json.dumps([{  # LLaMA-Factory stores the tools as JSON text, each a bare function schema
+    "name": "create_reminder", "description": "Create a reminder at a time.",
+    "parameters": {"type": "object", "properties": {"text": {"type": "string"}, "hour": {"type": "integer"}},
+                   "required": ["text", "hour"]},
+}])
+TOOL_FORM = {"conversations": [
+    {"from": "human", "value": "Remind me to water the ferns at seven."},
+    {"from": "function_call", "value": json.dumps({"name": "create_reminder",
+                                                   "arguments": {"text": "water the ferns", "hour": 19}})},
+    {"from": "observation", "value": json.dumps({"status": "created", "id": "rem-4417"})},
+    {"from": "gpt", "value": "Done: you will be reminded to water the ferns at 19:00."},
+], "tools": NOTE_TOOLS}
+NO_TOOLS = {"conversations": [{"from": "human", "value": "Hello, who are you?"},
+                              {"from": "gpt", "value": "An assistant that can set reminders."}], "tools": "[]"}
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama-3.1"])
+def test_llamafactory_sharegpt_tool_form_is_read_natively(tmp_path, family):
+    """``function_call`` becomes the assistant's tool call, ``observation`` its result, and the JSON-text ``tools``
+    (even ``"[]"``) are decoded: every row is kept, the call and the reply train, the human and tool text do not."""
+    report, table = _mask(tmp_path, family, [TOOL_FORM, NO_TOOLS])
+    assert report.rows_out == 2 and sum(report.dropped.values()) == 0
+    trained = _trained_text(family, table, 0)
+    assert "create_reminder" in trained and "water the ferns" in trained and "19" in trained
+    assert "Done: you will be reminded" in trained
+    assert "rem-4417" not in trained and "Remind me" not in trained
+    assert "create_reminder" in chat_tokenizer(family).decode(table.column("input_ids")[0].as_py()[:400])  # tools
+    assert "An assistant that can set reminders." in _trained_text(family, table, 1)
+
+
+def test_a_function_call_that_is_not_a_call_is_invalid_naming_the_message(tmp_path):
+    bad = {"conversations": [TOOL_FORM["conversations"][0], {"from": "function_call", "value": "water the ferns"},
+                             *TOOL_FORM["conversations"][2:]], "tools": NOTE_TOOLS}
+    bad_tools = {**TOOL_FORM, "tools": "[{\"name\": "}
+    report, _ = _mask(tmp_path, "qwen2.5", [bad, bad_tools, TOOL_FORM])
+    assert report.rows_out == 1 and report.dropped.get("invalid") == 2
+    text = json.dumps(report.to_dict())
+    assert "message 1 is a 'function_call'" in text and "column 'tools'" in text and "not JSON" in text
+
+
+def test_sharegpt_speakers_match_in_any_case(tmp_path):
+    rows = [{"conversations": [{"from": "Human", "value": "Name a prime."}, {"from": "GPT", "value": "Seven."}]}]
+    report, table = _mask(tmp_path, "qwen2.5", rows)
+    assert report.rows_out == 1
+    assert "Seven." in _trained_text("qwen2.5", table) and "Name a prime" not in _trained_text("qwen2.5", table)
+
+
+def test_a_file_with_messages_and_conversations_warns_naming_the_file(tmp_path):
+    """Only ``messages`` is read; ``conversations`` beside it is not dropped without a word."""
+    row = {"messages": [U("Name a prime."), A("Seven.")],
+           "conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Teal."}]}
+    path = tmp_path / "both.jsonl"
+    path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match=r"both\.jsonl has both 'messages' and 'conversations'.*--messages-column"):
+        report = mask_files(path, tmp_path / "out.parquet", tokenizer=chat_tokenizer("qwen2.5"))
+    assert report.rows_out == 1
+    report = mask_files(path, tmp_path / "out2.parquet", tokenizer=chat_tokenizer("qwen2.5"),
+                        messages_column="conversations")
+    assert "Teal." in _trained_text("qwen2.5", pq.read_table(tmp_path / "out2.parquet"))

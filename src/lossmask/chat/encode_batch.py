@@ -18,7 +18,7 @@ import pyarrow as pa
 from ..engine.outcomes import SPECIAL_TOKENS
 from .encode_rendered import LocatedRows, encode_located, encode_rendered, locate_rendered, text_can_match
 from .render import plain_arrow_type
-from .shapes import normalise_shapes, takes_content_parts
+from .shapes import normalise_shapes, read_tools, takes_content_parts
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,12 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         if not messages:
             errors.append((first_row + r, f"column {where!r} is {'null' if messages is None else 'empty'}"))
             continue
-        chats.append(messages if tools is None or not tools[r] else {"messages": messages, "tools": tools[r]})
+        try:
+            row_tools = read_tools(tools[r]) if tools is not None else None
+        except ValueError as exc:
+            errors.append((first_row + r, f"column 'tools': {exc}"))
+            continue
+        chats.append(messages if not row_tools else {"messages": messages, "tools": row_tools})
         rows.append(r)
         check.append(shaped.unusual[r])
     convert = time.perf_counter()
