@@ -670,7 +670,8 @@ def check_job_drops(tally: Tally, tokenizer: Any, options: MaskOptions, *, trunc
         raise TooManyDroppedRows(
             f"{untrained} of {rows_in} rows ({untrained / rows_in:.1%}) would train no token (allowed: "
             f"{max_drop_fraction:.0%}), {rejected} of them rejected before labelling ({reasons}), e.g.:\n  {examples}\n"
-            "Fix those rows (roles the chat template accepts and renders, non-empty messages), or raise max_drop_fraction.",
+            "Fix those rows as each line above says (docs/inputs.md lists the row shapes read), or raise "
+            "max_drop_fraction.",
             tally.counts,
         )
 
