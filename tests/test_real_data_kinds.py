@@ -271,3 +271,60 @@ def test_a_file_with_messages_and_conversations_warns_naming_the_file(tmp_path):
     report = mask_files(path, tmp_path / "out2.parquet", tokenizer=chat_tokenizer("qwen2.5"),
                         messages_column="conversations")
     assert "Teal." in _trained_text("qwen2.5", pq.read_table(tmp_path / "out2.parquet"))
+
+
+# -- the structure of a message with no text --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["phi-3", "qwen2.5"])
+def test_structure_of_an_empty_user_message_never_trains(tmp_path, family):
+    """With empty messages and repeated roles kept, Phi-3 writes ``<|assistant|>`` after the first user message and
+    ``<|user|><|end|>`` for the empty one, which the markers then train. The empty message has no text to check, so
+    its whole turn is checked: the row is counted (``template_breaks_roles``) and no kept row trains user structure."""
+    rows = [{"messages": [U("Hello there."), U(""), A("Hi, how can I help?")]},
+            {"messages": [U("Name a prime."), A("Seven.")]}]
+    report, table = _mask(tmp_path, family, rows, consecutive_roles="keep", empty_messages="keep")
+    kept = [_trained_text(family, table, r) for r in range(table.num_rows)]
+    assert all("<|user|>" not in text and "user\n" not in text for text in kept)
+    assert any("Seven." in text for text in kept)
+    if family == "phi-3":
+        assert report.rows_out + report.dropped.get("template_breaks_roles", 0) == 2
+        assert report.rows_out == 1 or any("Hi, how can I help?" in text for text in kept)
+    else:  # ChatML writes the empty turn apart: nothing to drop
+        assert report.rows_out == 2
+
+
+# -- peers' options: drop_system_message -------------------------------------------------------------------
+
+
+def test_drop_system_message_removes_system_messages_and_counts_them(tmp_path):
+    rows = [{"messages": [{"role": "system", "content": "Answer like a pirate."}, U("Name a prime."), A("Seven.")]},
+            {"messages": [U("Name a colour."), A("Teal.")]}]
+    report, table = _mask(tmp_path, "llama-3", rows, drop_system_message=True)
+    ct = chat_tokenizer("llama-3")
+    assert report.rows_out == 2 and report.shapes == {"system_messages_dropped": 1}
+    assert "pirate" not in ct.decode(table.column("input_ids")[0].as_py())
+    assert "Seven." in _trained_text("llama-3", table, 0)
+    report, table = _mask(tmp_path, "llama-3", rows, name="again.jsonl")
+    assert "pirate" in ct.decode(table.column("input_ids")[0].as_py())
+
+
+def test_drop_system_message_cli_flag_reaches_the_job(tmp_path):
+    import contextlib
+    import io
+
+    from conftest import tokenizer_path
+    from lossmask.cli import main
+
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "system", "content": "Answer like a pirate."}, U("Hi."),
+                                             A("Ahoy.")]}) + "\n", encoding="utf-8")
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+        main(["mask", "--help"])
+    assert "--drop-system-message" in help_text.getvalue()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["mask", str(path), str(tmp_path / "out.parquet"), "--tokenizer", str(tokenizer_path("llama-3")),
+                     "--no-progress", "--drop-system-message", "--report", str(tmp_path / "r.json")])
+    assert code == 0
+    assert json.loads((tmp_path / "r.json").read_text())["shapes"] == {"system_messages_dropped": 1}

@@ -27,6 +27,7 @@ def _mask(args: argparse.Namespace) -> int:
             last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
             special_tokens_in_content=args.special_tokens_in_content, consecutive_roles=args.consecutive_roles,
             leading_assistant=args.leading_assistant, empty_messages=args.empty_messages, role_map=args.role_map,
+            drop_system_message=args.drop_system_message,
             check_roles=args.check_roles, roles_to_train=args.roles_to_train, weights_by_role=args.weights_by_role,
             weight_field=None if args.weight_field == "none" else args.weight_field,
             detail_field=None if args.detail_field == "none" else args.detail_field,
@@ -135,6 +136,9 @@ def _add_mask_command(commands) -> None:
     shapes.add_argument("--empty-messages", choices=("drop", "keep"), default="drop",
                         help="user, assistant or system messages with no text: drop them (default) or keep them. A row "
                              "left with no user message followed by an assistant message is dropped as no_exchange")
+    shapes.add_argument("--drop-system-message", action="store_true",
+                        help="remove every system message before rendering (as axolotl's and LLaMA-Factory's option); "
+                             "a template's default system prompt is still written")
     shapes.add_argument("--role-map", metavar="FROM=ROLE,...",
                         help="ShareGPT input (a 'conversations' column of {from, value}): speaker names to roles, over "
                              "the default human=user, gpt/chatgpt/bing/bard=assistant, system=system, "

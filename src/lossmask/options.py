@@ -65,6 +65,7 @@ class MaskOptions:
     consecutive_roles: str = "merge"
     leading_assistant: str = "drop"
     empty_messages: str = "drop"
+    drop_system_message: bool = False  # system messages removed before rendering (axolotl's and LLaMA-Factory's meaning)
     # ShareGPT ``{from, value}`` messages: speaker -> role, over SHAREGPT_ROLES (a dict, or "human=user,gpt=assistant")
     role_map: Any = None
     # weights (docs/weights.md): a float per token; labels train where it is > 0. Sources, applied in this order:

@@ -18,6 +18,8 @@ shape; nothing is left to the template's exception:
 - ``leading_assistant="drop"``: messages before the first user message, other than system, are dropped
   (FastChat and LLaMA-Factory do the same);
 - ``consecutive_roles="merge"``: consecutive plain messages of one role are joined with a blank line;
+- ``drop_system_message``: every system message is removed (axolotl's and LLaMA-Factory's option; a template
+  that writes a default system prompt when none is given still writes it);
 - a row that the policy left without a user message followed by an assistant message is dropped as
   ``no_exchange`` (a row that came without one is labelled as before and shows why it trains nothing).
 
@@ -40,7 +42,9 @@ LEADING_ASSISTANT_DROPPED = "leading_assistant_dropped"
 EMPTY_MESSAGES_DROPPED = "empty_messages_dropped"
 CONTENT_PARTS_JOINED = "content_parts_joined"
 SHAREGPT_READ = "sharegpt_messages_read"
-SHAPES = (LEADING_ASSISTANT_DROPPED, ROLES_MERGED, EMPTY_MESSAGES_DROPPED, CONTENT_PARTS_JOINED, SHAREGPT_READ)
+SYSTEM_DROPPED = "system_messages_dropped"
+SHAPES = (LEADING_ASSISTANT_DROPPED, ROLES_MERGED, EMPTY_MESSAGES_DROPPED, CONTENT_PARTS_JOINED, SHAREGPT_READ,
+          SYSTEM_DROPPED)
 MERGE_SEPARATOR = "\n\n"
 PART_SEPARATOR = "\n"
 # where each joined part lies in the joined content, kept when a part carries more than its text (a weight):
@@ -74,8 +78,8 @@ def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts:
         if not messages or not isinstance(messages, list):
             out.unusual.append(every_row)
             continue
-        if _plain_alternating(messages):  # most rows: nothing to do
-            out.unusual.append(every_row)
+        if _plain_alternating(messages) and not (options.drop_system_message and _role(messages[0]) == "system"):
+            out.unusual.append(every_row)  # most rows: nothing to do
             continue
         changed: set[str] = set()
         try:
@@ -86,6 +90,11 @@ def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts:
             out.unusual.append(every_row)
             continue
         dropped_any = False
+        if options.drop_system_message:
+            kept = [m for m in messages if _role(m) != "system"]
+            if len(kept) != len(messages):
+                changed.add(SYSTEM_DROPPED)
+            messages = kept
         if options.empty_messages == "drop":
             kept = [m for m in messages if not _empty(m)]
             if len(kept) != len(messages):
