@@ -328,3 +328,46 @@ def test_drop_system_message_cli_flag_reaches_the_job(tmp_path):
                      "--no-progress", "--drop-system-message", "--report", str(tmp_path / "r.json")])
     assert code == 0
     assert json.loads((tmp_path / "r.json").read_text())["shapes"] == {"system_messages_dropped": 1}
+
+
+# -- peers' options: truncation that keeps the last turns whole ----------------------------------------------
+
+LONG_CHAT = [{"role": "system", "content": "Be brief."},
+             U("Tell me about rivers. " * 40), A("Rivers flow to the sea. " * 40),
+             U("And lakes? " * 30), A("Lakes are still water. " * 30),
+             U("Which is older?"), A("Many lakes are older than the rivers that feed them.")]
+
+
+@pytest.mark.parametrize("family", ["llama-3", "qwen2.5"])
+def test_history_truncation_drops_the_earliest_exchanges_whole(tmp_path, family):
+    """``truncation="history"`` with ``max_length``: the earliest exchanges go, whole, until the row fits, so the
+    last turn is kept whole and trains (LLaMA-Factory's ``mask_history``, here with ``last_turn_only``); the system
+    prompt stays. ``truncation="end"`` cuts the tail instead."""
+    ct = chat_tokenizer(family)
+    limit = len(ct.encode_texts_with_offsets([ct.render([LONG_CHAT[0], *LONG_CHAT[3:]])])[0][0]) + 4
+    rows = [{"messages": LONG_CHAT}, {"messages": [U("Hi."), A("Hello.")]}]
+    report, table = _mask(tmp_path, family, rows, max_length=limit, truncation="history", last_turn_only=True)
+    assert report.rows_out == 2 and report.shapes.get("earliest_turns_dropped") == 1
+    text = ct.decode(table.column("input_ids")[0].as_py())
+    assert len(table.column("input_ids")[0]) <= limit
+    assert "Be brief." in text and "Tell me about rivers" not in text and "And lakes?" in text
+    assert _trained_text(family, table, 0).strip().startswith("Many lakes are older than the rivers that feed them.")
+    assert "Lakes are still water" not in _trained_text(family, table, 0)
+    report, table = _mask(tmp_path, family, rows, name="end.jsonl", max_length=limit, last_turn_only=True)
+    assert "Many lakes" not in _trained_text(family, table, 0)
+    assert "Tell me about rivers" in ct.decode(table.column("input_ids")[0].as_py())
+
+
+def test_truncation_option_is_checked_and_the_flag_is_documented():
+    import contextlib
+    import io
+
+    from lossmask import MaskOptions
+    from lossmask.cli import main
+
+    with pytest.raises(ValueError, match="truncation='start'"):
+        MaskOptions(truncation="start")
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+        main(["mask", "--help"])
+    assert "--truncation" in help_text.getvalue()

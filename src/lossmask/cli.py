@@ -23,6 +23,7 @@ def _mask(args: argparse.Namespace) -> int:
             input_ids_column=args.input_ids_column, messages_column=args.messages_column,
             prompt_column=args.prompt_column, completion_column=args.completion_column,
             labels_column=args.labels_column, completion_mask=args.completion_mask, max_length=args.max_length,
+            truncation=args.truncation,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
             last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
             special_tokens_in_content=args.special_tokens_in_content, consecutive_roles=args.consecutive_roles,
@@ -123,6 +124,9 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--completion-mask", nargs="?", const=True, default=None, metavar="NAME",
                       help="also write TRL's 0/1 completion_mask (under NAME, default completion_mask)")
     mask.add_argument("--max-length", type=int, metavar="N", help="truncate tokenised rows to N tokens")
+    mask.add_argument("--truncation", choices=("end", "history"), default="end",
+                      help="how a chat row over --max-length is cut: its tail (default), or its earliest exchanges, "
+                           "whole, until it fits (LLaMA-Factory's mask_history; the system prompt stays)")
     mask.add_argument("--special-tokens-in-content", choices=("text", "keep", "drop", "error"), default="text",
                       help="special-token strings inside message text: encode as ordinary text (default), keep as "
                            "control tokens, drop the row, or stop with an error naming it")
