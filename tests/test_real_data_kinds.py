@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import chat_tokenizer
+from test_conversation_shapes import _trained_text
 from lossmask import mask_files
 from lossmask.chat.encode_rendered import encode_rendered
 from lossmask.chat.locate import locate_messages
@@ -37,11 +38,6 @@ def _mask(tmp_path, family, rows, name="in.jsonl", **options):
         report = mask_files(path, out, tokenizer=chat_tokenizer(family), max_drop_fraction=1.0, **options)
     assert report.rows_in == report.rows_out + sum(report.dropped.values())
     return report, pq.read_table(out)
-
-
-def _trained_text(family, table, row=0) -> str:
-    ids, labels = table.column("input_ids")[row].as_py(), table.column("labels")[row].as_py()
-    return chat_tokenizer(family).decode([t for t, label in zip(ids, labels) if label != -100])
 
 
 # -- a tool call whose arguments print no value ----------------------------------------------------------
@@ -79,23 +75,20 @@ def test_glm4_tool_call_with_empty_arguments_trains_end_to_end(tmp_path):
     assert "get_time" in trained and "It is noon." in trained and "What time" not in trained
 
 
-V4_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
-    "{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>"
-    "{% elif m.role == 'assistant' %}<｜Assistant｜>{{ m.content or '' }}"
+# DeepSeek-V4's call markup, reduced to what an assistant call writes: the name, then one parameter per key.
+V4_CALLS = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}<｜Assistant｜>"
     "{% for tc in m.tool_calls or [] %}<｜DSML｜invoke name=\"{{ tc.function.name }}\">\n"
-    "{% for k, v in tc.function.arguments.items() %}"
-    "<｜DSML｜parameter name=\"{{ k }}\" string=\"{{ 'true' if v is string else 'false' }}\">"
-    "{{ v if v is string else v | tojson }}</｜DSML｜parameter>\n{% endfor %}</｜DSML｜invoke>{% endfor %}"
-    "<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+    "{% for k, v in tc.function.arguments.items() %}<｜DSML｜parameter name=\"{{ k }}\">{{ v }}</｜DSML｜parameter>\n"
+    "{% endfor %}</｜DSML｜invoke>{% endfor %}{{ m.content or '' }}<｜end▁of▁sentence｜>"
+    "{% else %}<｜{{ m.role }}｜>{{ m.content }}{% endif %}{% endfor %}"
 )
 
 
 def test_deepseek_v4_style_tool_call_with_empty_arguments_is_kept():
     from lossmask.chat.tokenizer import ChatTokenizer
 
-    ct = ChatTokenizer(chat_tokenizer("deepseek-v3.1").tokenizer, chat_template=V4_TEMPLATE, name="deepseek-v4-style")
+    ct = ChatTokenizer(chat_tokenizer("deepseek-v3.1").tokenizer, chat_template=V4_CALLS, name="deepseek-v4-style")
     messages = _call_chat({})
     text = ct.render(messages)
     assert '<｜DSML｜invoke name="get_time">\n</｜DSML｜invoke>' in text
