@@ -221,10 +221,11 @@ def _textless_turns(ct: Any, text: str, messages: Sequence[Any], located: Any) -
     and the rendering through it part from ``text``. Its structure tokens never train (Phi-3 writes ``<|user|><|end|>``
     after the ``<|assistant|>`` it writes for the message before). Found only for such messages (two renders each);
     a message whose renders fail is left out."""
+    found = {index for _, _, index, _ in located.pieces}
     out = []
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
-        if role in (None, "assistant") or message_pieces(message):
+        if index in found or role in (None, "assistant") or message_pieces(message):
             continue
         try:
             before = ct.render(list(messages[:index])) if index else ""
