@@ -56,10 +56,12 @@ def _mask_job(args: argparse.Namespace) -> int:
             input_ids_column=args.input_ids_column, messages_column=args.messages_column,
             prompt_column=args.prompt_column, completion_column=args.completion_column,
             labels_column=args.labels_column, completion_mask=args.completion_mask, max_length=args.max_length,
+            truncation=args.truncation,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
             last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
             special_tokens_in_content=args.special_tokens_in_content, consecutive_roles=args.consecutive_roles,
             leading_assistant=args.leading_assistant, empty_messages=args.empty_messages, role_map=args.role_map,
+            drop_system_message=args.drop_system_message,
             check_roles=args.check_roles, roles_to_train=args.roles_to_train, weights_by_role=args.weights_by_role,
             weight_field=None if args.weight_field == "none" else args.weight_field,
             detail_field=None if args.detail_field == "none" else args.detail_field,
@@ -163,6 +165,9 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--completion-mask", nargs="?", const=True, default=None, metavar="NAME",
                       help="also write TRL's 0/1 completion_mask (under NAME, default completion_mask)")
     mask.add_argument("--max-length", type=int, metavar="N", help="truncate tokenised rows to N tokens")
+    mask.add_argument("--truncation", choices=("end", "history"), default="end",
+                      help="how a chat row over --max-length is cut: its tail (default), or its earliest exchanges, "
+                           "whole, until it fits (LLaMA-Factory's mask_history; the system prompt stays)")
     mask.add_argument("--special-tokens-in-content", choices=("text", "keep", "drop", "error"), default="text",
                       help="special-token strings inside message text: encode as ordinary text (default), keep as "
                            "control tokens, drop the row, or stop with an error naming it")
@@ -176,6 +181,9 @@ def _add_mask_command(commands) -> None:
     shapes.add_argument("--empty-messages", choices=("drop", "keep"), default="drop",
                         help="user, assistant or system messages with no text: drop them (default) or keep them. A row "
                              "left with no user message followed by an assistant message is dropped as no_exchange")
+    shapes.add_argument("--drop-system-message", action="store_true",
+                        help="remove every system message before rendering (as axolotl's and LLaMA-Factory's option); "
+                             "a template's default system prompt is still written")
     shapes.add_argument("--role-map", metavar="FROM=ROLE,...",
                         help="ShareGPT input (a 'conversations' column of {from, value}): speaker names to roles, over "
                              "the default human=user, gpt/chatgpt/bing/bard=assistant, system=system, "

@@ -19,6 +19,7 @@ CONSECUTIVE_ROLES = ("merge", "keep")
 LEADING_ASSISTANT = ("drop", "keep")
 EMPTY_MESSAGES = ("drop", "keep")
 CHECK_ROLES = ("unusual", "all")
+TRUNCATION = ("end", "history")
 TRAIN_ON_EOS = ("turn", "last", "all", "none")
 REASONING = ("train", "mask")
 # a message's own weight, read from these fields (OpenAI ``weight``, axolotl ``train``/``training``, ms-swift
@@ -65,6 +66,9 @@ class MaskOptions:
     loss_weights_column: str = "loss_weights"  # float32 per token, written when weights can be fractional or asked for
     # how rows are tokenised and labelled
     max_length: int | None = None
+    # how a chat row longer than max_length is cut: "end" (its tail) or "history" (its earliest exchanges, whole,
+    # until it fits, as LLaMA-Factory's mask_history does; the last exchange is cut at the end only when alone too long)
+    truncation: str = "end"
     last_turn_only: bool = False
     ignore_index: int = -100
     label_dtype: str = "int64"
@@ -78,6 +82,7 @@ class MaskOptions:
     consecutive_roles: str = "merge"
     leading_assistant: str = "drop"
     empty_messages: str = "drop"
+    drop_system_message: bool = False  # system messages removed before rendering (axolotl's and LLaMA-Factory's meaning)
     # ShareGPT ``{from, value}`` messages: speaker -> role, over SHAREGPT_ROLES (a dict, or "human=user,gpt=assistant")
     role_map: Any = None
     # weights (docs/weights.md): a float per token; labels train where it is > 0. Sources, applied in this order:
@@ -138,7 +143,8 @@ class MaskOptions:
         for name, value, allowed in (("consecutive_roles", self.consecutive_roles, CONSECUTIVE_ROLES),
                                      ("leading_assistant", self.leading_assistant, LEADING_ASSISTANT),
                                      ("empty_messages", self.empty_messages, EMPTY_MESSAGES),
-                                     ("check_roles", self.check_roles, CHECK_ROLES)):
+                                     ("check_roles", self.check_roles, CHECK_ROLES),
+                                     ("truncation", self.truncation, TRUNCATION)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}; pass one of {allowed}")
         if self.train_on_eos not in TRAIN_ON_EOS:

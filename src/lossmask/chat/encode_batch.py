@@ -18,7 +18,7 @@ import pyarrow as pa
 from ..engine.outcomes import SPECIAL_TOKENS
 from .encode_rendered import LocatedRows, encode_located, encode_rendered, locate_rendered, text_can_match
 from .render import plain_arrow_type
-from .shapes import normalise_shapes, takes_content_parts
+from .shapes import normalise_shapes, read_tools, takes_content_parts
 
 
 @dataclass(frozen=True)
@@ -131,11 +131,18 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         if not messages:
             errors.append((first_row + r, f"column {where!r} is {'null' if messages is None else 'empty'}"))
             continue
-        chats.append(messages if tools is None or not tools[r] else {"messages": messages, "tools": tools[r]})
+        try:
+            row_tools = read_tools(tools[r]) if tools is not None else None
+        except ValueError as exc:
+            errors.append((first_row + r, f"column 'tools': {exc}"))
+            continue
+        chats.append(messages if not row_tools else {"messages": messages, "tools": row_tools})
         rows.append(r)
         check.append(shaped.unusual[r])
     convert = time.perf_counter()
     texts, failures = tok.direct_render.render(chats) if plain else render_chats(tok, chats)
+    texts = list(texts)
+    shortened = keep_last_turns(tok, texts, chats, options.max_length) if options.truncation == "history" else 0
     rendered = time.perf_counter()
     ok = np.array([text is not None for text in texts], dtype=bool)
     rows = np.asarray(rows, dtype=np.int64)
@@ -150,6 +157,8 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     row_numbers = (first_row + ok_rows).tolist()
     seconds = {"read_messages": convert - started, "render": rendered - convert}
     shapes = {shape: n for shape, n in shaped.shapes.items() if n}
+    if shortened:
+        shapes[EARLIEST_TURNS_DROPPED] = shortened
     if not locate:
         return RenderedBatch(texts, chats, row_numbers, valid, errors, seconds=seconds, dropped=dropped, shapes=shapes,
                              check=check)
@@ -158,6 +167,42 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     seconds["locate"] = time.perf_counter() - rendered
     return RenderedBatch(texts, [], row_numbers, valid, errors, seconds=seconds, located=located, dropped=dropped,
                          shapes=shapes)
+
+
+EARLIEST_TURNS_DROPPED = "earliest_turns_dropped"  # truncation="history": rows that lost their first exchanges
+
+
+def keep_last_turns(tok: Any, texts: list[str | None], chats: list, max_length: int | None) -> int:
+    """``truncation="history"``: each rendered chat longer than ``max_length`` tokens loses its earliest exchanges
+    (a user message and what follows it up to the next one; messages before the first user message, a system
+    prompt, stay), whole, until it fits or one exchange is left; ``texts`` and ``chats`` are changed in place.
+    Returns how many rows lost some. One more batch call into the tokeniser counts the rows' tokens; only the
+    rows over the limit are rendered again."""
+    from .tokenizer import ChatTemplateError
+
+    rows = [i for i, text in enumerate(texts) if text is not None]
+    if not max_length or not rows:
+        return 0
+    offsets = np.asarray(tok.encode_flat([texts[i] for i in rows]).offsets, dtype=np.int64)
+    over = [i for i, n in zip(rows, np.diff(offsets).tolist()) if n > max_length]
+    shortened = 0
+    for i in over:
+        messages, tools = (chats[i]["messages"], chats[i].get("tools")) if isinstance(chats[i], dict) else (chats[i], None)
+        users = [j for j, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+        head = messages[:users[0]] if users else []
+        for cut in users[1:]:
+            kept = head + messages[cut:]
+            try:
+                text = tok.render(kept, tools=tools)
+            except ChatTemplateError:  # a shorter chat the template refuses: keep what rendered
+                break
+            texts[i] = text
+            chats[i] = kept if tools is None else {**chats[i], "messages": kept}
+            if cut == users[1]:
+                shortened += 1
+            if int(np.diff(np.asarray(tok.encode_flat([text]).offsets))[0]) <= max_length:
+                break
+    return shortened
 
 
 def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, markers: Any = "unknown") -> EncodedBatch:

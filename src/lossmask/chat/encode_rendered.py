@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -32,7 +33,7 @@ from ..engine.outcomes import CONTENT_DROPPED, SPECIAL_TOKENS
 from ..engine.weights import ExactPlans
 from ..options import SPECIAL_TOKENS_IN_CONTENT
 from .gc_pause import paused_collection
-from .locate import locate_messages
+from .locate import locate_messages, message_pieces, stray_think
 from .weights import WeightReader, plan_row
 
 
@@ -170,7 +171,7 @@ def locate_rendered(
                 keep[r] = False
                 dropped.append((names[r], CONTENT_DROPPED,
                                 f"message {index} ({role}): its {what} is not in the rendered row (the chat template "
-                                "dropped or rewrote it)"))
+                                f"dropped or rewrote it{stray_think(messages[index], what)})"))
                 continue
             hit = _first_special(tokens, text, located)
             if hit is not None:
@@ -190,7 +191,8 @@ def locate_rendered(
                 if special_tokens_in_content == "text":
                     as_text.append(len(spans))
             spans.append(located.spans)
-            roles.append(_role_spans(messages, located) if check is not None and check[r] else None)
+            roles.append(_role_spans(messages, located, _textless_turns(ct, text, messages, located))
+                         if check is not None and check[r] else None)
             if plans is not None:
                 plan = plan_row(text, messages, located, reader, names[r])
                 if plan is not None and plan.exact:
@@ -201,16 +203,39 @@ def locate_rendered(
                        special_example, roles, plans, exact_plans, exact)
 
 
-def _role_spans(messages, located) -> tuple[tuple[int, int, int, str], ...]:
+def _role_spans(messages, located, textless=()) -> tuple[tuple[int, int, int, str], ...]:
     """The located text to check, by message: every piece of a non-assistant message, the required pieces of an
-    assistant's."""
-    out = []
+    assistant's, and the whole turn of a non-assistant message with no text (``textless``)."""
+    out = list(textless)
     for start, end, index, required in located.pieces:
         message = messages[index]
         role = str(message.get("role")) if isinstance(message, dict) else "?"
         if role != "assistant" or required:
             out.append((start, end, index, role))
     return tuple(sorted(out))
+
+
+def _textless_turns(ct: Any, text: str, messages: Sequence[Any], located: Any) -> list[tuple[int, int, int, str]]:
+    """``(start, end, index, role)`` of the turn of each user, system or tool message that has no text to find (an
+    empty message kept under ``empty_messages="keep"``): its characters are where the rendering of the chat up to it
+    and the rendering through it part from ``text``. Its structure tokens never train (Phi-3 writes ``<|user|><|end|>``
+    after the ``<|assistant|>`` it writes for the message before). Found only for such messages (two renders each);
+    a message whose renders fail is left out."""
+    found = {index for _, _, index, _ in located.pieces}
+    out = []
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if index in found or role in (None, "assistant") or message_pieces(message):
+            continue
+        try:
+            before = ct.render(list(messages[:index])) if index else ""
+            through = ct.render(list(messages[:index + 1]))
+        except Exception:  # noqa: BLE001 - a template that refuses a partial chat: nothing more can be said
+            continue
+        start, end = len(os.path.commonprefix([before, text])), len(os.path.commonprefix([through, text]))
+        if end > start and not any(s < end and start < e for s, e, _, _ in located.pieces):
+            out.append((start, end, index, str(role)))
+    return out
 
 
 def encode_located(ct: Any, located: LocatedRows, *, max_length: int | None = None,

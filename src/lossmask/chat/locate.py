@@ -5,19 +5,24 @@ message text (data) and which the template wrote (structure). ``locate_messages`
 message's pieces in the rendered text, in order:
 
 - the content (a string, or the ``text`` parts of a list of parts); assistant content holding a reasoning
-  close tag (``</think>``, R1-style data) is two pieces, the reasoning before the tag and the answer
-  after it, because templates move, reformat or drop the part before the tag;
+  close tag (``</think>``) that opens with ``<think>`` (R1-style data) is two pieces, the reasoning up to the
+  first close tag and the answer after it, because templates move, reformat or drop the part before the tag.
+  Any other ``</think>`` (a second one, one in content that does not open with ``<think>``, one beside a
+  reasoning field) is answer text: DeepSeek-V3 keeps only what follows the last tag, and a row that loses
+  answer text so is ``content_dropped``;
 - the reasoning fields (``reasoning_content``, ``reasoning``, ``thinking``);
 - each tool call's name and arguments: the JSON text as ``tojson`` writes it, else the arguments' values
   (every scalar, in the forms templates print it, found in order): GLM-4 and DeepSeek-V4 write
-  arguments as key/value markup (``<arg_key>a</arg_key><arg_value>1.5</arg_value>``), not JSON.
+  arguments as key/value markup (``<arg_key>a</arg_key><arg_value>1.5</arg_value>``), not JSON; arguments
+  that print no value (``{}``, empty strings) are found by the call's name, as those templates write nothing else.
 
 A piece is looked for as written, then stripped (Llama-3 trims contents), then with every
 whitespace run allowed to be any whitespace run (Falcon rewrites blank lines and CRLF); where a string
 is also written through ``tojson`` (Llama-3.1's tool results), the nearest of its forms wins, so that a
-later reply quoting the raw text does not take the message's place. The required pieces of one message
-never share characters: gpt-oss drops the second of two parallel calls, and the second call's
-arguments, when equal to the first's, must not be found inside the first.
+later reply quoting the raw text does not take the message's place. The pieces of one message never
+share characters: gpt-oss drops the second of two parallel calls, and the second call's arguments must
+not be found inside the first's (when equal) nor, by their values, inside the reasoning it writes before
+the call (which may name the second call and quote its values).
 
 When a message is missing, the blame goes to the message the template dropped: an earlier message whose
 text was only found inside the missing message's text (a dropped tool result quoted by the reply after
@@ -75,8 +80,8 @@ def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
         if isinstance(value, str) and value.strip():
             pieces.append((value, False, key))
     if isinstance(content, str):
-        if THINK_CLOSE in content and message.get("role") == "assistant":
-            reasoning, _, answer = content.rpartition(THINK_CLOSE)
+        if THINK_CLOSE in content and message.get("role") == "assistant" and r1_style(message):
+            reasoning, _, answer = content.partition(THINK_CLOSE)
             reasoning = reasoning.replace(THINK_OPEN, "", 1)
             if reasoning.strip():
                 pieces.append((reasoning, False, "reasoning in content"))
@@ -92,19 +97,39 @@ def message_pieces(message: Any) -> list[tuple[str, bool, str]]:
         function = call.get("function", call) if isinstance(call, Mapping) else {}
         if not isinstance(function, Mapping):
             continue
-        if isinstance(function.get("name"), str) and function["name"].strip():
-            pieces.append((function["name"], False, "tool call name"))
+        name = function.get("name") if isinstance(function.get("name"), str) else ""
         arguments = function.get("arguments")
-        if isinstance(arguments, Mapping) or (isinstance(arguments, str) and arguments.strip()):
-            pieces.append((_Arguments(arguments), True, "tool call arguments"))
+        given = isinstance(arguments, Mapping) or (isinstance(arguments, str) and bool(arguments.strip()))
+        piece = _Arguments(arguments, name.strip()) if given else None
+        if name.strip() and not (piece is not None and piece.name):  # else the arguments are found at the name
+            pieces.append((name, False, "tool call name"))
+        if piece is not None:
+            pieces.append((piece, True, "tool call arguments"))
     return pieces
 
 
+def r1_style(message: Mapping) -> bool:
+    """Does the content open with ``<think>`` (R1-style reasoning, up to the first ``</think>``), with no reasoning
+    field beside it? Otherwise a ``</think>`` in the content is answer text."""
+    content = message.get("content")
+    return isinstance(content, str) and content.lstrip().startswith(THINK_OPEN) and \
+        not any(isinstance(message.get(key), str) and message[key].strip() for key in REASONING_KEYS)
+
+
+def stray_think(message: Any, what: str) -> str:
+    """What to add to a missing content's report when a ``</think>`` in it is answer text (``message_pieces``)."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if what != "content" or not isinstance(content, str) or THINK_CLOSE not in content:
+        return ""
+    return f"; it holds {THINK_CLOSE!r}, and this template keeps only the text after that tag"
+
+
 def _leaves(value: Any) -> list[Any]:
-    """The scalar leaves of a JSON value, in order (an object's keys are the template's business, not data)."""
-    if isinstance(value, Mapping):
+    """The scalar leaves of a JSON value, in order (an object's keys are the template's business, not data); an
+    empty object or list is a leaf of its own (GLM-4 writes ``<arg_value>[]</arg_value>``)."""
+    if isinstance(value, Mapping) and value:
         return [s for v in value.values() for s in _leaves(v)]
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and value:
         return [s for v in value for s in _leaves(v)]
     return [value]
 
@@ -161,12 +186,13 @@ def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, sk
             found_at.append((cursor, []))
             continue
         after = cursor
-        own: list[tuple[int, int]] = []  # this message's required pieces: they never share characters
+        # this message's pieces never share characters: a call's arguments are not found by their values inside
+        # its reasoning (gpt-oss drops a second parallel call, and reasoning that names it is not the call)
         mine: list[tuple[int, int]] = []
         for piece, required, what in message_pieces(message):
-            found = _find_clear(text, piece, after, own if required else ())
+            found = _find_clear(text, piece, after, mine)
             if found is None and after != cursor:  # pieces out of the usual order
-                found = _find_clear(text, piece, cursor, own if required else ())
+                found = _find_clear(text, piece, cursor, mine)
             if found is None:
                 if required and missing is None and not (system_optional and role == "system"):
                     blamed = _blame(text, piece, found_at, messages)
@@ -176,8 +202,6 @@ def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, sk
                         return _locate_pieces(text, messages, system_optional, skip | {blamed[0]})
                     missing = blamed or (index, role, what)
                 continue
-            if required:
-                own.append(found)
             mine.append(found)
             spans.append(_core(text, found))
             pieces.append((*spans[-1], index, required))
@@ -217,9 +241,11 @@ def _blame(text: str, piece: str, found_at, messages) -> tuple[int, str, str] | 
 class _Arguments(str):
     """A tool call's arguments (an object, or its JSON text). ``str`` of it is the text as given (or as
     ``tojson`` writes an object); ``forms``: the JSON texts a template may write; ``leaves``: for each scalar
-    value, the forms a template prints it in, for templates that write key/value markup instead of JSON."""
+    value, the forms a template prints it in, for templates that write key/value markup instead of JSON.
+    ``name``: the call's name, the one text left to find when the arguments print no value (``{}``, or only empty
+    strings: GLM-4 and DeepSeek-V4 write nothing for them)."""
 
-    def __new__(cls, arguments: Any):
+    def __new__(cls, arguments: Any, name: str = ""):
         value = arguments
         if isinstance(arguments, str):
             try:
@@ -232,8 +258,9 @@ class _Arguments(str):
         if isinstance(value, (Mapping, list)):
             forms += [json.dumps(value, ensure_ascii=False), json.dumps(value), json.dumps(value, separators=(",", ":"))]
         self.forms = tuple(dict.fromkeys(forms))
-        self.leaves = [_leaf_pattern(v) for v in _leaves(value)] if isinstance(value, (Mapping, list)) else []
+        self.leaves = [_leaf_pattern(v) for v in _leaves(value)] if isinstance(value, (Mapping, list)) and value else []
         self.leaves = [p for p in self.leaves if p is not None]
+        self.name = name if isinstance(value, (Mapping, list)) and not self.leaves else ""
         # the string values, which templates copy verbatim (the raw text when it is not a JSON object or list)
         self.strings = ([v for v in _leaves(value) if isinstance(v, str) and v.strip()]
                         if isinstance(value, (Mapping, list)) else [first])
@@ -243,13 +270,16 @@ class _Arguments(str):
 def _leaf_pattern(value: Any) -> re.Pattern | None:
     """How a template may print one argument value: a string quoted as JSON or between markup (``>v<``),
     a number as JSON or Python writes it, a boolean or null as JSON or Python; a number or word is
-    matched whole (``1`` is not found inside ``10``). Empty strings print as nothing: None."""
+    matched whole (``1`` is not found inside ``10``); an empty object or list as ``{}`` or ``[]``. Empty strings print
+    as nothing: None."""
     if isinstance(value, str):
         if not value.strip():
             return None
         forms = {json.dumps(value, ensure_ascii=False), json.dumps(value), f">{value}<", f">{value.strip()}<",
                  f"'{value}'"}
         return re.compile("|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)))
+    if isinstance(value, (Mapping, list, tuple)):  # an empty object or list, as JSON or Python writes it
+        return re.compile(r"\{\s*\}" if isinstance(value, Mapping) else r"\[\s*\]")
     if isinstance(value, bool) or value is None:
         words = {"true", "True"} if value is True else {"false", "False"} if value is False else {"null", "None"}
         return re.compile(r"(?<!\w)(?:" + "|".join(sorted(words)) + r")(?!\w)")
@@ -270,14 +300,17 @@ def find_piece(text: str, piece: str, start: int = 0) -> tuple[int, int] | None:
 def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
     if isinstance(piece, _Arguments):
         found = _find_first(text, piece.forms, start) or _find_text(text, str(piece), start)
-        if found is not None or not piece.leaves:
+        if found is None and piece.name:  # no value to find: the call is there when its name is
+            return _find_text(text, piece.name, start)
+        if not piece.leaves:
             return found
-        # each value in order, after the last: the call's own text (an earlier look-alike is not the call)
+        # each value in order, after the last: the call's own text (an earlier look-alike is not the call); it wins
+        # over the JSON text when it ends before that (a later tool result that echoes the arguments as JSON)
         at, first = start, None
         for leaf in piece.leaves:
-            match = leaf.search(text, at)
+            match = leaf.search(text, at, found[0] if found is not None else len(text))
             if match is None:
-                return None
+                return found
             first = match.start() if first is None else first
             at = match.end()
         return first, at

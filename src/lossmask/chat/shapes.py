@@ -7,14 +7,19 @@ alternate"), and some render them in a way that trains user text (Phi-3 writes `
 every user message). So each row is normalised here, by ``MaskOptions``, and every change is counted by
 shape; nothing is left to the template's exception:
 
-- ShareGPT messages become ``{role, content}`` through ``MaskOptions.role_map``; a speaker the map does not
-  name makes the row ``invalid``, naming the key, the speaker and the map;
+- ShareGPT messages become ``{role, content}`` through ``MaskOptions.role_map`` (speakers matched in any case:
+  ``Human`` is ``human``); a speaker the map does not name makes the row ``invalid``, naming the key, the speaker
+  and the map. LLaMA-Factory's tool form is read natively: a ``function_call`` message (its value
+  ``{"name", "arguments"}`` JSON, or a list of them) becomes an assistant message with ``tool_calls``, an
+  ``observation`` a tool result; a value that is not a call makes the row ``invalid``;
 - content given as text parts is joined into one string ("\\n" between parts, as vLLM does) when the
   template takes strings only; a part that is not text (an image) makes the row ``invalid``;
 - ``empty_messages="drop"``: a user, assistant or system message with no text and nothing else is dropped;
 - ``leading_assistant="drop"``: messages before the first user message, other than system, are dropped
   (FastChat and LLaMA-Factory do the same);
 - ``consecutive_roles="merge"``: consecutive plain messages of one role are joined with a blank line;
+- ``drop_system_message``: every system message is removed (axolotl's and LLaMA-Factory's option; a template
+  that writes a default system prompt when none is given still writes it);
 - a row that the policy left without a user message followed by an assistant message is dropped as
   ``no_exchange`` (a row that came without one is labelled as before and shows why it trains nothing).
 
@@ -25,6 +30,7 @@ checked on those (``encode_rendered``), or on every row with ``check_roles="all"
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -36,13 +42,17 @@ LEADING_ASSISTANT_DROPPED = "leading_assistant_dropped"
 EMPTY_MESSAGES_DROPPED = "empty_messages_dropped"
 CONTENT_PARTS_JOINED = "content_parts_joined"
 SHAREGPT_READ = "sharegpt_messages_read"
-SHAPES = (LEADING_ASSISTANT_DROPPED, ROLES_MERGED, EMPTY_MESSAGES_DROPPED, CONTENT_PARTS_JOINED, SHAREGPT_READ)
+SYSTEM_DROPPED = "system_messages_dropped"
+SHAPES = (LEADING_ASSISTANT_DROPPED, ROLES_MERGED, EMPTY_MESSAGES_DROPPED, CONTENT_PARTS_JOINED, SHAREGPT_READ,
+          SYSTEM_DROPPED)
 MERGE_SEPARATOR = "\n\n"
 PART_SEPARATOR = "\n"
 # where each joined part lies in the joined content, kept when a part carries more than its text (a weight):
 # [(begin, end), part] pairs that chat/weights.py reads
 PART_SPANS = "lossmask_part_spans"
 _MERGEABLE = ("user", "assistant", "system")
+# ShareGPT speakers whose value is a tool call (LLaMA-Factory's tool form), read as an assistant message's tool_calls
+CALL_SPEAKERS = frozenset(("function_call",))
 
 
 @dataclass
@@ -68,8 +78,8 @@ def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts:
         if not messages or not isinstance(messages, list):
             out.unusual.append(every_row)
             continue
-        if _plain_alternating(messages):  # most rows: nothing to do
-            out.unusual.append(every_row)
+        if _plain_alternating(messages) and not (options.drop_system_message and _role(messages[0]) == "system"):
+            out.unusual.append(every_row)  # most rows: nothing to do
             continue
         changed: set[str] = set()
         try:
@@ -80,6 +90,11 @@ def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts:
             out.unusual.append(every_row)
             continue
         dropped_any = False
+        if options.drop_system_message:
+            kept = [m for m in messages if _role(m) != "system"]
+            if len(kept) != len(messages):
+                changed.add(SYSTEM_DROPPED)
+            messages = kept
         if options.empty_messages == "drop":
             kept = [m for m in messages if not _empty(m)]
             if len(kept) != len(messages):
@@ -141,15 +156,20 @@ def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, cha
     for index, message in enumerate(messages):
         if isinstance(message, dict) and "role" not in message and "from" in message:
             speaker = message["from"]
-            if speaker not in roles:
+            role = speaker_role(speaker, roles)
+            if role is None:
                 shown = ", ".join(f"{k}={v}" for k, v in roles.items())
                 raise ValueError(
                     f"message {index} has 'from': {speaker!r}, a speaker the role map does not name (ShareGPT messages "
                     f"are read as 'from' -> role and 'value' -> content; the map is {shown}); add it with "
                     f"--role-map {speaker}=ROLE (role_map={{{speaker!r}: ROLE}})"
                 )
-            message = {"role": roles[speaker], "content": message.get("value"),
-                       **{k: v for k, v in message.items() if k not in ("from", "value")}}
+            rest = {k: v for k, v in message.items() if k not in ("from", "value")}
+            if role == "assistant" and str(speaker).lower() in CALL_SPEAKERS:
+                message = {"role": "assistant", "content": "", "tool_calls": _tool_calls(index, message.get("value")),
+                           **rest}
+            else:
+                message = {"role": role, "content": message.get("value"), **rest}
             changed.add(SHAREGPT_READ)
         if isinstance(message, dict) and isinstance(message.get("content"), list) and not takes_parts:
             texts = []
@@ -178,6 +198,57 @@ def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, cha
             changed.add(CONTENT_PARTS_JOINED)
         out.append(message)
     return out
+
+
+def speaker_role(speaker: Any, roles: dict[str, str]) -> str | None:
+    """The role of a ShareGPT speaker: the map's entry for it as written, else for it in any case (``Human``)."""
+    if speaker in roles:
+        return roles[speaker]
+    if isinstance(speaker, str):
+        folded = speaker.casefold()
+        return next((role for name, role in roles.items() if name.casefold() == folded), None)
+    return None
+
+
+def _tool_calls(index: int, value: Any) -> list[dict]:
+    """LLaMA-Factory's ``function_call`` value, ``{"name", "arguments"}`` JSON (or a list of them for parallel
+    calls), as OpenAI ``tool_calls``; the arguments are kept as given (an object, or JSON text)."""
+    try:
+        calls = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        calls = None
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"].strip() for c in calls):
+        shown = value if not isinstance(value, str) or len(value) <= 60 else value[:57] + "..."
+        raise ValueError(
+            f"message {index} is a 'function_call' whose value {shown!r} is not a tool call: LLaMA-Factory's ShareGPT "
+            'tool form writes it as JSON text {"name": ..., "arguments": {...}} (or a list of them)'
+        )
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
+            for c in calls]
+
+
+def read_tools(value: Any) -> list | None:
+    """A row's ``tools`` as the template takes them: JSON text decoded (LLaMA-Factory stores the list as a string,
+    ``"[]"`` when there is none), and a bare function schema ``{"name", "parameters", ...}`` wrapped as OpenAI's
+    ``{"type": "function", "function": ...}``. None when the row has none; ValueError when it is not a list of them."""
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"holds text that is not JSON ({exc}); write the tools as a JSON list of function "
+                             "schemas") from None
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        raise ValueError(f"holds a {type(value).__name__}, not a list of function schemas")
+    return [{"type": "function", "function": tool} if "name" in tool and "function" not in tool else tool
+            for tool in value] or None
 
 
 def message_parts(message: Any) -> list:

@@ -24,7 +24,7 @@ import pyarrow as pa
 from ..engine import one_thread
 from .inputs import InputFiles, open_inputs
 from ..engine.patterns import Markers
-from ..options import MaskOptions
+from ..options import SHAREGPT_COLUMN, MaskOptions
 from .batch_step import input_kind, mask_batch, output_schema
 from .outputs import (OutputError, as_output_error, check_compression, check_output, check_output_format, commit,
                       output_lock, partial_name, remove_quietly, remove_stale_partials)
@@ -213,6 +213,8 @@ def job_input_kind(dataset: InputFiles, options: MaskOptions) -> str:
                 "one job must hold the same input shape: mask them separately"
             )
     kind = input_kind(dataset.schema, options, source=dataset.source)
+    if kind == "messages":
+        _warn_unread_conversations(dataset, options)
     if kind == "input_ids" and options.messages_column in dataset.schema.names:
         import warnings
 
@@ -223,6 +225,23 @@ def job_input_kind(dataset: InputFiles, options: MaskOptions) -> str:
             "does not have: the ids tokenised from the messages are written there", UserWarning, stacklevel=4,
         )
     return kind
+
+
+def _warn_unread_conversations(dataset: InputFiles, options: MaskOptions) -> None:
+    """One warning per file that holds both the messages column and ShareGPT's ``conversations``: only the first
+    is read, which must not pass without a word (docs/inputs.md)."""
+    import warnings
+
+    column = options.chat_column(dataset.schema.names)
+    if column == SHAREGPT_COLUMN:
+        return
+    for path, schema in zip(dataset.paths, dataset.file_schemas):
+        if column in schema.names and SHAREGPT_COLUMN in schema.names:
+            warnings.warn(
+                f"{path} has both {column!r} and {SHAREGPT_COLUMN!r}: the chats are read from {column!r}, and "
+                f"{SHAREGPT_COLUMN!r} is not read; pass --messages-column {SHAREGPT_COLUMN} "
+                f"(messages_column={SHAREGPT_COLUMN!r}) to read it instead", UserWarning, stacklevel=5,
+            )
 
 
 KIND_NAMES = {"input_ids": "token ids (input_ids)", "messages": "chat messages",
@@ -663,7 +682,8 @@ def check_job_drops(tally: Tally, tokenizer: Any, options: MaskOptions, *, trunc
         raise TooManyDroppedRows(
             f"{untrained} of {rows_in} rows ({untrained / rows_in:.1%}) would train no token (allowed: "
             f"{max_drop_fraction:.0%}), {rejected} of them rejected before labelling ({reasons}), e.g.:\n  {examples}\n"
-            "Fix those rows (roles the chat template accepts and renders, non-empty messages), or raise max_drop_fraction.",
+            "Fix those rows as each line above says (docs/inputs.md lists the row shapes read), or raise "
+            "max_drop_fraction.",
             tally.counts,
         )
 
