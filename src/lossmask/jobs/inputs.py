@@ -24,6 +24,7 @@ import fnmatch
 import functools
 import glob
 import io
+import itertools
 import json
 import os
 import re
@@ -65,11 +66,17 @@ class InputFiles:
     """The files of a job, their united ``schema``, and ``batches`` over all of them in order."""
 
     def __init__(self, paths: list[str], fmt: str, source: str, schema: pa.Schema, schemas: list[pa.Schema],
-                 skipped: list[str], copies: dict[str, str] | None = None):
+                 skipped: list[str], copies: dict[str, str] | None = None, heads: dict[str, _Head] | None = None):
         self.paths, self.format, self.source, self.schema = paths, fmt, source, schema
         self.file_schemas = schemas
         self.skipped = skipped  # messages for the report: files left out (the job's own output...)
         self.copies = copies or {}  # a path as named -> the temporary copy read instead (stdin, pipes)
+        # JSON Lines read as typed Arrow: each file's first rows, parsed once for the schema and kept to be read
+        self.heads = heads
+        # ... and the rows of the input, when every file was read whole for its schema
+        self._json_rows = (sum(len(h.numbers) for h in heads.values())
+                           if heads is not None and len(heads) == len(paths) and all(h.whole for h in heads.values())
+                           else None)
         self._segments: list[_Segment] = []
         self._starts: list[int] = []
 
@@ -133,7 +140,9 @@ class InputFiles:
     def _json_batches(self, batch_size: int):
         def blocks():
             for path in self.paths:
-                for table, first, unit in read_json_lines(self._local(path), self.schema, batch_size, name=path):
+                head = None if self.heads is None else self.heads.pop(path, None)
+                for table, first, unit in read_json_lines(self._local(path), self.schema, batch_size, name=path,
+                                                          typed=self.heads is not None, head=head):
                     yield table, path, first, unit
 
         for table, path, first, unit in _read_ahead(blocks()):
@@ -142,7 +151,10 @@ class InputFiles:
                 first += batch.num_rows
 
     def count_rows(self) -> int | None:
-        """Rows in the input when it is cheap to know (Parquet metadata); None otherwise."""
+        """Rows in the input when it is cheap to know (Parquet metadata; JSON Lines read whole for the schema);
+        None otherwise."""
+        if self.format == "json":
+            return self._json_rows
         if self.format != "parquet":
             return None
         import pyarrow.parquet as pq
@@ -257,6 +269,11 @@ def open_inputs(input: Any, *, input_format: str | None = None, exclude: tuple[s
         if fmt not in ("parquet", "ipc", "json"):
             raise ValueError(f"input_format={fmt!r} is not supported; pass 'parquet', 'ipc' (Arrow/Feather) or 'json' "
                              "(JSON Lines, or a JSON array; gzip, bzip2 or zstd compressed)")
+        if fmt == "json":
+            typed = _typed_json_inputs(local, kept)
+            if typed is not None:
+                schema, schemas, heads = typed
+                return InputFiles(kept, fmt, source, schema, schemas, skipped, copies, heads)
         schemas = [_file_schema(path, fmt, name) for path, name in zip(local, kept)]
         return InputFiles(kept, fmt, source, unite_schemas(kept, schemas), schemas, skipped, copies)
     except BaseException:
@@ -733,41 +750,50 @@ def _array_items(fh, name: str) -> Iterator[tuple[int, bytes]]:
                          "(or name it .jsonl: one object per line)")
 
 
-def read_json_lines(path: str, schema: pa.Schema, batch_size: int, *,
-                    name: str | None = None) -> Iterator[tuple[pa.Table, int, str]]:
+def read_json_lines(path: str, schema: pa.Schema, batch_size: int, *, name: str | None = None, typed: bool = False,
+                    head: _Head | None = None) -> Iterator[tuple[pa.Table, int, str]]:
     """``(table, number of its first row, unit)`` for runs of at most ``batch_size`` consecutive non-blank lines
-    (unit ``"line"``), or items of a JSON array (``"row"``)."""
+    (unit ``"line"``), or items of a JSON array (``"row"``). ``typed``: ``schema`` came from Arrow's reading of the
+    first rows (``typed_json_head``), which reads every block; ``head``: those rows, already read."""
     name = path if name is None else name
     block: list[bytes] = []
     first = following = 0
     with _json_rows(path, name) as (unit, records):
+        if head is not None:
+            yield from _head_blocks(head, batch_size)
+            records = itertools.islice(records, len(head.numbers), None)
         for number, raw in records:
             if block and (number != following or len(block) == batch_size):
-                yield _json_table(name, block, first, schema, unit), first, unit
+                yield _json_table(name, block, first, schema, unit, typed=typed), first, unit
                 block = []
             if not block:
                 first = number
             block.append(raw)
             following = number + 1
         if block:
-            yield _json_table(name, block, first, schema, unit), first, unit
+            yield _json_table(name, block, first, schema, unit, typed=typed), first, unit
 
 
-def _json_table(path: str, lines: list[bytes], first: int, schema: pa.Schema, unit: str = "line") -> pa.Table:
-    """One block of lines as a table of ``schema``: Arrow's reader when no column is JSON text, else Python."""
-    if not any(_holds_json(field.type) for field in schema):
-        try:
-            import pyarrow.json as pj
+def _head_blocks(head: _Head, batch_size: int) -> Iterator[tuple[pa.Table, int, str]]:
+    """The rows of ``head`` as ``read_json_lines`` yields rows: at most ``batch_size``, on consecutive lines."""
+    numbers, start = head.numbers, 0
+    while start < len(numbers):
+        end = start + 1
+        while end < len(numbers) and end - start < batch_size and numbers[end] == numbers[end - 1] + 1:
+            end += 1
+        yield head.table.slice(start, end - start), numbers[start], head.unit
+        start = end
 
-            data = b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines)
-            table = pj.read_json(
-                io.BytesIO(data), read_options=pj.ReadOptions(block_size=max(1 << 22, 2 * max(map(len, lines)))),
-                parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error"),
-            )
-            if table.num_rows == len(lines) and table.schema == schema:
-                return table
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            pass  # the row-by-row reading below names the line and the problem
+
+def _json_table(path: str, lines: list[bytes], first: int, schema: pa.Schema, unit: str = "line", *,
+                typed: bool = False) -> pa.Table:
+    """One block of lines as a table of ``schema``: Arrow's reader when the schema is typed (or holds no JSON text),
+    else Python, which also reads the lines Arrow's reader refuses, naming the line and the problem."""
+    if typed or not any(_holds_json(field.type) for field in schema):
+        reading = _reading_schema(schema) if typed else schema
+        table = _arrow_json(_joined(lines), reading, max(map(len, lines)))
+        if table is not None and table.num_rows == len(lines) and table.schema == reading:
+            return _with_json_nulls(table, schema) if typed else table
     rows = [_parse_line(path, first + i, raw, unit) for i, raw in enumerate(lines)]
     known = set(schema.names)
     for i, row in enumerate(rows):
@@ -780,6 +806,146 @@ def _json_table(path: str, lines: list[bytes], first: int, schema: pa.Schema, un
             )
     return pa.table([_json_column(path, first, field, [row.get(field.name) for row in rows], unit) for field in schema],
                     schema=schema)
+
+
+# -- JSON Lines as typed Arrow ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The first rows of a JSON Lines file as Arrow read them for its schema; row ``i`` is line (or item) ``numbers[i]``."""
+
+    table: pa.Table
+    numbers: list[int]
+    unit: str
+    whole: bool  # the rows are all the file holds
+
+
+def _typed_json_inputs(local: list[str], names: list[str]):
+    """``(united schema, each file's schema, each file's head)`` when every file's first rows read as typed Arrow
+    (``typed_json_head``) and their schemas unite; None when the files are to be read as JSON text instead."""
+    heads, schemas = {}, []
+    for path, name in zip(local, names):
+        head = typed_json_head(path, name=name)
+        if head is None:
+            return None
+        heads[name] = head
+        schemas.append(head.table.schema)
+    try:
+        united = unite_schemas(names, schemas)
+    except (ValueError, pa.ArrowException):
+        return None  # the reading as JSON text unites them, or says which column differs
+    # a file whose columns are fewer than the united ones is read again, as the united schema
+    return united, schemas, {name: head for name, head in heads.items() if head.table.schema == united}
+
+
+def typed_json_head(path: str, *, name: str | None = None) -> _Head | None:
+    """The first ``INFER_LINES`` rows of a JSON Lines (or JSON array) file read by Arrow's JSON reader, its types
+    inferred, when they are types that no later row of the same shape reads otherwise in Python (``_typed_field``):
+    strings, integers, floats, booleans, lists of them, and lists of objects whose values are all strings
+    (``messages`` of ``{role, content}``, ShareGPT's ``{from, value}``) as ``list<struct>``. None when any row or
+    column is otherwise (a value whose type changes between rows, an object, a message holding a list or a
+    number, bytes that are not UTF-8, a line that is not JSON): the file is then read as JSON text
+    (``json_lines_schema``), which also names the line at fault."""
+    name = path if name is None else name
+    numbers, lines, whole = [], [], True
+    with _json_rows(path, name) as (unit, records):
+        for number, raw in records:
+            if len(lines) >= INFER_LINES:
+                whole = False
+                break
+            numbers.append(number)
+            lines.append(raw)
+    if not lines:
+        return None
+    data, longest = _joined(lines), max(map(len, lines))
+    table = _arrow_json(data, None, longest)
+    if table is None or table.num_rows != len(lines):
+        return None
+    fields = [_typed_field(field) for field in table.schema]
+    if any(field is None for field in fields):
+        return None
+    schema = pa.schema(fields)
+    reading = _reading_schema(schema)
+    if table.schema != reading:  # a timestamp's text, an empty list's type: read again as the types say
+        table = _arrow_json(data, reading, longest)
+        if table is None or table.num_rows != len(lines) or table.schema != reading:
+            return None
+    return _Head(_with_json_nulls(table, schema), numbers, unit, whole)
+
+
+_SCALARS = (pa.string(), pa.int64(), pa.float64(), pa.bool_())
+
+
+def _typed_field(field: pa.Field) -> pa.Field | None:
+    """The field for a column as Arrow's reader inferred it, when Python's reading of the same values gives the same
+    type (``_infer_type``), or would where Arrow's differs: text that looks like a date stays text, a column of
+    nulls is JSON text, a list only ever empty is ``list<int64>``; None for any other type."""
+    arrow_type = field.type
+    if pa.types.is_null(arrow_type):
+        return pa.field(field.name, pa.json_())
+    if pa.types.is_timestamp(arrow_type):
+        return pa.field(field.name, pa.string())
+    if arrow_type in _SCALARS:
+        return field
+    if not pa.types.is_list(arrow_type):
+        return None
+    item = arrow_type.value_type
+    if pa.types.is_null(item):
+        return pa.field(field.name, pa.list_(pa.int64()))
+    if pa.types.is_timestamp(item):
+        return pa.field(field.name, pa.list_(pa.string()))
+    if item in _SCALARS:
+        return field
+    if pa.types.is_struct(item) and all(pa.types.is_null(item.field(i).type) or pa.types.is_timestamp(item.field(i).type)
+                                        or pa.types.is_string(item.field(i).type) for i in range(item.num_fields)):
+        return pa.field(field.name, pa.list_(pa.struct([pa.field(item.field(i).name, pa.string())
+                                                        for i in range(item.num_fields)])))
+    return None
+
+
+def _reading_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` as Arrow's reader is asked for it: a column of JSON text (only nulls so far) as nulls."""
+    return pa.schema([pa.field(f.name, pa.null()) if _holds_json(f.type) else f for f in schema])
+
+
+def _with_json_nulls(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` as read by ``_reading_schema(schema)``, its columns of nulls typed as ``schema`` says."""
+    for i, field in enumerate(schema):
+        if _holds_json(field.type):
+            table = table.set_column(i, field, pa.nulls(table.num_rows, field.type))
+    return table
+
+
+# an integer beyond int64, which Arrow's reader takes for a float but Python's reading refuses or keeps as text
+_LONG_INTEGER = re.compile(rb"(?<![0-9.])[0-9]{19,}(?![0-9.eE])")
+
+
+def _arrow_json(data: bytes, schema: pa.Schema | None, longest: int) -> pa.Table | None:
+    """``data`` (JSON Lines) read by Arrow's JSON reader as ``schema`` (or with the types it infers); None where the
+    reading is left to Python: bytes that are not UTF-8 (Arrow's reader does not check), a line it refuses (not JSON,
+    not an object, a value of another type, a key not in ``schema``, a lone surrogate), a long integer in a float."""
+    import pyarrow.json as pj
+
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    parse = (pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error") if schema is not None
+             else pj.ParseOptions())
+    try:
+        table = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=max(1 << 22, 2 * longest)),
+                             parse_options=parse)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None
+    floats = [f for f in table.schema if pa.types.is_floating(getattr(f.type, "value_type", f.type))]
+    if floats and _LONG_INTEGER.search(data):
+        return None
+    return table
+
+
+def _joined(lines: list[bytes]) -> bytes:
+    return b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines)
 
 
 def _holds_json(arrow_type: pa.DataType) -> bool:
@@ -801,6 +967,8 @@ def _json_column(path: str, first: int, field: pa.Field, values: list, unit: str
                                             mask=storage.is_null() if storage.null_count else None)
         storage = pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values], pa.string())
         return pa.ExtensionArray.from_storage(pa.json_(), storage)
+    if pa.types.is_list(field.type) and pa.types.is_struct(field.type.value_type):
+        _check_message_keys(path, first, field, values, unit)
     try:
         return pa.array(values, type=field.type)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
@@ -817,6 +985,21 @@ def _json_column(path: str, first: int, field: pa.Field, values: list, unit: str
             ) from None
     raise ValueError(f"{path}, {unit}s {first}-{first + len(values) - 1}: column {field.name!r} cannot be read as "
                      f"{field.type}")
+
+
+def _check_message_keys(path: str, first: int, field: pa.Field, values: list, unit: str) -> None:
+    """Refuse an object of a typed list column (a message) with a key its struct lacks: Arrow would leave it out."""
+    struct = field.type.value_type
+    known = {struct.field(i).name for i in range(struct.num_fields)}
+    for i, value in enumerate(values):
+        for item in value if isinstance(value, list) else ():
+            extra = [key for key in item if key not in known] if isinstance(item, dict) else []
+            if extra:
+                raise ValueError(
+                    f"{path}, {unit} {first + i}: an object of {field.name!r} has key {extra[0]!r}, which none has in the "
+                    f"first {INFER_LINES:,} rows of the file, whose objects fix its fields; give it to an object of the "
+                    "first rows (null where absent), or convert the file to Parquet"
+                )
 
 
 # an escaped UTF-16 surrogate (\ud800-\udfff): half of a pair, or alone, which is not text
