@@ -4,10 +4,13 @@
 output, report and partial files, reads every file's schema and unites them: a column that only some
 files have is null in the others; a column whose types cannot be united is refused, naming both files.
 A file reached under two names (a symlink, a recursive glob through a symlink loop) is read once.
-Parquet and Arrow IPC are read with ``pyarrow.dataset``. JSON Lines are read here, block by block:
-objects and lists of objects (messages, tool calls, tool schemas) are kept as JSON text per message
-or per value (``arrow.json``), so rows whose keys or argument types differ are read as they are;
-malformed lines and non-UTF-8 bytes are refused naming the file and line. A JSON file that holds one
+Parquet and Arrow IPC are read with ``pyarrow.dataset``. JSON Lines are read here, block by block, by
+Arrow's JSON reader with the types of each file's first rows (``typed_json_head``): messages of string
+values as ``list<struct>``, parsed once, with no Python object per message. A file whose first rows hold
+objects, messages holding lists or numbers, or a value whose type changes between rows is read as JSON
+text instead (``json_lines_schema``): objects and lists of objects (messages, tool calls, tool schemas)
+are kept as JSON text per message or per value (``arrow.json``), so rows whose keys or argument types
+differ are read as they are. Malformed lines and non-UTF-8 bytes are refused naming the file and line. A JSON file that holds one
 array of objects is read the same way, its items as rows. JSON compressed with gzip, bzip2 or zstd is
 told by its magic bytes and read as it is decompressed. Input that can only be read once (stdin, a
 pipe, a FIFO) is first copied to a temporary file, which is removed when the job ends.
