@@ -874,7 +874,8 @@ def typed_json_head(path: str, *, name: str | None = None) -> _Head | None:
         table = _arrow_json(data, reading, longest)
         if table is None or table.num_rows != len(lines) or table.schema != reading:
             return None
-    return _Head(_with_json_nulls(table, schema), numbers, unit, whole)
+    # one chunk: a batch sliced from it is one batch (Arrow's reader gives a chunk per block of bytes)
+    return _Head(_with_json_nulls(table, schema).combine_chunks(), numbers, unit, whole)
 
 
 _SCALARS = (pa.string(), pa.int64(), pa.float64(), pa.bool_())
