@@ -140,3 +140,11 @@ def test_the_row_count_is_known_when_the_rows_read_for_the_schema_are_the_whole_
     assert open_inputs(tmp_path / "in.jsonl").count_rows() == 12
     monkeypatch.setattr(inputs, "INFER_LINES", 5)
     assert open_inputs(tmp_path / "in.jsonl").count_rows() is None
+
+
+def test_a_line_nested_deeper_than_arrow_reads_is_named_not_a_crash(tmp_path):
+    deep = '{"messages": ' + "[" * 30_000 + "]" * 30_000 + "}"
+    lines = [json.dumps({"messages": chat(0)}), deep]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"in\.jsonl, line 2: nested too deep"):
+        list(open_inputs(tmp_path / "in.jsonl").batches(4))

@@ -794,7 +794,7 @@ def _json_table(path: str, lines: list[bytes], first: int, schema: pa.Schema, un
     else Python, which also reads the lines Arrow's reader refuses, naming the line and the problem."""
     if typed or not any(_holds_json(field.type) for field in schema):
         reading = _reading_schema(schema) if typed else schema
-        table = _arrow_json(_joined(lines), reading, max(map(len, lines)))
+        table = _arrow_json(_joined(lines), reading, lines)
         if table is not None and table.num_rows == len(lines) and table.schema == reading:
             return _with_json_nulls(table, schema) if typed else table
     rows = [_parse_line(path, first + i, raw, unit) for i, raw in enumerate(lines)]
@@ -861,8 +861,8 @@ def typed_json_head(path: str, *, name: str | None = None) -> _Head | None:
             lines.append(raw)
     if not lines:
         return None
-    data, longest = _joined(lines), max(map(len, lines))
-    table = _arrow_json(data, None, longest)
+    data = _joined(lines)
+    table = _arrow_json(data, None, lines)
     if table is None or table.num_rows != len(lines):
         return None
     fields = [_typed_field(field) for field in table.schema]
@@ -871,7 +871,7 @@ def typed_json_head(path: str, *, name: str | None = None) -> _Head | None:
     schema = pa.schema(fields)
     reading = _reading_schema(schema)
     if table.schema != reading:  # a timestamp's text, an empty list's type: read again as the types say
-        table = _arrow_json(data, reading, longest)
+        table = _arrow_json(data, reading, lines)
         if table is None or table.num_rows != len(lines) or table.schema != reading:
             return None
     # one chunk: a batch sliced from it is one batch (Arrow's reader gives a chunk per block of bytes)
@@ -925,12 +925,16 @@ def _with_json_nulls(table: pa.Table, schema: pa.Schema) -> pa.Table:
 _LONG_INTEGER = re.compile(rb"(?<![0-9.])[0-9]{19,}(?![0-9.eE])")
 
 
-def _arrow_json(data: bytes, schema: pa.Schema | None, longest: int) -> pa.Table | None:
+def _arrow_json(data: bytes, schema: pa.Schema | None, lines: list[bytes]) -> pa.Table | None:
     """``data`` (JSON Lines) read by Arrow's JSON reader as ``schema`` (or with the types it infers); None where the
     reading is left to Python: bytes that are not UTF-8 (Arrow's reader does not check), a line it refuses (not JSON,
-    not an object, a value of another type, a key not in ``schema``, a lone surrogate), a long integer in a float."""
+    not an object, a value of another type, a key not in ``schema``, a lone surrogate), a line that may nest deeper
+    than it can read (``ARROW_MAX_BRACKETS``), a long integer in a float. ``data``: ``lines`` joined."""
     import pyarrow.json as pj
 
+    if _may_nest_deep(data, lines):
+        return None
+    longest = max(map(len, lines))
     parse = (pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error") if schema is not None
              else pj.ParseOptions())
     try:
@@ -944,6 +948,19 @@ def _arrow_json(data: bytes, schema: pa.Schema | None, longest: int) -> pa.Table
     if floats and _LONG_INTEGER.search(data):
         return None
     return table
+
+
+# Arrow's JSON reader recurses once per level of nesting and crashes the process (a segfault) somewhere past
+# 15,000 levels; Python's reader stops at about 1,000 with an error naming the line. A line with more opening
+# brackets than this (inside strings or not: an upper bound on its depth) is read by Python.
+ARROW_MAX_BRACKETS = 2048
+
+
+def _may_nest_deep(data: bytes, lines: list[bytes]) -> bool:
+    """Whether a line of ``data`` holds more than ``ARROW_MAX_BRACKETS`` opening brackets (counted in C)."""
+    if data.count(b"[") + data.count(b"{") <= ARROW_MAX_BRACKETS:
+        return False
+    return any(line.count(b"[") + line.count(b"{") > ARROW_MAX_BRACKETS for line in lines)
 
 
 def _joined(lines: list[bytes]) -> bytes:
