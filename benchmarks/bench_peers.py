@@ -35,7 +35,8 @@ disk afterwards), and is printed on its own. The machine load (``uptime``) is pr
     python benchmarks/bench_peers.py --rows 2000                    # quick
     python benchmarks/bench_peers.py --corpus sharegpt --rows 4000 --no-memory-mapped   # real chats
     python benchmarks/bench_peers.py --rows 20000 --json out.json   # the size
-    pytest benchmarks/bench_peers.py --benchmark-enable -s          # LOSSMASK_BENCH_PEER_ROWS (default 2000)
+    pytest benchmarks/bench_peers.py --benchmark-enable -s          # LOSSMASK_BENCH_PEER_ROWS (default 2000),
+                                                                    # LOSSMASK_BENCH_PEER_CORPUS (realistic, sharegpt)
 
 Needs: the shared tokenizers (``$LOSSMASK_TOKENIZERS``), ``trl`` and ``datasets`` (``lossmask[trl]``),
 ``fastokens`` (``lossmask[fast]``) for the fast figures, ``unsloth_zoo`` (``pip install unsloth_zoo --no-deps``)
@@ -364,7 +365,8 @@ def test_peers(benchmark):
     pytest.importorskip("datasets")
     rows = int(os.environ.get("LOSSMASK_BENCH_PEER_ROWS", 2_000))
     box: dict = {}
-    benchmark.pedantic(lambda: box.update(out=run(rows)), rounds=1, iterations=1)
+    corpus = os.environ.get("LOSSMASK_BENCH_PEER_CORPUS", "realistic")  # or sharegpt
+    benchmark.pedantic(lambda: box.update(out=run(rows, corpus=corpus)), rounds=1, iterations=1)
     results, mm, load = box["out"]
     benchmark.extra_info.update(results=results, memory_mapped=mm, uptime=load)
     print("\n" + table(results, mm, load))
