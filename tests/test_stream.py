@@ -277,9 +277,13 @@ def test_num_proc_keeps_to_one_process_on_two_cores(deepseek, tmp_path, monkeypa
     report = mask_files(tmp_path / "chats.parquet", tmp_path / "out.parquet", tokenizer=deepseek, num_proc=2)
     assert any(m.startswith("num_proc=2: 1 process on 2 cores for 4,500 rows") for m in report.messages)
     assert "encode_wait" not in report.seconds
-    # JSON Lines: the row count is not known before reading
+    # JSON Lines: the row count is known when the rows read for the schema are the whole file
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows[:50]))
     report = mask_files(tmp_path / "chats.jsonl", tmp_path / "out2.parquet", tokenizer=deepseek, num_proc=2)
+    assert any(m.startswith("num_proc=2: 1 process on 2 cores for 50 rows (") for m in report.messages)
+    assert report.rows_out == 50
+    monkeypatch.setattr(lossmask.jobs.inputs, "INFER_LINES", 20)  # ... and not known before reading otherwise
+    report = mask_files(tmp_path / "chats.jsonl", tmp_path / "out3.parquet", tokenizer=deepseek, num_proc=2)
     assert any(m.startswith("num_proc=2: 1 process on 2 cores (") for m in report.messages)
     assert report.rows_out == 50
 

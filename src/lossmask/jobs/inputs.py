@@ -5,12 +5,15 @@ output, report and partial files, reads every file's schema and unites them: a c
 files have is null in the others; a column whose types cannot be united is refused, naming both files.
 A file reached under two names (a symlink, a hard link, a recursive glob through a symlink loop) is read
 once: files are told apart by device and inode.
-Parquet and Arrow IPC are read with ``pyarrow.dataset``. JSON Lines are read here, block by block:
-objects and lists of objects (messages, tool calls, tool schemas) are kept as JSON text per message
-or per value (``arrow.json``), so rows whose keys or argument types differ are read as they are;
-malformed lines and non-UTF-8 bytes are refused naming the file and line. A JSON file that holds one
-array of objects is read the same way, its items as rows. JSON compressed with gzip, bzip2 or zstd is
-told by its magic bytes and read as it is decompressed. Input that can only be read once (stdin, a
+Parquet and Arrow IPC are read with ``pyarrow.dataset``. JSON Lines are read here, block by block, by
+Arrow's JSON reader with the types of each file's first rows (``typed_json_head``): messages of string
+values as ``list<struct>``, parsed once, with no Python object per message. A file whose first rows hold
+objects, messages holding lists or numbers, or a value whose type changes between rows is read as JSON
+text instead (``json_lines_schema``): objects and lists of objects (messages, tool calls, tool schemas)
+are kept as JSON text per message or per value (``arrow.json``), so rows whose keys or argument types
+differ are read as they are. Malformed lines and non-UTF-8 bytes are refused naming the file and line. A
+JSON file that holds one array of objects is read the same way, its items as rows. JSON compressed with
+gzip, bzip2 or zstd is told by its magic bytes and read as it is decompressed. Input that can only be read once (stdin, a
 pipe, a FIFO) is first copied to a temporary file, which is removed when the job ends.
 
 Every batch is recorded with the file it came from and where it starts there, so that a row of the
@@ -25,6 +28,7 @@ import fnmatch
 import functools
 import glob
 import io
+import itertools
 import json
 import os
 import re
@@ -68,11 +72,17 @@ class InputFiles:
     """The files of a job, their united ``schema``, and ``batches`` over all of them in order."""
 
     def __init__(self, paths: list[str], fmt: str, source: str, schema: pa.Schema, schemas: list[pa.Schema],
-                 skipped: list[str], copies: dict[str, str] | None = None):
+                 skipped: list[str], copies: dict[str, str] | None = None, heads: dict[str, _Head] | None = None):
         self.paths, self.format, self.source, self.schema = paths, fmt, source, schema
         self.file_schemas = schemas
         self.skipped = skipped  # messages for the report: files left out (the job's own output...)
         self.copies = copies or {}  # a path as named -> the temporary copy read instead (stdin, pipes)
+        # JSON Lines read as typed Arrow: each file's first rows, parsed once for the schema and kept to be read
+        self.heads = heads
+        # ... and the rows of the input, when every file was read whole for its schema
+        self._json_rows = (sum(len(h.numbers) for h in heads.values())
+                           if heads is not None and len(heads) == len(paths) and all(h.whole for h in heads.values())
+                           else None)
         self._segments: list[_Segment] = []
         self._starts: list[int] = []
 
@@ -136,7 +146,9 @@ class InputFiles:
     def _json_batches(self, batch_size: int):
         def blocks():
             for path in self.paths:
-                for table, first, unit in read_json_lines(self._local(path), self.schema, batch_size, name=path):
+                head = None if self.heads is None else self.heads.pop(path, None)
+                for table, first, unit in read_json_lines(self._local(path), self.schema, batch_size, name=path,
+                                                          typed=self.heads is not None, head=head):
                     yield table, path, first, unit
 
         for table, path, first, unit in _read_ahead(blocks()):
@@ -145,7 +157,10 @@ class InputFiles:
                 first += batch.num_rows
 
     def count_rows(self) -> int | None:
-        """Rows in the input when it is cheap to know (Parquet metadata); None otherwise."""
+        """Rows in the input when it is cheap to know (Parquet metadata; JSON Lines read whole for the schema);
+        None otherwise."""
+        if self.format == "json":
+            return self._json_rows
         if self.format != "parquet":
             return None
         import pyarrow.parquet as pq
@@ -268,6 +283,11 @@ def open_inputs(input: Any, *, input_format: str | None = None, exclude: tuple[s
         if fmt not in ("parquet", "ipc", "json"):
             raise ValueError(f"input_format={fmt!r} is not supported; pass 'parquet', 'ipc' (Arrow/Feather) or 'json' "
                              "(JSON Lines, or a JSON array; gzip, bzip2 or zstd compressed)")
+        if fmt == "json":
+            typed = _typed_json_inputs(local, kept)
+            if typed is not None:
+                schema, schemas, heads = typed
+                return InputFiles(kept, fmt, source, schema, schemas, skipped, copies, heads)
         schemas = [_file_schema(path, fmt, name) for path, name in zip(local, kept)]
         return InputFiles(kept, fmt, source, unite_schemas(kept, schemas), schemas, skipped, copies)
     except BaseException:
@@ -768,41 +788,50 @@ def _array_items(fh, name: str) -> Iterator[tuple[int, bytes]]:
                          "(or name it .jsonl: one object per line)")
 
 
-def read_json_lines(path: str, schema: pa.Schema, batch_size: int, *,
-                    name: str | None = None) -> Iterator[tuple[pa.Table, int, str]]:
+def read_json_lines(path: str, schema: pa.Schema, batch_size: int, *, name: str | None = None, typed: bool = False,
+                    head: _Head | None = None) -> Iterator[tuple[pa.Table, int, str]]:
     """``(table, number of its first row, unit)`` for runs of at most ``batch_size`` consecutive non-blank lines
-    (unit ``"line"``), or items of a JSON array (``"row"``)."""
+    (unit ``"line"``), or items of a JSON array (``"row"``). ``typed``: ``schema`` came from Arrow's reading of the
+    first rows (``typed_json_head``), which reads every block; ``head``: those rows, already read."""
     name = path if name is None else name
     block: list[bytes] = []
     first = following = 0
     with _json_rows(path, name) as (unit, records):
+        if head is not None:
+            yield from _head_blocks(head, batch_size)
+            records = itertools.islice(records, len(head.numbers), None)
         for number, raw in records:
             if block and (number != following or len(block) == batch_size):
-                yield _json_table(name, block, first, schema, unit), first, unit
+                yield _json_table(name, block, first, schema, unit, typed=typed), first, unit
                 block = []
             if not block:
                 first = number
             block.append(raw)
             following = number + 1
         if block:
-            yield _json_table(name, block, first, schema, unit), first, unit
+            yield _json_table(name, block, first, schema, unit, typed=typed), first, unit
 
 
-def _json_table(path: str, lines: list[bytes], first: int, schema: pa.Schema, unit: str = "line") -> pa.Table:
-    """One block of lines as a table of ``schema``: Arrow's reader when no column is JSON text, else Python."""
-    if not any(_holds_json(field.type) for field in schema):
-        try:
-            import pyarrow.json as pj
+def _head_blocks(head: _Head, batch_size: int) -> Iterator[tuple[pa.Table, int, str]]:
+    """The rows of ``head`` as ``read_json_lines`` yields rows: at most ``batch_size``, on consecutive lines."""
+    numbers, start = head.numbers, 0
+    while start < len(numbers):
+        end = start + 1
+        while end < len(numbers) and end - start < batch_size and numbers[end] == numbers[end - 1] + 1:
+            end += 1
+        yield head.table.slice(start, end - start), numbers[start], head.unit
+        start = end
 
-            data = b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines)
-            table = pj.read_json(
-                io.BytesIO(data), read_options=pj.ReadOptions(block_size=max(1 << 22, 2 * max(map(len, lines)))),
-                parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error"),
-            )
-            if table.num_rows == len(lines) and table.schema == schema:
-                return table
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            pass  # the row-by-row reading below names the line and the problem
+
+def _json_table(path: str, lines: list[bytes], first: int, schema: pa.Schema, unit: str = "line", *,
+                typed: bool = False) -> pa.Table:
+    """One block of lines as a table of ``schema``: Arrow's reader when the schema is typed (or holds no JSON text),
+    else Python, which also reads the lines Arrow's reader refuses, naming the line and the problem."""
+    if typed or not any(_holds_json(field.type) for field in schema):
+        reading = _reading_schema(schema) if typed else schema
+        table = _arrow_json(_joined(lines), reading, lines)
+        if table is not None and table.num_rows == len(lines) and table.schema == reading:
+            return _with_json_nulls(table, schema) if typed else table
     rows = [_parse_line(path, first + i, raw, unit) for i, raw in enumerate(lines)]
     known = set(schema.names)
     for i, row in enumerate(rows):
@@ -815,6 +844,162 @@ def _json_table(path: str, lines: list[bytes], first: int, schema: pa.Schema, un
             )
     return pa.table([_json_column(path, first, field, [row.get(field.name) for row in rows], unit) for field in schema],
                     schema=schema)
+
+
+# -- JSON Lines as typed Arrow ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The first rows of a JSON Lines file as Arrow read them for its schema; row ``i`` is line (or item) ``numbers[i]``."""
+
+    table: pa.Table
+    numbers: list[int]
+    unit: str
+    whole: bool  # the rows are all the file holds
+
+
+def _typed_json_inputs(local: list[str], names: list[str]):
+    """``(united schema, each file's schema, each file's head)`` when every file's first rows read as typed Arrow
+    (``typed_json_head``) and their schemas unite; None when the files are to be read as JSON text instead."""
+    heads, schemas = {}, []
+    for path, name in zip(local, names):
+        head = typed_json_head(path, name=name)
+        if head is None:
+            return None
+        heads[name] = head
+        schemas.append(head.table.schema)
+    try:
+        united = unite_schemas(names, schemas)
+    except (ValueError, pa.ArrowException):
+        return None  # the reading as JSON text unites them, or says which column differs
+    # a file whose columns are fewer than the united ones is read again, as the united schema
+    return united, schemas, {name: head for name, head in heads.items() if head.table.schema == united}
+
+
+def typed_json_head(path: str, *, name: str | None = None) -> _Head | None:
+    """The first ``INFER_LINES`` rows of a JSON Lines (or JSON array) file read by Arrow's JSON reader, its types
+    inferred, when they are types that no later row of the same shape reads otherwise in Python (``_typed_field``):
+    strings, integers, floats, booleans, lists of them, and lists of objects whose values are all strings
+    (``messages`` of ``{role, content}``, ShareGPT's ``{from, value}``) as ``list<struct>``. None when any row or
+    column is otherwise (a value whose type changes between rows, an object, a message holding a list or a
+    number, bytes that are not UTF-8, a line that is not JSON): the file is then read as JSON text
+    (``json_lines_schema``), which also names the line at fault."""
+    name = path if name is None else name
+    numbers, lines, whole = [], [], True
+    with _json_rows(path, name) as (unit, records):
+        for number, raw in records:
+            if len(lines) >= INFER_LINES:
+                whole = False
+                break
+            numbers.append(number)
+            lines.append(raw)
+    if not lines:
+        return None
+    data = _joined(lines)
+    table = _arrow_json(data, None, lines)
+    if table is None or table.num_rows != len(lines):
+        return None
+    fields = [_typed_field(field) for field in table.schema]
+    if any(field is None for field in fields):
+        return None
+    schema = pa.schema(fields)
+    reading = _reading_schema(schema)
+    if table.schema != reading:  # a timestamp's text, an empty list's type: read again as the types say
+        table = _arrow_json(data, reading, lines)
+        if table is None or table.num_rows != len(lines) or table.schema != reading:
+            return None
+    # one chunk: a batch sliced from it is one batch (Arrow's reader gives a chunk per block of bytes)
+    return _Head(_with_json_nulls(table, schema).combine_chunks(), numbers, unit, whole)
+
+
+_SCALARS = (pa.string(), pa.int64(), pa.float64(), pa.bool_())
+
+
+def _typed_field(field: pa.Field) -> pa.Field | None:
+    """The field for a column as Arrow's reader inferred it, when Python's reading of the same values gives the same
+    type (``_infer_type``), or would where Arrow's differs: text that looks like a date stays text, a column of
+    nulls is JSON text, a list only ever empty is ``list<int64>``; None for any other type."""
+    arrow_type = field.type
+    if pa.types.is_null(arrow_type):
+        return pa.field(field.name, pa.json_())
+    if pa.types.is_timestamp(arrow_type):
+        return pa.field(field.name, pa.string())
+    if arrow_type in _SCALARS:
+        return field
+    if not pa.types.is_list(arrow_type):
+        return None
+    item = arrow_type.value_type
+    if pa.types.is_null(item):
+        return pa.field(field.name, pa.list_(pa.int64()))
+    if pa.types.is_timestamp(item):
+        return pa.field(field.name, pa.list_(pa.string()))
+    if item in _SCALARS:
+        return field
+    if pa.types.is_struct(item) and all(pa.types.is_null(item.field(i).type) or pa.types.is_timestamp(item.field(i).type)
+                                        or pa.types.is_string(item.field(i).type) for i in range(item.num_fields)):
+        return pa.field(field.name, pa.list_(pa.struct([pa.field(item.field(i).name, pa.string())
+                                                        for i in range(item.num_fields)])))
+    return None
+
+
+def _reading_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` as Arrow's reader is asked for it: a column of JSON text (only nulls so far) as nulls."""
+    return pa.schema([pa.field(f.name, pa.null()) if _holds_json(f.type) else f for f in schema])
+
+
+def _with_json_nulls(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` as read by ``_reading_schema(schema)``, its columns of nulls typed as ``schema`` says."""
+    for i, field in enumerate(schema):
+        if _holds_json(field.type):
+            table = table.set_column(i, field, pa.nulls(table.num_rows, field.type))
+    return table
+
+
+# an integer beyond int64, which Arrow's reader takes for a float but Python's reading refuses or keeps as text
+_LONG_INTEGER = re.compile(rb"(?<![0-9.])[0-9]{19,}(?![0-9.eE])")
+
+
+def _arrow_json(data: bytes, schema: pa.Schema | None, lines: list[bytes]) -> pa.Table | None:
+    """``data`` (JSON Lines) read by Arrow's JSON reader as ``schema`` (or with the types it infers); None where the
+    reading is left to Python: bytes that are not UTF-8 (Arrow's reader does not check), a line it refuses (not JSON,
+    not an object, a value of another type, a key not in ``schema``, a lone surrogate), a line that may nest deeper
+    than it can read (``ARROW_MAX_BRACKETS``), a long integer in a float. ``data``: ``lines`` joined."""
+    import pyarrow.json as pj
+
+    if _may_nest_deep(data, lines):
+        return None
+    longest = max(map(len, lines))
+    parse = (pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error") if schema is not None
+             else pj.ParseOptions())
+    try:
+        table = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=max(1 << 22, 2 * longest)),
+                             parse_options=parse)
+        table.validate(full=True)  # UTF-8 (at memory speed: far less than decoding the bytes in Python)
+        table.schema.names  # noqa: B018 - a key that is not UTF-8 fails here
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, UnicodeDecodeError):
+        return None
+    floats = [f for f in table.schema if pa.types.is_floating(getattr(f.type, "value_type", f.type))]
+    if floats and _LONG_INTEGER.search(data):
+        return None
+    return table
+
+
+# Arrow's JSON reader recurses once per level of nesting and crashes the process (a segfault) somewhere past
+# 15,000 levels; Python's reader stops at about 1,000 with an error naming the line. A line with more opening
+# brackets than this (inside strings or not: an upper bound on its depth) is read by Python.
+ARROW_MAX_BRACKETS = 2048
+
+
+def _may_nest_deep(data: bytes, lines: list[bytes]) -> bool:
+    """Whether a line of ``data`` holds more than ``ARROW_MAX_BRACKETS`` opening brackets (counted in C)."""
+    if data.count(b"[") + data.count(b"{") <= ARROW_MAX_BRACKETS:
+        return False
+    return any(line.count(b"[") + line.count(b"{") > ARROW_MAX_BRACKETS for line in lines)
+
+
+def _joined(lines: list[bytes]) -> bytes:
+    return b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines)
 
 
 def _holds_json(arrow_type: pa.DataType) -> bool:
@@ -836,6 +1021,8 @@ def _json_column(path: str, first: int, field: pa.Field, values: list, unit: str
                                             mask=storage.is_null() if storage.null_count else None)
         storage = pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values], pa.string())
         return pa.ExtensionArray.from_storage(pa.json_(), storage)
+    if pa.types.is_list(field.type) and pa.types.is_struct(field.type.value_type):
+        _check_message_keys(path, first, field, values, unit)
     try:
         return pa.array(values, type=field.type)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
@@ -852,6 +1039,21 @@ def _json_column(path: str, first: int, field: pa.Field, values: list, unit: str
             ) from None
     raise ValueError(f"{path}, {unit}s {first}-{first + len(values) - 1}: column {field.name!r} cannot be read as "
                      f"{field.type}")
+
+
+def _check_message_keys(path: str, first: int, field: pa.Field, values: list, unit: str) -> None:
+    """Refuse an object of a typed list column (a message) with a key its struct lacks: Arrow would leave it out."""
+    struct = field.type.value_type
+    known = {struct.field(i).name for i in range(struct.num_fields)}
+    for i, value in enumerate(values):
+        for item in value if isinstance(value, list) else ():
+            extra = [key for key in item if key not in known] if isinstance(item, dict) else []
+            if extra:
+                raise ValueError(
+                    f"{path}, {unit} {first + i}: an object of {field.name!r} has key {extra[0]!r}, which none has in the "
+                    f"first {INFER_LINES:,} rows of the file, whose objects fix its fields; give it to an object of the "
+                    "first rows (null where absent), or convert the file to Parquet"
+                )
 
 
 # an escaped UTF-16 surrogate (\ud800-\udfff): half of a pair, or alone, which is not text

@@ -344,14 +344,16 @@ def plan_workers(num_proc: int, rows: int | None, batch_size: int, *, renders: b
     at most ``cores - 1`` processes, and one on two cores, where a worker measured 0.8x one process. A job of
     ``rows`` rows uses at most ``rows // MIN_ROWS_PER_WORKER`` workers, with batches of ``rows / (4 * workers)``
     rows (at least ``MIN_WORKER_BATCH``, at most ``batch_size``), so the last batch does not leave one worker
-    running alone; one process takes batches of ``rows / 8``, so that rendering and tokenising overlap.
+    running alone; one process takes batches of ``rows / 8``, so that rendering and tokenising overlap. When
+    ``rows`` is not known (JSON Lines beyond the rows read for the schema, stdin), batches are of at most
+    ``4 * MIN_WORKER_BATCH`` rows, whatever the processes.
     """
     if not renders:
         return 1, batch_size
     cores = _cores() if cores is None else cores
     num_proc = min(num_proc, cores - 1) if cores > 2 else 1
-    if rows is None:
-        return (1, batch_size) if num_proc <= 1 else (num_proc, min(batch_size, 4 * MIN_WORKER_BATCH))
+    if rows is None:  # batches small enough that the first one's rendering is not all the job does alone
+        return (max(num_proc, 1), min(batch_size, 4 * MIN_WORKER_BATCH))
     num_proc = min(num_proc, rows // MIN_ROWS_PER_WORKER)
     if num_proc <= 1:
         return 1, min(batch_size, max(MIN_WORKER_BATCH, -(-rows // 8)))

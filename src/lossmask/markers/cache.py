@@ -94,7 +94,7 @@ def cache_key(ct: Any, arguments: dict) -> str:
     import importlib.metadata as metadata
 
     digest = hashlib.sha256()
-    digest.update(hashlib.sha256(ct.tokenizer_json.encode("utf-8")).digest())
+    digest.update(ct.tokenizer_digest)
     versions = {}
     for package in ("transformers", "tokenizers", "jinja2"):
         try:
