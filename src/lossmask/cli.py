@@ -190,8 +190,8 @@ def _add_mask_command(commands) -> None:
                              "function_call=assistant, observation/tool=tool")
     shapes.add_argument("--check-roles", choices=("unusual", "all"), default="unusual",
                         help="rows checked for user, system or tool text that trains and assistant text that does not "
-                             "(dropped as template_breaks_roles): every row of an unusual shape (default), or all rows "
-                             "(slower)")
+                             "(labelled from their rendering, else dropped as template_breaks_roles): every row of "
+                             "an unusual shape (default), or all rows (slower)")
     _add_image_arguments(mask)
     weights = mask.add_argument_group(
         "weights (docs/weights.md): a float per token, labels train where it is > 0; sources apply in this order: "
