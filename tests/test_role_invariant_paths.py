@@ -22,25 +22,13 @@ import pytest
 
 import lossmask
 from conftest import chat_tokenizer, tokenizer_path
+from test_conversation_shapes import TOOL_AFTER_TOOL  # DeepSeek-V3 writes no header before its second call
 
 U = lambda text: {"role": "user", "content": text}  # noqa: E731
 A = lambda text: {"role": "assistant", "content": text}  # noqa: E731
 
 
-def _call(i: int, city: str) -> dict:
-    return {"id": f"call_{i}", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
-
-
 FALCON_EMPTY_REPLY = [U("Say nothing."), A(""), U("Now say something."), A("Something.")]
-TOOL_AFTER_TOOL = [
-    U("Weather in Paris, then Rome?"),
-    {"role": "assistant", "content": "", "tool_calls": [_call(1, "Paris")]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
-    {"role": "assistant", "content": "", "tool_calls": [_call(2, "Rome")]},
-    {"role": "tool", "tool_call_id": "call_2", "content": "Cloudy, 18 C"},
-    A("Paris is sunny and Rome is cloudy."),
-]
 PLAIN = [U("What is 2 + 2?"), A("It is 4.")]
 CASES = {"falcon": FALCON_EMPTY_REPLY, "deepseek-v3": TOOL_AFTER_TOOL}
 
