@@ -19,8 +19,37 @@ asks ``lossmask.engine.get_backend``.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from contextlib import contextmanager
 from types import ModuleType
+
+
+def _hand_over_to_the_kernels_package() -> None:
+    """Put the ``kernels`` distribution in this module's place in ``sys.modules``.
+
+    With a checkout's root on ``sys.path`` (``python -m pytest``, a REPL opened there), this folder is found
+    first as the top-level package ``kernels``: the name of Hugging Face's kernel hub package, which
+    transformers (5.25 and later) installs and imports whenever it is present. Shadowing it breaks every
+    processor and trainer import, so the import is passed on to the first ``kernels`` found elsewhere on
+    the path; the import statement then returns what ``sys.modules`` holds.
+    """
+    from importlib.machinery import PathFinder
+    from importlib.util import module_from_spec
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    elsewhere = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != checkout]
+    spec = PathFinder.find_spec("kernels", elsewhere)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError("No module named 'kernels' (this checkout's kernels/ folder is lossmask's, imported "
+                                  "as lossmask.engine.kernels)", name="kernels")
+    module = module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _hand_over_to_the_kernels_package()
 
 # name -> (module inside lossmask.engine.kernels, pip extra that brings its dependency)
 BACKENDS: dict[str, tuple[str, str | None]] = {

@@ -119,3 +119,32 @@ def test_cli_commands_and_flags_are_pinned():
 
     walk(cli.build_parser(), "lossmask")
     assert found == SURFACE["cli"]
+
+
+def _import_kernels_from_the_checkout(tmp_path, *flags: str, pythonpath: Path | None = None):
+    """``import kernels`` with the checkout's root first on ``sys.path``, as ``python -m pytest`` run there puts it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    code = "import kernels; print(kernels.__file__)"
+    return subprocess.run([sys.executable, *flags, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def test_the_kernels_folder_never_shadows_the_kernels_package(tmp_path):
+    # transformers imports Hugging Face's ``kernels`` package whenever it is installed (5.25 installs it).
+    other = tmp_path / "site" / "kernels"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("CUDAProperties = object\n")
+    run = _import_kernels_from_the_checkout(tmp_path, pythonpath=tmp_path / "site")
+    assert run.returncode == 0, run.stderr
+    assert Path(run.stdout.strip()) == other / "__init__.py"
+
+
+def test_without_a_kernels_package_the_import_fails_as_a_missing_module(tmp_path):
+    run = _import_kernels_from_the_checkout(tmp_path, "-S")  # -S: no site-packages, so no kernels package anywhere
+    assert run.returncode == 1
+    assert "ModuleNotFoundError: No module named 'kernels'" in run.stderr and "lossmask.engine.kernels" in run.stderr
