@@ -109,6 +109,11 @@ class InputFiles:
             yield batch
 
     def _dataset_batches(self, batch_size: int):
+        # Arrow reads ahead on its own threads; the UTF-8 check of each batch's text (a full pass over it, with
+        # the GIL released) runs on the read-ahead thread too, off the thread that renders
+        return _read_ahead(self._checked_dataset_batches(batch_size))
+
+    def _checked_dataset_batches(self, batch_size: int):
         import pyarrow.dataset as ds
 
         fmt: Any = self.format
@@ -201,7 +206,7 @@ class InputFiles:
 
 
 def _read_ahead(items: Iterator, depth: int = 1) -> Iterator:
-    """``items`` produced on a thread, ``depth`` ahead of the consumer (Arrow's JSON parsing releases the GIL,
+    """``items`` produced on a thread, ``depth`` ahead of the consumer (Arrow's parsing and checks release the GIL,
     so the next block is read while this one is labelled, as ``pyarrow.dataset``'s readahead does)."""
     import queue
     import threading
