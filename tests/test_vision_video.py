@@ -34,7 +34,7 @@ STUB = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2", "t
 
 
 def video_processor_class():
-    """transformers' ``Qwen2VLVideoProcessor``, its module imported over a stand-in torchvision that is removed again."""
+    """transformers' ``Qwen2VLVideoProcessor``, its module imported over a stand-in torchvision, removed again."""
     import transformers.processing_utils  # noqa: F401 - imported first, so that torchvision is seen as missing
     import transformers.video_processing_utils  # noqa: F401
 
@@ -94,8 +94,8 @@ def reference_ids(ref, messages, images, videos, **kwargs):
     """The processor's ids: its template, each ``<|video_pad|>`` replaced by the count its video processor gives the
     frames (and each image by its image step), tokenised by its tokenizer, as ``processor.__call__`` does."""
     rendered = ref.apply_chat_template(messages, tokenize=False)
-    counts = ref._get_num_multimodal_tokens(video_sizes=[frame_sizes(v) for v in videos], **kwargs)["num_video_tokens"] \
-        if videos else []
+    sizes = [frame_sizes(v) for v in videos]
+    counts = ref._get_num_multimodal_tokens(video_sizes=sizes, **kwargs)["num_video_tokens"] if videos else []
     image_replacements = []
     if images:
         merged = ref._merge_kwargs(tokenizer_init_kwargs=ref.tokenizer.init_kwargs, **kwargs)
@@ -263,7 +263,8 @@ def test_a_per_frame_pixel_cap_in_the_config_is_applied(qwen, tmp_path):
 
 def test_unusable_videos_are_invalid_and_named(qwen, tmp_path):
     a, b = data_url(png(600, 400)), data_url(png(40, 30))
-    rows = [video_chat([a, a]), video_chat("clip.mp4"), video_chat([a, b]), video_chat([a, "data:image/png;base64,AAAA"]),
+    broken = "data:image/png;base64,AAAA"
+    rows = [video_chat([a, a]), video_chat("clip.mp4"), video_chat([a, b]), video_chat([a, broken]),
             [{"role": "user", "content": [VIDEO, text("What?")]}, {"role": "assistant", "content": [text("No.")]}],
             video_chat([a] * 8)]
     source = tmp_path / "chats.jsonl"

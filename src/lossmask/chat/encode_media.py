@@ -81,9 +81,11 @@ def encode_media_table(tok: Any, table: Any, options: Any, *, first_row: int = 0
     if found.shape != want.shape or (found != want).any():
         bad = int(np.flatnonzero(found != want)[0])
         row = np.asarray(rows)[kept][bad]
+        what = "images and videos" if media.video_placeholder else "images"
         raise ValueError(
             f"row {row}: {found[bad]} image tokens {media.counted_text} in its token ids, but the processor made "
-            f"{want[bad]} for its images (max_length={options.max_length} may cut an image: raise it, or leave it unset)")
+            f"{want[bad]} for its {what} (max_length={options.max_length} may cut an image: raise it, or leave it "
+            "unset)")
     offsets = ids.offsets.to_numpy()
     values = ids.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
     spans = media_spans(values, offsets - offsets[0], media.ids, [c for c, k in zip(per_image, kept) if k],

@@ -559,7 +559,8 @@ def _derive_video(tok: Any, processor: Any, chat: Any, plain_render: str, plain:
     if isinstance(settings, str):
         return None, None, set(), settings
     if not placeholder or placeholder not in vocab or vocab[placeholder] not in tok.added_ids:
-        return None, None, set(), f"the processor's video token {placeholder!r} is not one added token of its vocabulary"
+        return None, None, set(), (f"the processor's video token {placeholder!r} is not one added token of its "
+                                   "vocabulary")
     video = {"type": "video"}
     try:
         renders = [plain_render] + [tok.render(chat(*[video] * n)) for n in (1, 2)]
