@@ -34,25 +34,32 @@ STUB = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2", "t
 
 
 def video_processor_class():
-    """transformers' ``Qwen2VLVideoProcessor``, its module imported over a stand-in torchvision, removed again."""
+    """transformers' ``Qwen2VLVideoProcessor``, its module imported over a stand-in torchvision; the stand-in and the
+    module are then taken out of ``sys.modules`` again, so that no later load finds a video processor."""
+    if "class" in _VIDEO_CLASS:
+        return _VIDEO_CLASS["class"]
     import transformers.processing_utils  # noqa: F401 - imported first, so that torchvision is seen as missing
     import transformers.video_processing_utils  # noqa: F401
 
-    name = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
-    if name not in sys.modules:
-        saved = {n: sys.modules.get(n) for n in STUB}
-        for n in STUB:
-            sys.modules[n] = types.ModuleType(n)
-        sys.modules[STUB[-1]].InterpolationMode = type("InterpolationMode", (), {})
-        try:
-            importlib.import_module(name)
-        finally:
-            for n in STUB:
-                if saved[n] is None:
-                    sys.modules.pop(n, None)
-                else:
-                    sys.modules[n] = saved[n]
-    return sys.modules[name].Qwen2VLVideoProcessor
+    package, name = "transformers.models.qwen2_vl", "video_processing_qwen2_vl"
+    saved = {n: sys.modules.get(n) for n in (*STUB, f"{package}.{name}")}
+    for n in STUB:
+        sys.modules[n] = types.ModuleType(n)
+    sys.modules[STUB[-1]].InterpolationMode = type("InterpolationMode", (), {})
+    try:
+        _VIDEO_CLASS["class"] = importlib.import_module(f"{package}.{name}").Qwen2VLVideoProcessor
+    finally:
+        for n, module in saved.items():
+            if module is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = module
+        if saved[f"{package}.{name}"] is None and name in vars(sys.modules[package]):
+            delattr(sys.modules[package], name)
+    return _VIDEO_CLASS["class"]
+
+
+_VIDEO_CLASS: dict = {}
 
 
 def reference_processor(folder):
@@ -238,6 +245,7 @@ def test_video_settings_missing_from_the_config_are_the_video_processors_own(qwe
     (folder / "video_preprocessor_config.json").write_text(json.dumps(
         {"video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2VLProcessor"}))
     mine = {"qwen2-vl": (load_processor(folder), reference_processor(folder), folder)}
+    assert getattr(mine["qwen2-vl"][0], "video_processor", None) is None  # the stand-in left nothing behind
     assert mine["qwen2-vl"][1].video_processor.size.shortest_edge == 128 * 28 * 28  # the class's, not the images'
     rows = [(video_chat([png(w, h)] * n), [], [[png(w, h)] * n]) for (w, h) in SIZES.values() for n in (1, 3)]
     check_rows("qwen2-vl", mine, rows)
