@@ -192,7 +192,8 @@ def load_script(path: Path):
 
 VISION = FIXTURES / "vision"
 # fixture -> its tokenizer family
-VISION_FAMILIES = {"qwen2-vl": "qwen2.5", "gemma-3": "gemma-3", "llava": "llama-2", "idefics3": "llama-3.1"}
+VISION_FAMILIES = {"qwen2-vl": "qwen2.5", "qwen2.5-vl": "qwen2.5", "gemma-3": "gemma-3", "llava": "llama-2",
+                   "idefics3": "llama-3.1"}
 
 
 def vision_processor_dir(family: str, out: Path) -> Path:

@@ -35,7 +35,7 @@ STOP = {"qwen2-vl": "<|im_end|>", "gemma-3": "<end_of_turn>", "idefics3": "<end_
 # where one image's tokens open and close (Idefics3: the tag token that closes the global image, the last tile)
 IMAGE_OPEN = {"qwen2-vl": "<|vision_start|>", "gemma-3": "<start_of_image>", "idefics3": "<fake_token_around_image>"}
 IMAGE_CLOSE = {"qwen2-vl": "<|vision_end|>", "gemma-3": "<end_of_image>", "idefics3": "<fake_token_around_image>"}
-MEDIA = {"qwen2-vl": {"<|vision_start|>", "<|image_pad|>", "<|vision_end|>"},
+MEDIA = {"qwen2-vl": {"<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"},  # its videos' too
          "gemma-3": {"<start_of_image>", "<image_soft_token>", "<end_of_image>"},
          "idefics3": {"<fake_token_around_image>", "<image>"}}
 
@@ -258,7 +258,7 @@ def test_unusable_images_are_invalid_and_named(folders):
              {"role": "assistant", "content": [text("Nothing.")]}]
     refused = hf.mask_dataset(datasets.Dataset.from_dict({"messages": [video]}), proc, return_report=True, quiet=True,
                               max_drop_fraction=1.0)[1]
-    assert "expands images only" in refused.invalid_examples[0]
+    assert "video 0: a video part has no video" in refused.invalid_examples[0]  # Qwen2-VL expands videos' frames
 
 
 def test_an_image_cut_by_max_length_is_an_error_naming_the_row(folders):

@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .chat.media import image_parts, is_image_part, part_image
+from .chat.media import VIDEO_NO_PROCESSOR, image_parts, is_image_part, part_image, video_parts
 from .engine.labels import label_batch
 from .engine.patterns import Markers
 from .options import MaskOptions
@@ -78,7 +78,12 @@ class VisionCollator:
         from .chat.encode_media import encode_media_table
 
         chats, images = [], []
-        for example in examples:
+        for r, example in enumerate(examples):
+            if video_parts(example["messages"]) or example.get("videos"):
+                why = VIDEO_NO_PROCESSOR if getattr(self.processor, "video_processor", None) is None else \
+                    "VisionCollator makes no pixel_values_videos"
+                raise ValueError(f"VisionCollator: row {r} of the batch has a video; {why}. Label video rows with "
+                                 "lossmask.hf.mask_dataset (their ids and labels), or drop them")
             messages, row_images = _split_images(example["messages"], example.get("images"))
             chats.append({"messages": messages})
             images.append(row_images)

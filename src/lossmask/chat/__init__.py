@@ -13,7 +13,8 @@ message text is data, never structure, in the engine.
 - ``encode_batch``: a batch of chat (or prompt/completion) rows to ids and the data mask: render,
   then ``encode_rendered``;
 - ``probes``: the probe conversations that show what a template writes;
-- ``media``: a processor's images: what its template writes for one, its expansion, which tokens are media;
+- ``media``: a processor's images (and Qwen2-VL's videos): what its template writes for one, its expansion, which
+  tokens are media;
 - ``encode_media``: chat rows through a processor, each image expanded as the processor expands it.
 """
 

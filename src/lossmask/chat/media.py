@@ -18,6 +18,10 @@ opened here (paths, bytes, ``{"bytes", "path"}`` structs, PIL images, ``data:`` 
 orientation applied, mode kept for the processor's own conversion, bounded in pixels); a web URL is never
 fetched.
 
+Through a Qwen2-VL or Qwen2.5-VL processor, a video part (a list of frames) is expanded too: its
+``<|video_pad|>`` becomes as many copies as the video processor would make for those frames, counted
+here from their sizes (``VideoGrid``: that video processor needs torchvision; counting does not).
+
 Which tokens train is the marker rule's business (``markers``); the media ids found here are never
 trained (``markers.media.with_media``: each is a one-token ``mask_out`` pattern).
 """
@@ -29,7 +33,7 @@ import io
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -97,6 +101,7 @@ def load_processor(path: str | os.PathLike) -> Any:
             return keep
 
     ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__
+    ImageOnly.video_settings = _video_config(path)  # what its video processor would be built from (videos)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
     template = None
@@ -108,6 +113,23 @@ def load_processor(path: str | os.PathLike) -> Any:
             break
     extra = {k: v for k, v in configs.items() if k in _init_names(cls)}
     return ImageOnly(image_processor=image_processor, tokenizer=tokenizer, chat_template=template, **extra)
+
+
+def _video_config(path: str) -> dict | None:
+    """The settings a video processor is built from in ``path``, in transformers' order: the ``video_processor`` of
+    ``processor_config.json``, else ``video_preprocessor_config.json``, else ``preprocessor_config.json``."""
+    nested = os.path.join(path, "processor_config.json")
+    if os.path.isfile(nested):
+        with open(nested, encoding="utf-8") as fh:
+            found = json.load(fh).get("video_processor")
+        if isinstance(found, dict):
+            return found
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as fh:
+                return json.load(fh)
+    return None
 
 
 def _init_names(cls) -> set[str]:
@@ -136,14 +158,17 @@ def is_image_part(part: Any) -> bool:
     return isinstance(part, dict) and (part.get("type") in IMAGE_PART_TYPES or "image" in part or "image_url" in part)
 
 
-def image_parts(messages: Sequence[Any]) -> list[Any]:
-    """The image parts of a chat, in the order the template writes them."""
-    out = []
+def content_parts(messages: Sequence[Any]) -> Iterator[Any]:
+    """Every content part of a chat's list contents, in the order the template writes them."""
     for message in messages or ():
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            out.extend(part for part in content if is_image_part(part))
-    return out
+            yield from content
+
+
+def image_parts(messages: Sequence[Any]) -> list[Any]:
+    """The image parts of a chat, in the order the template writes them."""
+    return [part for part in content_parts(messages) if is_image_part(part)]
 
 
 def row_images(messages: Sequence[Any], given: Any) -> list[Any]:
@@ -155,7 +180,8 @@ def row_images(messages: Sequence[Any], given: Any) -> list[Any]:
     return [part_image(part) for part in image_parts(messages)]
 
 
-def open_image(value: Any, *, index: int, media_dir: str | None = None, max_pixels: int | None = None) -> Any:
+def open_image(value: Any, *, index: int, media_dir: str | None = None, max_pixels: int | None = None,
+               where: str | None = None) -> Any:
     """A PIL image from what a row holds, as the processor is to see it; ``MediaError`` naming the image when it cannot
     be used.
 
@@ -164,10 +190,10 @@ def open_image(value: Any, *, index: int, media_dir: str | None = None, max_pixe
     taken as it is. Its mode is kept (alpha, palette, CMYK...): the processor's own conversion (alpha composited onto
     white) makes the pixels. A relative path is read from ``media_dir`` (None: the current folder), and only a
     regular file is read (a FIFO or a device would block). An image of more than ``max_pixels`` pixels is refused
-    from its header, before it is decoded."""
+    from its header, before it is decoded. ``where`` names it in a message (default ``image {index}``)."""
     from PIL import Image
 
-    where = f"image {index}"  # the row is named by whoever reports it
+    where = where or f"image {index}"  # the row is named by whoever reports it
     opened = True
     try:
         if isinstance(value, Image.Image):
@@ -177,7 +203,7 @@ def open_image(value: Any, *, index: int, media_dir: str | None = None, max_pixe
             if data is None and path is None:
                 raise MediaError(f"{where}: the image struct holds neither bytes nor a path")
             return open_image(data if data is not None else path, index=index, media_dir=media_dir,
-                              max_pixels=max_pixels)
+                              max_pixels=max_pixels, where=where)
         elif isinstance(value, (bytes, bytearray, memoryview)):
             image = _open(io.BytesIO(bytes(value)))
         elif isinstance(value, (str, os.PathLike)):
@@ -248,6 +274,149 @@ def probe_image():
 PROBE_SIZE = 56
 
 
+# -- videos (Qwen2-VL, Qwen2.5-VL): a list of frames, counted as the video processor counts them --------------
+
+# processors whose video expansion lossmask computes: each ``video_token`` becomes ``video_grid_thw.prod() //
+# merge_size**2`` copies of itself, and the template writes nothing else per video (Qwen3-VL adds timestamp text)
+VIDEO_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+VIDEO_PART_KEYS = ("video", "path", "url")
+# ``Qwen2VLVideoProcessor``'s own defaults (its class attributes, checked against it by the tests), for settings that
+# its configuration leaves out
+QWEN2_VL_VIDEO_DEFAULTS = {"size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}, "patch_size": 14,
+                           "temporal_patch_size": 2, "merge_size": 2, "do_sample_frames": False,
+                           "cap_pixels_per_frame": None, "max_video_tokens": 128000}
+VIDEO_SETTINGS = ("patch_size", "temporal_patch_size", "merge_size", "do_sample_frames", "cap_pixels_per_frame",
+                  "max_video_tokens")
+VIDEO_NO_PROCESSOR = ("video rows need transformers' video processor for their pixels, which needs torchvision "
+                      "(pip install torchvision matching your torch)")
+
+
+def is_video_part(part: Any) -> bool:
+    """A part the template writes as a video: ``{"type": "video"}`` (or one holding a ``video``), not an image."""
+    return isinstance(part, dict) and not is_image_part(part) and (part.get("type") == "video" or "video" in part)
+
+
+def video_parts(messages: Sequence[Any]) -> list[Any]:
+    """The video parts of a chat, in the order the template writes them."""
+    return [part for part in content_parts(messages) if is_video_part(part)]
+
+
+def row_videos(messages: Sequence[Any], given: Any) -> list[Any]:
+    """A row's videos (each a list of frames, or a file): its ``videos`` column when it holds some, else what its
+    video parts carry inline."""
+    if given:
+        return list(given)
+    return [next((p[key] for key in VIDEO_PART_KEYS if p.get(key) is not None), None) for p in video_parts(messages)]
+
+
+def unexpanded_media(messages: Sequence[Any], videos: bool) -> str | None:
+    """The type of the first part lossmask does not expand (audio; a video unless ``videos``), or None."""
+    for part in content_parts(messages):
+        if isinstance(part, dict) and part.get("type") in OTHER_MEDIA and not (videos and is_video_part(part)):
+            return part["type"]
+    return None
+
+
+@dataclass(frozen=True)
+class VideoGrid:
+    """The settings of a Qwen2-VL video processor that fix its token count: frames resized as ``smart_resize`` does
+    (``min_pixels``/``max_pixels``: its ``size`` shortest/longest edge), padded to a multiple of
+    ``temporal_patch_size`` with copies of the last, cut into ``patch_size`` patches merged ``merge_size`` square."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    do_sample_frames: bool = False
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 128000
+
+    @classmethod
+    def from_settings(cls, settings: dict, call: dict) -> "VideoGrid":
+        """From a video processor's configuration (missing settings: ``Qwen2VLVideoProcessor``'s defaults) and the
+        keywords of a processor call (``processor_kwargs``: flat, or in ``videos_kwargs``), each read as the video
+        processor reads it: ``min_pixels``/``max_pixels`` override ``size``."""
+        merged = {**QWEN2_VL_VIDEO_DEFAULTS}
+        for given in (settings, call, call.get("videos_kwargs") or {}):
+            size = dict(given.get("size") or merged["size"])
+            for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+                if given.get(key) is not None:
+                    size[edge] = given[key]
+            merged.update({k: given[k] for k in VIDEO_SETTINGS if given.get(k) is not None}, size=size)
+        size = merged["size"]
+        return cls(int(merged["patch_size"]), int(merged["temporal_patch_size"]), int(merged["merge_size"]),
+                   int(size["shortest_edge"]), int(size["longest_edge"]), bool(merged["do_sample_frames"]),
+                   bool(merged["cap_pixels_per_frame"]), int(merged["max_video_tokens"]))
+
+    def tokens(self, frames: int, height: int, width: int) -> int:
+        """The ``video_token`` copies a video of ``frames`` frames of ``height`` x ``width`` pixels makes."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        factor = self.patch_size * self.merge_size
+        max_pixels = self.max_pixels
+        if self.cap_pixels_per_frame:  # an even share of the whole video's pixel budget, per frame
+            budget = int(self.max_video_tokens * factor * factor * 0.9)
+            max_pixels = max(min(max_pixels, budget * self.temporal_patch_size // frames), int(self.min_pixels * 1.05))
+        h, w = smart_resize(height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=max_pixels)
+        grid_t = -(-frames // self.temporal_patch_size)
+        return grid_t * (h // self.patch_size) * (w // self.patch_size) // self.merge_size ** 2
+
+
+def processor_video_settings(processor: Any) -> dict | str:
+    """What the processor's video processor is built from (a dict), or why its videos cannot be counted (a line)."""
+    name = type(processor).__name__
+    if name not in VIDEO_PROCESSORS:
+        return f"lossmask expands images only for a {name} (video parts: {' and '.join(VIDEO_PROCESSORS)} only)"
+    video = getattr(processor, "video_processor", None)
+    if video is not None:  # a real one (torchvision installed): its own settings
+        size = video.size
+        edges = {e: getattr(size, e, None) if not isinstance(size, dict) else size.get(e)
+                 for e in ("shortest_edge", "longest_edge")}
+        return {**{k: getattr(video, k, None) for k in VIDEO_SETTINGS}, "size": edges}
+    settings = getattr(processor, "video_settings", None)
+    if settings is None:
+        return (f"the {name} has no video processor, and was not loaded from a folder by lossmask (whose configuration "
+                "would give its settings); pass the processor's folder")
+    return settings
+
+
+def video_token_counts(grid: VideoGrid, videos: Sequence[Any], options: Any) -> list[int]:
+    """Per video (a list of frames), the ``video_token`` copies the processor makes; ``MediaError`` naming the video
+    (or its frame) when it cannot be used. Frames are opened as images are (``open_image``: EXIF applied, regular files
+    only, ``max_image_pixels``) and must all be one size, as the processor stacks them."""
+    out = []
+    for v, frames in enumerate(videos):
+        where = f"video {v}"
+        if frames is None:
+            raise MediaError(f"{where}: a video part has no video (give its frames as a list of images, in the part's "
+                             "'video' or a 'videos' column)")
+        if isinstance(frames, (str, os.PathLike, bytes, dict)):
+            shown = os.fspath(frames)[:80] if isinstance(frames, (str, os.PathLike)) else type(frames).__name__
+            raise MediaError(f"{where} is a file ({shown!r}); lossmask decodes no video file: pass the video as a list "
+                             "of its frames (paths, bytes or images), the frames the processor is to see")
+        if not isinstance(frames, (list, tuple)) or not frames:
+            raise MediaError(f"{where}: a video is a non-empty list of frames (paths, bytes or images), got "
+                             f"{type(frames).__name__ if frames is not None else None}")
+        if grid.do_sample_frames:
+            raise MediaError(f"{where}: the video processor samples frames (do_sample_frames), which lossmask does not "
+                             "reproduce; pass the frames to train on with do_sample_frames=False")
+        sizes = set()
+        for f, frame in enumerate(frames):
+            image = open_image(frame, index=f, media_dir=options.media_dir, max_pixels=options.max_image_pixels,
+                               where=f"{where} frame {f}")
+            sizes.add(image.size)
+            if len(sizes) > 1:
+                raise MediaError(f"{where}: its frames are not all one size ({sorted(sizes)}); the processor stacks "
+                                 "them into one array")
+        (width, height), = sizes
+        try:
+            out.append(grid.tokens(len(frames), height, width))
+        except ValueError as exc:  # smart_resize: an aspect ratio over 200
+            raise MediaError(f"{where}: the processor cannot take its {width}x{height} frames ({exc})") from None
+    return out
+
+
 # -- what the template and the processor write for an image ------------------------------------------
 
 @dataclass(frozen=True)
@@ -263,6 +432,11 @@ class MediaTokens:
     ids: tuple[int, ...]
     counted: tuple[int, ...]
     counted_text: tuple[str, ...]
+    # videos (``VIDEO_PROCESSORS``): the processor's ``video_token``, what the template writes for one video part, and
+    # the video processor's settings; where videos are not expanded, ``video_settings`` says why (a line)
+    video_placeholder: str | None = None
+    video_part_text: str | None = None
+    video_settings: dict | str = "lossmask expands images only here"
 
     def expected(self, replacements: Sequence[str]) -> int:
         """How many counted tokens the processor's replacement strings for one row's images hold."""
@@ -274,14 +448,22 @@ class MediaTokens:
         the part holds before its first media token and after its last: the processor's edge text (Gemma-3's blank
         lines; with pan-and-scan, "Here is the original image" before it) and the template's own (LLaVA's newline
         after ``<image>``). Every one of them is the image's."""
+        return self.per_part(tok, self.part_text, self.placeholder, replacement)
+
+    def per_video(self, tok: Any, replacement: str) -> tuple[int, int, int]:
+        """``per_image`` for one video part."""
+        return self.per_part(tok, self.video_part_text, self.video_placeholder, replacement)
+
+    def per_part(self, tok: Any, part_text: str, placeholder: str, replacement: str) -> tuple[int, int, int]:
         cache = self.__dict__.setdefault("_per_image", {})
-        if replacement not in cache:
+        key = (part_text, replacement)
+        if key not in cache:
             ids = set(self.ids)
-            part = [int(t) in ids for t in tok.encode(self.part_text.replace(self.placeholder, replacement))]
+            part = [int(t) in ids for t in tok.encode(part_text.replace(placeholder, replacement))]
             first = part.index(True) if any(part) else 0
             last = len(part) - 1 - part[::-1].index(True) if any(part) else len(part) - 1
-            cache[replacement] = (sum(part), first, len(part) - 1 - last)
-        return cache[replacement]
+            cache[key] = (sum(part), first, len(part) - 1 - last)
+        return cache[key]
 
     def blank(self, tok: Any, token: int) -> bool:
         """Is ``token`` spaces alone: the separator a template writes before an image part, left by itself where the
@@ -359,7 +541,38 @@ def _derive(tok: Any, processor: Any) -> MediaTokens:
     if list(map(int, theirs)) != list(map(int, mine)):
         raise MediaDetectionError(f"the processor of {name!r} tokenises an expanded image row differently from its "
                                   "tokenizer; lossmask cannot label its rows")
-    return MediaTokens(placeholder, part, tuple(sorted(ids)), tuple(counted), counted_text)
+    video = _derive_video(tok, processor, chat, renders[0], plain)
+    if video[0] is not None:  # the video token joins the media ids and the counted ones
+        ids |= video[2]
+        counted.append(vocab[video[0]])
+        counted_text += (video[0],)
+    return MediaTokens(placeholder, part, tuple(sorted(ids)), tuple(counted), counted_text, video[0], video[1],
+                       video[3])
+
+
+def _derive_video(tok: Any, processor: Any, chat: Any, plain_render: str, plain: set) -> tuple:
+    """``(video token, the template's video part, its media ids, settings)`` for a processor whose videos lossmask
+    expands; ``(None, None, set(), why not)`` for any other."""
+    settings = processor_video_settings(processor)
+    placeholder = getattr(processor, "video_token", None)
+    vocab = tok.tokenizer.get_vocab()
+    if isinstance(settings, str):
+        return None, None, set(), settings
+    if not placeholder or placeholder not in vocab or vocab[placeholder] not in tok.added_ids:
+        return None, None, set(), (f"the processor's video token {placeholder!r} is not one added token of its "
+                                   "vocabulary")
+    video = {"type": "video"}
+    try:
+        renders = [plain_render] + [tok.render(chat(*[video] * n)) for n in (1, 2)]
+    except Exception as exc:  # noqa: BLE001
+        return None, None, set(), f"its chat template cannot render a video part ({exc})"
+    part = _inserted(renders[0], renders[1])
+    if part is None or part.count(placeholder) != 1 or _inserted(renders[1], renders[2]) != part:
+        return None, None, set(), (f"its chat template does not write the video token {placeholder!r} once per video "
+                                   f"part (it wrote {part!r})")
+    special = tok.special_ids
+    ids = ({int(i) for i in tok.encode(part) if int(i) in special} | {vocab[placeholder]}) - plain
+    return placeholder, part, ids, settings
 
 
 def _inserted(shorter: str, longer: str) -> str | None:
@@ -402,66 +615,87 @@ class ExpandedRows:
     # media token to its last (Idefics3's tile tags are plain text inside it), and the token next to it where the
     # expansion has plain text at that edge (Gemma-3's blank lines), is never trained
     per_image: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    videos: int = 0  # videos expanded (their parts are in ``per_image`` too, in row order)
 
 
 def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Sequence[Any] | None,
-                options: Any = None, *, keep_features: bool = False) -> ExpandedRows:
+                options: Any = None, *, keep_features: bool = False,
+                given_videos: Sequence[Any] | None = None) -> ExpandedRows:
     """Open each row's images, check their number against the placeholders, and expand the placeholders.
 
-    ``given``: per row, its images (the ``images`` column, or None). ``options`` (a ``MaskOptions``): where relative
-    paths are read (``media_dir``), the keywords of every processor call (``processor_kwargs``) and the bounds
-    (``max_image_pixels``, ``max_media_tokens``). With ``keep_features`` (a collator) all images of the batch go
-    through the processor in one call and its outputs are kept; otherwise they go in groups of rows and only the
-    replacement strings are kept. A row whose images cannot be used, or would make more than ``max_media_tokens``
-    image tokens, is refused, named."""
+    ``given``: per row, its images (the ``images`` column, or None); ``given_videos``: per row, its videos (the
+    ``videos`` column, or None). ``options`` (a ``MaskOptions``): where relative paths are read (``media_dir``), the
+    keywords of every processor call (``processor_kwargs``) and the bounds (``max_image_pixels``, ``max_media_tokens``).
+    With ``keep_features`` (a collator) all images of the batch go through the processor in one call and its outputs
+    are kept; otherwise they go in groups of rows and only the replacement strings are kept. A row whose images cannot
+    be used, or would make more than ``max_media_tokens`` image tokens, is refused, named.
+
+    Videos (Qwen2-VL, Qwen2.5-VL: ``MediaTokens.video_placeholder``), each a list of frames, are counted from their
+    frames' sizes as the video processor counts them (``VideoGrid``); their tokens join the row's media tokens."""
+    import re
+
     from ..options import MaskOptions
 
     options = options if options is not None else MaskOptions()
     kwargs = options.processor_call_kwargs()
     media = media_tokens(tok)
+    grid = (VideoGrid.from_settings(media.video_settings, kwargs) if media.video_placeholder is not None else None)
     out = list(texts)
     refused: list[tuple[int, str]] = []
     expected = np.zeros(len(texts), dtype=np.int64)
     per_image: list[list[tuple[int, int, int]]] = [[] for _ in texts]
     rows: list[tuple[int, list]] = []  # (row, its opened images)
+    videos: dict[int, list[str]] = {}  # row -> the replacement string of each of its videos
     for k, (text, chat) in enumerate(zip(texts, chats)):
         messages = chat["messages"] if isinstance(chat, dict) else chat
-        unsupported = other_media(messages)
+        unsupported = unexpanded_media(messages, grid is not None)
         if unsupported:
-            refused.append((k, f"a {unsupported!r} part: lossmask expands images only; drop the part or the row"))
+            why = media.video_settings if unsupported == "video" and isinstance(media.video_settings, str) else \
+                "lossmask expands images and {'type': 'video'} parts only" if grid else "lossmask expands images only"
+            refused.append((k, f"a {unsupported!r} part: {why}; drop the part or the row"))
             continue
         values = row_images(messages, given[k] if given is not None else None)
         slots = text.count(media.placeholder)
-        if not values and not slots:
+        video_values = row_videos(messages, given_videos[k] if given_videos is not None else None) if grid else []
+        video_slots = text.count(media.video_placeholder) if grid else 0
+        if not values and not slots and not video_values and not video_slots:
             continue
         if len(values) != slots:
             refused.append((k, f"{len(values)} image(s) given for {slots} image placeholder(s) "
                                f"{media.placeholder!r} in the rendered chat; give one image per image part"))
             continue
+        if len(video_values) != video_slots:
+            refused.append((k, f"{len(video_values)} video(s) given for {video_slots} video placeholder(s) "
+                               f"{media.video_placeholder!r} in the rendered chat; give one video per video part"))
+            continue
         try:
             opened = [open_image(v, index=i, media_dir=options.media_dir, max_pixels=options.max_image_pixels)
                       for i, v in enumerate(values)]
+            counts = video_token_counts(grid, video_values, options) if video_values else []
         except MediaError as exc:
             refused.append((k, str(exc)))
             continue
         estimate = estimated_tokens(tok.processor, opened, kwargs)
-        if estimate is not None and estimate > options.max_media_tokens:
-            refused.append((k, _over_bound(estimate, options.max_media_tokens)))
+        if (estimate or 0) + sum(counts) > options.max_media_tokens:
+            refused.append((k, _over_bound((estimate or 0) + sum(counts), options.max_media_tokens, _what(counts))))
             continue
+        if counts:
+            videos[k] = [media.video_placeholder * n for n in counts]
         rows.append((k, opened))
     features: dict = {}
     done: list[tuple[int, list[str]]] = []
     groups = [rows] if keep_features else [rows[i:i + IMAGE_GROUP_ROWS] for i in range(0, len(rows), IMAGE_GROUP_ROWS)]
     for group in groups:
-        if not group:
-            continue
         flat = [image for _, opened in group for image in opened]
+        if not flat:  # rows with videos only
+            done.extend((k, []) for k, _ in group)
+            continue
         try:
             group_features, replacements = processor_images(tok.processor, flat, **kwargs)
         except Exception:  # noqa: BLE001 - some image the processor rejects: find its row, one row at a time
             for k, opened in group:
                 try:
-                    done.append((k, processor_images(tok.processor, opened, **kwargs)[1]))
+                    done.append((k, processor_images(tok.processor, opened, **kwargs)[1] if opened else []))
                 except Exception as exc:  # noqa: BLE001
                     refused.append((k, f"the processor cannot take its images ({type(exc).__name__}: {exc})"))
             continue
@@ -471,17 +705,27 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
         for k, opened in group:
             done.append((k, list(replacements[at:at + len(opened)])))
             at += len(opened)
+    slot = re.compile("|".join(re.escape(p) for p in (media.placeholder, media.video_placeholder) if p))
     for k, row_replacements in done:
-        made = media.expected(row_replacements)
+        row_videos_ = videos.get(k, [])
+        made = media.expected(row_replacements + row_videos_)
         if made > options.max_media_tokens:
-            refused.append((k, _over_bound(made, options.max_media_tokens)))
+            refused.append((k, _over_bound(made, options.max_media_tokens, _what(row_videos_))))
             continue
-        pieces = out[k].split(media.placeholder)
-        out[k] = pieces[0] + "".join(r + p for r, p in zip(row_replacements, pieces[1:]))
+        images_left, videos_left = iter(row_replacements), iter(row_videos_)
+        pieces, parts, last = [], [], 0
+        for match in slot.finditer(out[k]):  # each placeholder, in the order the template wrote them
+            is_video = match.group() == media.video_placeholder
+            replacement = next(videos_left if is_video else images_left)
+            pieces += [out[k][last:match.start()], replacement]
+            parts.append(media.per_video(tok, replacement) if is_video else media.per_image(tok, replacement))
+            last = match.end()
+        out[k] = "".join(pieces) + out[k][last:]
         expected[k] = made
-        per_image[k] = [media.per_image(tok, r) for r in row_replacements]
+        per_image[k] = parts
     refused.sort()
-    return ExpandedRows(out, refused, expected, features, sum(len(o) for _, o in rows), per_image)
+    return ExpandedRows(out, refused, expected, features, sum(len(o) for _, o in rows), per_image,
+                        sum(len(v) for v in videos.values()))
 
 
 IMAGE_GROUP_ROWS = 16  # rows whose images go through the processor in one call (when its outputs are not kept)
@@ -500,9 +744,13 @@ def estimated_tokens(processor: Any, images: Sequence[Any], kwargs: dict) -> int
         return None
 
 
-def _over_bound(tokens: int, bound: int) -> str:
-    return (f"its images make {tokens:,} image tokens, over max_media_tokens={bound:,}; shrink the images, or raise "
-            "max_media_tokens (--max-media-tokens)")
+def _what(videos: Sequence[Any]) -> str:
+    return "images and videos" if videos else "images"
+
+
+def _over_bound(tokens: int, bound: int, what: str = "images") -> str:
+    return (f"its {what} make {tokens:,} {'image' if what == 'images' else 'media'} tokens, over max_media_tokens="
+            f"{bound:,}; shrink the {what}, or raise max_media_tokens (--max-media-tokens)")
 
 
 def media_spans(ids: np.ndarray, offsets: np.ndarray, media_ids: Sequence[int],
@@ -546,12 +794,7 @@ OTHER_MEDIA = ("video", "video_url", "audio", "input_audio")
 
 def other_media(messages: Sequence[Any]) -> str | None:
     """The type of the first video or audio part of a chat (None when it has none)."""
-    for message in messages or ():
-        content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else ():
-            if isinstance(part, dict) and part.get("type") in OTHER_MEDIA:
-                return part["type"]
-    return None
+    return unexpanded_media(messages, videos=False)
 
 
 def count_media(ids: np.ndarray, offsets: np.ndarray, counted: Sequence[int]) -> np.ndarray:
