@@ -499,7 +499,7 @@ def test_cli_mask_takes_a_processor_folder_as_tokenizer(folders, tmp_path, capsy
                         {"role": "assistant", "content": [text("A square.")]}]}
     (tmp_path / "in.jsonl").write_text(json.dumps(row) + "\n")
     main(["mask", str(tmp_path / "in.jsonl"), str(tmp_path / "out.parquet"), "--tokenizer", str(folders["qwen2-vl"])])
-    assert "media tokens (images, never trained)" in capsys.readouterr().out
+    assert "media tokens (images and videos, never trained)" in capsys.readouterr().out
 
 
 def test_train_on_responses_only_points_a_vision_trainer_to_the_vision_collator(folders):

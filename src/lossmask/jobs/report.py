@@ -209,7 +209,7 @@ class MaskReport:
             line += f"; the dropped rows held {self.tokens_dropped:,} more"
         lines.append(line)
         if self.media_tokens:
-            lines.append(f"media tokens (images, never trained): {self.media_tokens:,} of the {self.tokens_in:,} tokens "
+            lines.append(f"media tokens (images and videos, never trained): {self.media_tokens:,} of the {self.tokens_in:,} tokens "
                          f"in; text tokens: {self.tokens_in - self.media_tokens:,}")
         if self.markers is None and self.markers_source == "position":
             lines.append("markers: none needed, prompt tokens are masked by position")
