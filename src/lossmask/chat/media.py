@@ -351,7 +351,10 @@ class VideoGrid:
 
     def tokens(self, frames: int, height: int, width: int) -> int:
         """The ``video_token`` copies a video of ``frames`` frames of ``height`` x ``width`` pixels makes."""
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+        try:  # transformers 5 keeps it beside the PIL image processor; 4.x in the only one
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+        except ImportError:
+            from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
         factor = self.patch_size * self.merge_size
         max_pixels = self.max_pixels
