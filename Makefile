@@ -2,7 +2,7 @@
 # (Python >= 3.10 as python3), installing only what that command needs, so both work on a fresh clone.
 #   make example   .[hf]: the tokenizer stack (transformers, tokenizers, datasets), no torch/ray/mlx/trl (~0.8 GB)
 #   make test      .[dev,all]: everything the tests exercise (fastokens too, via [all]), torch as the CPU build where there is no NVIDIA GPU
-#   make docs      .[docs]: pdoc, to build the API reference from the docstrings into build/api, offline
+#   make docs      .[docs,torch,mlx]: pdoc and what the faces import, to build the API reference into build/api, offline
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -56,8 +56,10 @@ $(EXAMPLE_STAMP): pyproject.toml setup.py | $(PY)
 	$(PY) -m pip install -q -e '.[hf]'
 	touch $@
 
+# collator and vision import torch, mlx imports mlx: pdoc documents a module by importing it
 $(DOCS_STAMP): pyproject.toml setup.py | $(PY)
-	$(PY) -m pip install -q -e '.[docs]'
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(TORCH_INDEX)
+	$(PY) -m pip install -q -e '.[docs,torch,mlx]'
 	touch $@
 
 $(TEST_STAMP): pyproject.toml setup.py | $(PY)

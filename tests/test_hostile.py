@@ -1,6 +1,6 @@
 """Hostile files and failing writes: nothing lost, nothing counted twice, nothing half-written.
 
-Each case of the issue has a test here (Ray's in test_ray.py); the last test drives ``lossmask mask``
+Each kind of hostile input and failing write has a test here (Ray's in test_ray.py); the last test drives ``lossmask mask``
 with generated bad inputs and checks the contract of every run: exit 0 with a report that adds up and
 an output holding exactly ``rows_out`` rows, or exit 1 with a readable error and nothing at the output.
 """
