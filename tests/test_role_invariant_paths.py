@@ -121,8 +121,8 @@ def test_hf_mask_dataset_and_the_collator_on_it_keep_the_roles(family):
     from lossmask.collator import CompletionCollator
     from lossmask.hf import mask_dataset
 
-    masked = mask_dataset(_messages_dataset(family), chat_tokenizer(family), verbose=False)
-    assert masked.num_rows == 2
+    masked, report = mask_dataset(_messages_dataset(family), chat_tokenizer(family), verbose=False, return_report=True)
+    assert masked.num_rows == 2 and report.labelled_from_rendering == (1 if family == "deepseek-v3" else 0)
     ids, labels = masked[0]["input_ids"], masked[0]["labels"]
     _assert_trained_as_trl(family, _decode(family, ids, [label != -100 for label in labels]))
     batch = CompletionCollator(markers=_markers(family), tokenizer=chat_tokenizer(family).tokenizer,
@@ -131,23 +131,33 @@ def test_hf_mask_dataset_and_the_collator_on_it_keep_the_roles(family):
     assert torch.equal(got, torch.tensor(labels))
 
 
-def test_train_on_responses_only_keeps_the_roles(tmp_path):
+@pytest.mark.parametrize("padding_free", [False, True])
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_train_on_responses_only_keeps_the_roles(family, padding_free, tmp_path):
+    """The drop-in on TRL's SFTTrainer: the dataset's labels and, padded or padding-free, the collated batch's."""
     pytest.importorskip("datasets")
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    trl = pytest.importorskip("trl")
     from lossmask.hf import train_on_responses_only
 
-    family = "deepseek-v3"
     tok = chat_tokenizer(family).tokenizer
     config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
-                                          report_to=[], save_strategy="no", use_cpu=True)
-    trainer = transformers.Trainer(model=transformers.LlamaForCausalLM(config), args=args,
-                                   train_dataset=_messages_dataset(family), processing_class=tok)
-    train_on_responses_only(trainer, verbose=False)
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                         use_cpu=True, save_strategy="no", disable_tqdm=True, padding_free=padding_free,
+                         **({"max_length": None} if padding_free else {}))  # TRL: padding-free rows are not cut
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's notes on padding-free attention and Falcon's stop token
+        trainer = trl.SFTTrainer(model=transformers.LlamaForCausalLM(config), args=args,
+                                 train_dataset=_messages_dataset(family), processing_class=tok)
+        train_on_responses_only(trainer, verbose=False)
     row = trainer.train_dataset[0]
     _assert_trained_as_trl(family, _decode(family, row["input_ids"], [label != -100 for label in row["labels"]]))
+    batch = trainer.data_collator([{"input_ids": row["input_ids"], "labels": row["labels"]}])
+    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    # the collator's labels are the row's, but for the first token, which nothing predicts
+    assert labels[1 : len(row["labels"])] == list(row["labels"][1:]), (family, padding_free)
 
 
 def test_ray_mask_dataset_keeps_the_roles():

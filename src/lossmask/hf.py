@@ -307,7 +307,10 @@ def train_on_responses_only(
             markers=resolved, tokenizer=chat.tokenizer, padding_free=padding_free, last_turn_only=options.last_turn_only,
             pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
             truncation_mode=truncation_mode,
-            row_labels="keep" if wrapped else "rebuild",  # a chunk's labels come from the stream, not the chunk alone
+            # Rows this drop-in labelled keep their labels: from their messages (message text as data, the role
+            # invariant) or, for wrapped chunks, from the stream they were cut from. Rows TRL packed with bfd carry
+            # only a copy of their ids, so they are labelled here, per packed sequence.
+            row_labels="rebuild" if packed and not wrapped else "keep",
         )
     else:
         trainer.data_collator = PadByPosition(pad_token_id=_pad_id(chat), padding_side=getattr(chat.tokenizer, "padding_side", "right"),
