@@ -508,3 +508,22 @@ def test_train_on_responses_only_points_a_vision_trainer_to_the_vision_collator(
     trainer = SimpleNamespace(processing_class=processor(folders, "qwen2-vl"), args=None)
     with pytest.raises(ValueError, match="VisionCollator"):
         hf.train_on_responses_only(trainer)
+
+
+def test_collator_refuses_a_row_whose_labels_break_the_role_invariant_naming_it(folders):
+    """The collator holds rows to the role invariant as ``mask_files`` does: markers that train a user's text (here
+    given the wrong way round) are refused at the first row that shows it, not trained on."""
+    from lossmask import markers_from_strings
+    from lossmask.vision import VisionCollator
+
+    proc = processor(folders, "qwen2-vl")
+    swapped = markers_from_strings(load_tokenizer(proc), response="<|im_start|>user\n",
+                                   instruction="<|im_start|>assistant\n", end="<|im_end|>")
+    rows = [{"messages": [{"role": "user", "content": [IMG, text("What is it?")]},
+                          {"role": "assistant", "content": "A square."}], "images": [image(40, 40)]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], "images": []}]
+    with pytest.raises(ValueError, match=r"VisionCollator: row 0 of the batch: token \d+ lies in the text of message"
+                                         r".*hf\.mask_dataset"):
+        VisionCollator(proc, markers=swapped, check_roles="all")(rows)
+    batch = VisionCollator(proc, check_roles="all")(rows)  # the processor's own markers keep it
+    assert proc.tokenizer.decode(batch["input_ids"][1][batch["labels"][1] != -100]) == "Hello.<|im_end|>"

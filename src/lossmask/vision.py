@@ -105,6 +105,7 @@ class VisionCollator:
         flat_labels = result.labels.values.to_numpy(zero_copy_only=False).astype(np.int64)
         if encoded.media_span is not None:  # an image's tokens, plain text between them too, never train
             flat_labels[encoded.media_span] = self.options.ignore_index
+        _check_roles(encoded, flat_labels != self.options.ignore_index, offsets, self.options.last_turn_only)
         lengths = np.diff(offsets)
         width = int(lengths.max()) if len(lengths) else 0
         if self.pad_to_multiple_of:
@@ -128,6 +129,26 @@ class VisionCollator:
             types = self.processor.create_mm_token_type_ids(input_ids.tolist())
             batch[self.type_ids_name] = torch.as_tensor(np.asarray(types, dtype=np.int64)) * batch["attention_mask"]
         return batch
+
+
+def _check_roles(encoded: Any, trained: np.ndarray, offsets: np.ndarray, last_turn_only: bool) -> None:
+    """The role invariant, as ``mask_files`` holds rows to it: a row of the batch whose labels train user, system or
+    tool text, or leave an assistant's text untrained (its images aside), is refused, naming the row. A collator
+    cannot drop a row or render it again; ``hf.mask_dataset`` labels such rows from their rendering, or counts them."""
+    from .chat.turn_spans import breaks_message, role_breaks
+
+    roles = encoded.roles
+    if roles is None or not roles.role.any():
+        return
+    bad = role_breaks(trained, roles, last_turn_only)
+    if encoded.media_span is not None:
+        bad &= ~encoded.media_span
+    if bad.any():
+        at = int(np.flatnonzero(bad)[0])
+        row = int(np.searchsorted(offsets, at, side="right")) - 1
+        raise ValueError(f"VisionCollator: row {row} of the batch: {breaks_message(roles, at, int(offsets[row]))}. "
+                         "Label the dataset with lossmask.hf.mask_dataset first: it labels such rows from their "
+                         "rendering, or counts and removes them")
 
 
 def _split_images(messages: Any, given: Any) -> tuple[list, list]:
