@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import warnings
 
 import pytest
 
+import lossmask
 from conftest import chat_tokenizer, tokenizer_families, tokenizer_path
 from lossmask.chat import render
 from lossmask.chat.render import RenderLimitError, bounded_template, compile_template, render_bounded
@@ -96,7 +96,7 @@ def _hostile(template):
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
 
 
-def test_a_template_whose_loops_never_end_is_refused_at_once_on_every_path(tmp_path):
+def test_a_template_whose_loops_never_end_is_refused_at_once_on_every_path(tmp_path, capsys):
     from lossmask.cli import main
     from lossmask.markers.detect import detect_markers
 
@@ -117,12 +117,17 @@ def test_a_template_whose_loops_never_end_is_refused_at_once_on_every_path(tmp_p
     assert main(["detect", str(folder)]) == 1
     (tmp_path / "endless.jinja").write_text(ct.template_for())
     (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no markers can be detected: the full-sequence warning
-        code = main(["mask", str(tmp_path / "chats.jsonl"), str(tmp_path / "out.parquet"), "--tokenizer",
-                     str(tokenizer_path("qwen2.5")), "--chat-template", str(tmp_path / "endless.jinja"),
-                     "--no-progress", "--max-drop-fraction", "1"])
-    assert code == 1 and not (tmp_path / "out.parquet").exists()
+    capsys.readouterr()
+    for source in (["--chat-template", str(tmp_path / "endless.jinja")], []):  # given, or in the tokenizer's folder
+        tokenizer = str(tokenizer_path("qwen2.5") if source else folder)
+        code = main(["mask", str(tmp_path / "chats.jsonl"), str(tmp_path / "out.parquet"), "--tokenizer", tokenizer,
+                     *source, "--no-progress", "--max-drop-fraction", "1"])
+        err = capsys.readouterr().err
+        assert code == 1 and not (tmp_path / "out.parquet").exists()
+        # one line, before any marker is looked for (no full-sequence warning ahead of it)
+        assert err.count("\n") == 1 and "loops 10,000,000,000 times whatever the chat" in err, err
+    with pytest.raises(RenderLimitError, match="whatever the chat"):  # and through load_tokenizer
+        lossmask.load_tokenizer(folder).check_templates()
     assert time.monotonic() - started < 120  # each path ends at once: never a render run to a bound
 
 

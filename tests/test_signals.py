@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import lossmask
 from test_stream import MARKERS
 
 ROWS = 2_000_000
@@ -55,7 +56,7 @@ def _stop_job(folder, signals: list[int], delay: float) -> tuple[subprocess.Pope
     return job, err
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.4])
+@pytest.mark.parametrize("delay", [0.0, 0.1, 0.2, 0.4, 0.8])
 @pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGINT], [signal.SIGINT, signal.SIGINT]],
                          ids=["sigterm", "sigint", "sigint-twice"])
 def test_a_signal_while_the_kernel_labels_stops_the_job_with_one_line_and_leaves_nothing(big_input, signals, delay):
@@ -66,3 +67,37 @@ def test_a_signal_while_the_kernel_labels_stops_the_job_with_one_line_and_leaves
     assert err == (f"lossmask mask: stopped by {name}; the partial output was removed, and {out} is as it was before "
                    "the job\n")
     assert sorted(os.listdir(big_input)) == ["in.parquet", "m.json"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_that_lands_inside_the_kernel_is_raised_once_the_kernel_call_ends(signum):
+    """In process, where it can be seen: the signal arrives while the labelling kernel runs (the block calls it until
+    the handler has run, and once more), is held there, and is raised as ``JobStopped`` when the block ends, after
+    the kernel returned whole. Raised inside numba's dispatch instead, it gave ``SystemError`` and two tracebacks."""
+    import threading
+
+    from lossmask.jobs import stopping
+
+    offsets = np.arange(0, (ROWS + 1) * len(CHAT), len(CHAT), dtype=np.int64)
+    ids = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(np.tile(CHAT, ROWS)))
+    lossmask.label_batch(ids[:10], MARKERS)  # compiled (or loaded from the cache) before the clock starts
+    calls, held_at_signal = [], []
+    real_handler = stopping._on_signal
+
+    def handler(sig, frame):
+        held_at_signal.append(stopping._STATE["held"])
+        real_handler(sig, frame)
+
+    with stopping.stop_on_signals():
+        signal.signal(signum, handler)
+        timer = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+        timer.start()
+        with pytest.raises(stopping.JobStopped) as stopped:
+            with stopping.kernel_call():
+                deadline = time.monotonic() + 60
+                while not held_at_signal and time.monotonic() < deadline:
+                    calls.append(lossmask.label_batch(ids, MARKERS).counts.rows)
+                calls.append(lossmask.label_batch(ids, MARKERS).counts.rows)
+        timer.join()
+    assert held_at_signal == [1] and stopped.value.signum == signum
+    assert len(calls) >= 2 and set(calls) == {ROWS}  # every call inside the block ran to its end

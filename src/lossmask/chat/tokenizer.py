@@ -341,6 +341,16 @@ class ChatTokenizer:
         self.fast_tokens.start()
         self.direct_render.begin_job()
 
+    def check_templates(self) -> None:
+        """Raise ``render.RenderLimitError`` when one of this tokenizer's templates loops past the render bounds
+        whatever the chat (``render.bounded_template``): a job stops with that one line before it looks for markers."""
+        from .render import bounded_template
+
+        templates = [self.templates] if isinstance(self.templates, str) else list((self.templates or {}).values())
+        for template in templates:
+            if isinstance(template, str):
+                bounded_template(template)
+
     def encode_texts(self, texts: Sequence[str], *, max_length: int | None = None) -> pa.LargeListArray:
         """Token ids of many rendered texts in one batch call: a ``LargeList<int32>`` array."""
         return self.encode_flat(texts).to_arrow(max_length=max_length)

@@ -114,6 +114,7 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
     tokenizer, bare = _job_tokenizer(tokenizer, chat_template, kind, source), tokenizer
     if tokenizer is not None and kind != "input_ids":
         tokenizer.begin_job()  # the fast tokeniser loads on a thread while markers are resolved
+        tokenizer.check_templates()  # a template that never ends stops the job here, not after a marker warning
     if kind == "prompt_completion" and is_text_pairs(dataset.schema, options):
         if tokenizer is None:
             raise ValueError(f"{source}: prompt/completion text needs a tokenizer (--tokenizer DIR / tokenizer=)")

@@ -72,8 +72,8 @@ def detect_markers_with_report(tokenizer: Any) -> tuple[Markers, VerifyReport]:
     probes, skipped = sort_probes(ct)
     if not probes:
         raise MarkerDetectionError(
-            f"the chat template of {ct.name!r} renders none of the probe conversations (it raised on every one); "
-            f"{_HOW_TO_FIX}"
+            f"the chat template of {ct.name!r} renders none of the probe conversations (it raised on every one"
+            f"{': ' + next(iter(skipped.values())) if skipped else ''}); {_HOW_TO_FIX}"
         )
     truths = build_truths(ct, probes)
     # a probe whose text the template drops (Phi-3 drops tool messages, Gemma-2 system prompts...)
