@@ -1,3 +1,6 @@
+"""``Markers``: how patterns are normalised, compared, written as JSON and read back, and which marker sets are
+refused with a message that says why."""
+
 import json
 
 import numpy as np

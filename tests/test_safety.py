@@ -1,3 +1,6 @@
+"""The drop-fraction safety net: a job whose rows would mostly train nothing stops, naming why (markers that match
+nothing, truncation), and the row display that shows what trains."""
+
 import pytest
 
 from lossmask import Markers, OutcomeCounts, TooManyDroppedRows, check_drop_fraction, label_batch
