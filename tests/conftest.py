@@ -193,7 +193,8 @@ def load_script(path: Path):
 VISION = FIXTURES / "vision"
 # fixture -> its tokenizer family
 VISION_FAMILIES = {"qwen2-vl": "qwen2.5", "qwen2.5-vl": "qwen2.5", "gemma-3": "gemma-3", "llava": "llama-2",
-                   "idefics3": "llama-3.1"}
+                   "llava-next": "llama-2", "idefics3": "llama-3.1", "idefics3-1456": "llama-3.1", "mllama": "llama-3.2",
+                   "smolvlm": "smollm3"}
 
 
 def vision_processor_dir(family: str, out: Path) -> Path:
@@ -201,7 +202,8 @@ def vision_processor_dir(family: str, out: Path) -> Path:
     image-processor config (and, where the tokenizer's own template has no image handling, the model's VL chat
     template) kept in ``tests/fixtures/vision/<family>``; ``added_tokens.json`` there names the tokens the model adds
     to its base vocabulary (LLaVA's ``<image>``, Idefics3's ``<fake_token_around_image>``, ``<image>`` and
-    ``<end_of_utterance>``), added at those ids. Loads offline; skips like ``tokenizer_path``."""
+    ``<end_of_utterance>``, Mllama's ``<|image|>``, SmolVLM's tile tags), added at those ids. Loads offline; skips like
+    ``tokenizer_path``."""
     import json
     import shutil
 
