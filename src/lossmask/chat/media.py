@@ -16,7 +16,8 @@ what the processor expects, and expands rendered rows with the processor's own r
 (``expand_rows``), so that lossmask tokenises exactly the text the processor tokenises. Images are
 opened here (paths, bytes, ``{"bytes", "path"}`` structs, PIL images, ``data:`` URLs; ``open_image``: EXIF
 orientation applied, mode kept for the processor's own conversion, bounded in pixels); a web URL is never
-fetched.
+fetched. Every bound is checked from the images' headers (``image_size``, ``estimated_tokens``) before any pixel is
+decoded, and the rows that pass are decoded one bounded group of images at a time.
 
 Through a Qwen2-VL or Qwen2.5-VL processor, a video part (a list of frames) is expanded too: its
 ``<|video_pad|>`` becomes as many copies as the video processor would make for those frames, counted
@@ -31,6 +32,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -191,39 +193,10 @@ def open_image(value: Any, *, index: int, media_dir: str | None = None, max_pixe
     white) makes the pixels. A relative path is read from ``media_dir`` (None: the current folder), and only a
     regular file is read (a FIFO or a device would block). An image of more than ``max_pixels`` pixels is refused
     from its header, before it is decoded. ``where`` names it in a message (default ``image {index}``)."""
-    from PIL import Image
-
     where = where or f"image {index}"  # the row is named by whoever reports it
-    opened = True
+    image, opened = _unread(value, media_dir, where)
     try:
-        if isinstance(value, Image.Image):
-            image, opened = value, False
-        elif isinstance(value, dict):  # a datasets Image struct: {"bytes", "path"}
-            data, path = value.get("bytes"), value.get("path")
-            if data is None and path is None:
-                raise MediaError(f"{where}: the image struct holds neither bytes nor a path")
-            return open_image(data if data is not None else path, index=index, media_dir=media_dir,
-                              max_pixels=max_pixels, where=where)
-        elif isinstance(value, (bytes, bytearray, memoryview)):
-            image = _open(io.BytesIO(bytes(value)))
-        elif isinstance(value, (str, os.PathLike)):
-            text = os.fspath(value)
-            if text.startswith("data:"):
-                image = _open(io.BytesIO(base64.b64decode(text.split(",", 1)[1])))
-            elif "://" in text:
-                raise MediaError(
-                    f"{where} is a URL ({text[:80]}); lossmask never fetches: put the image itself in the row "
-                    "(a path, bytes or a PIL image, in the 'images' column or the part's 'image')")
-            else:
-                image = _open(_regular_file(text, media_dir, where))
-        elif value is None:
-            raise MediaError(f"{where}: an image part has no image (give the row's images in an 'images' column)")
-        else:
-            raise MediaError(f"{where}: cannot read an image from a {type(value).__name__}; pass a path, bytes or a PIL image")
-        width, height = image.size
-        if max_pixels is not None and width * height > max_pixels:
-            raise MediaError(f"{where} is {width}x{height}, {width * height:,} pixels, over max_image_pixels="
-                             f"{max_pixels:,}; shrink it, or raise max_image_pixels (--max-image-pixels)")
+        _check_pixels(image.size, max_pixels, where)
         image.load()
         if opened and image.getexif().get(EXIF_ORIENTATION, 1) != 1:
             from PIL import ImageOps
@@ -231,9 +204,80 @@ def open_image(value: Any, *, index: int, media_dir: str | None = None, max_pixe
             image = ImageOps.exif_transpose(image)
     except MediaError:
         raise
-    except Exception as exc:  # PIL's UnidentifiedImageError, a missing file, truncated bytes
+    except Exception as exc:  # truncated or corrupt pixels
         raise MediaError(f"{where} cannot be opened ({type(exc).__name__}: {exc})") from None
     return image
+
+
+def image_size(value: Any, *, index: int, media_dir: str | None = None, max_pixels: int | None = None,
+               where: str | None = None) -> tuple[int, int]:
+    """``(width, height)`` of the image ``open_image`` would give, read from its header alone (nothing is decoded, and a
+    file opened here is closed again): the EXIF orientation's quarter turns (5 to 8) swap the two. The same refusals
+    as ``open_image`` short of decoding: what cannot be read, a path that is not a regular file, ``max_pixels``.
+
+    A PNG whose EXIF sits after its pixels (PIL reads it only by decoding them) counts as upright here: its pixel count
+    is the same either way, and the processor's own count is checked again after decoding."""
+    where = where or f"image {index}"
+    image, opened = _unread(value, media_dir, where)
+    try:
+        width, height = image.size
+        if opened and _header_orientation(image) in (5, 6, 7, 8):
+            width, height = height, width
+    except Exception as exc:  # noqa: BLE001 - a header PIL cannot make sense of
+        raise MediaError(f"{where} cannot be opened ({type(exc).__name__}: {exc})") from None
+    finally:
+        if opened:
+            image.close()
+    _check_pixels((width, height), max_pixels, where)
+    return width, height
+
+
+def _unread(value: Any, media_dir: str | None, where: str) -> tuple[Any, bool]:
+    """``(PIL image with its header read and no pixel decoded, whether it was opened here)``; ``MediaError`` naming
+    ``where`` when ``value`` holds no image that can be read."""
+    from PIL import Image
+
+    try:
+        if isinstance(value, Image.Image):
+            return value, False
+        if isinstance(value, dict):  # a datasets Image struct: {"bytes", "path"}
+            data, path = value.get("bytes"), value.get("path")
+            if data is None and path is None:
+                raise MediaError(f"{where}: the image struct holds neither bytes nor a path")
+            return _unread(data if data is not None else path, media_dir, where)
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return _open(io.BytesIO(bytes(value))), True
+        if isinstance(value, (str, os.PathLike)):
+            text = os.fspath(value)
+            if text.startswith("data:"):
+                return _open(io.BytesIO(base64.b64decode(text.split(",", 1)[1]))), True
+            if "://" in text:
+                raise MediaError(
+                    f"{where} is a URL ({text[:80]}); lossmask never fetches: put the image itself in the row "
+                    "(a path, bytes or a PIL image, in the 'images' column or the part's 'image')")
+            return _open(_regular_file(text, media_dir, where)), True
+        if value is None:
+            raise MediaError(f"{where}: an image part has no image (give the row's images in an 'images' column)")
+        raise MediaError(f"{where}: cannot read an image from a {type(value).__name__}; pass a path, bytes or a PIL image")
+    except MediaError:
+        raise
+    except Exception as exc:  # PIL's UnidentifiedImageError, a missing file, bad base64
+        raise MediaError(f"{where} cannot be opened ({type(exc).__name__}: {exc})") from None
+
+
+def _check_pixels(size: tuple[int, int], max_pixels: int | None, where: str) -> None:
+    width, height = size
+    if max_pixels is not None and width * height > max_pixels:
+        raise MediaError(f"{where} is {width}x{height}, {width * height:,} pixels, over max_image_pixels="
+                         f"{max_pixels:,}; shrink it, or raise max_image_pixels (--max-image-pixels)")
+
+
+def _header_orientation(image: Any) -> int:
+    """The EXIF orientation the header holds (1: upright). A PNG's ``getexif`` decodes the whole image when its eXIf
+    chunk was not met before the pixels; such a PNG is taken as upright (``image_size``)."""
+    if image.format == "PNG" and "exif" not in image.info:
+        return 1
+    return int(image.getexif().get(EXIF_ORIENTATION, 1) or 1)
 
 
 EXIF_ORIENTATION = 0x0112
@@ -384,11 +428,16 @@ def processor_video_settings(processor: Any) -> dict | str:
     return settings
 
 
-def video_token_counts(grid: VideoGrid, videos: Sequence[Any], options: Any) -> list[int]:
+def video_token_counts(grid: VideoGrid, videos: Sequence[Any], options: Any,
+                       budget: int | None = None) -> tuple[list[int], bool]:
     """Per video (a list of frames), the ``video_token`` copies the processor makes; ``MediaError`` naming the video
-    (or its frame) when it cannot be used. Frames are opened as images are (``open_image``: EXIF applied, regular files
-    only, ``max_image_pixels``) and must all be one size, as the processor stacks them."""
-    out = []
+    (or its frame) when it cannot be used. Only each frame's header is read (``image_size``: EXIF applied, regular
+    files only, ``max_image_pixels``): the count needs their sizes, which must all be one, as the processor stacks
+    them; their pixels are the trainer's video processor's to decode.
+
+    ``budget``: reading stops as soon as the videos' tokens pass it. Returns ``(counts, complete)``: where reading
+    stopped, the counts end with the stopped video's frames so far (at least that many tokens), ``complete`` False."""
+    out: list[int] = []
     for v, frames in enumerate(videos):
         where = f"video {v}"
         if frames is None:
@@ -404,20 +453,31 @@ def video_token_counts(grid: VideoGrid, videos: Sequence[Any], options: Any) -> 
         if grid.do_sample_frames:
             raise MediaError(f"{where}: the video processor samples frames (do_sample_frames), which lossmask does not "
                              "reproduce; pass the frames to train on with do_sample_frames=False")
-        sizes = set()
+        size = None
+        left = None if budget is None else budget - sum(out)
         for f, frame in enumerate(frames):
-            image = open_image(frame, index=f, media_dir=options.media_dir, max_pixels=options.max_image_pixels,
+            found = image_size(frame, index=f, media_dir=options.media_dir, max_pixels=options.max_image_pixels,
                                where=f"{where} frame {f}")
-            sizes.add(image.size)
-            if len(sizes) > 1:
-                raise MediaError(f"{where}: its frames are not all one size ({sorted(sizes)}); the processor stacks "
-                                 "them into one array")
-        (width, height), = sizes
-        try:
-            out.append(grid.tokens(len(frames), height, width))
-        except ValueError as exc:  # smart_resize: an aspect ratio over 200
-            raise MediaError(f"{where}: the processor cannot take its {width}x{height} frames ({exc})") from None
-    return out
+            if size is not None and found != size:
+                raise MediaError(f"{where}: its frames are not all one size ({sorted({size, found})}); the processor "
+                                 "stacks them into one array")
+            size = found
+            # the video makes at least as many tokens as its frames so far (not so where each frame's share of a
+            # whole-video cap shrinks as frames are added: that one is checked at the end)
+            if left is not None and not grid.cap_pixels_per_frame:
+                so_far = _video_tokens(grid, f + 1, size, where)
+                if so_far > left:
+                    return out + [so_far], False
+        out.append(_video_tokens(grid, len(frames), size, where))
+    return out, True
+
+
+def _video_tokens(grid: VideoGrid, frames: int, size: tuple[int, int], where: str) -> int:
+    width, height = size
+    try:
+        return grid.tokens(frames, height, width)
+    except ValueError as exc:  # smart_resize: an aspect ratio over 200
+        raise MediaError(f"{where}: the processor cannot take its {width}x{height} frames ({exc})") from None
 
 
 # -- what the template and the processor write for an image ------------------------------------------
@@ -440,6 +500,8 @@ class MediaTokens:
     video_placeholder: str | None = None
     video_part_text: str | None = None
     video_settings: dict | str = "lossmask expands images only here"
+    # the counted tokens the probe image made: the least an image is reckoned at where the processor cannot count
+    probe_count: int = 0
 
     def expected(self, replacements: Sequence[str]) -> int:
         """How many counted tokens the processor's replacement strings for one row's images hold."""
@@ -519,8 +581,8 @@ def _derive(tok: Any, processor: Any) -> MediaTokens:
             "chat_template= with one that does")
     from ..options import DEFAULT_MAX_MEDIA_TOKENS
 
-    probe = estimated_tokens(processor, [probe_image()], {})
-    if probe is not None and probe > DEFAULT_MAX_MEDIA_TOKENS:  # a config (min_pixels) that blows every image up
+    probe = sum(processor_count(processor, [(PROBE_SIZE, PROBE_SIZE)], {}) or [0])
+    if probe > DEFAULT_MAX_MEDIA_TOKENS:  # a config (min_pixels) that blows every image up
         raise MediaDetectionError(
             f"the processor of {name!r} would make {probe:,} image tokens for a {PROBE_SIZE}x{PROBE_SIZE} probe image, "
             f"over {DEFAULT_MAX_MEDIA_TOKENS:,}; check its image-processor config (min_pixels, size)")
@@ -537,6 +599,7 @@ def _derive(tok: Any, processor: Any) -> MediaTokens:
     counted = [int(i) for i in (getattr(processor, "image_token_ids", None) or []) if i is not None]
     counted = [i for i in counted if i in ids] or [vocab[placeholder]]
     counted_text = tuple(tok.tokenizer.convert_ids_to_tokens(counted))
+    probe_count = sum(replacements[0].count(t) for t in counted_text)
     # the processor's own tokenisation of a probe row must be lossmask's, media tokens and all
     text = renders[1]
     mine = tok.encode(text.replace(placeholder, replacements[0]))
@@ -550,7 +613,7 @@ def _derive(tok: Any, processor: Any) -> MediaTokens:
         counted.append(vocab[video[0]])
         counted_text += (video[0],)
     return MediaTokens(placeholder, part, tuple(sorted(ids)), tuple(counted), counted_text, video[0], video[1],
-                       video[3])
+                       video[3], probe_count)
 
 
 def _derive_video(tok: Any, processor: Any, chat: Any, plain_render: str, plain: set) -> tuple:
@@ -624,14 +687,20 @@ class ExpandedRows:
 def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Sequence[Any] | None,
                 options: Any = None, *, keep_features: bool = False,
                 given_videos: Sequence[Any] | None = None) -> ExpandedRows:
-    """Open each row's images, check their number against the placeholders, and expand the placeholders.
+    """Check each row's images, their number against the placeholders, and expand the placeholders.
 
     ``given``: per row, its images (the ``images`` column, or None); ``given_videos``: per row, its videos (the
     ``videos`` column, or None). ``options`` (a ``MaskOptions``): where relative paths are read (``media_dir``), the
     keywords of every processor call (``processor_kwargs``) and the bounds (``max_image_pixels``, ``max_media_tokens``).
-    With ``keep_features`` (a collator) all images of the batch go through the processor in one call and its outputs
-    are kept; otherwise they go in groups of rows and only the replacement strings are kept. A row whose images cannot
-    be used, or would make more than ``max_media_tokens`` image tokens, is refused, named.
+
+    Two passes, so that what a row costs is known before it costs it. First every row is checked from its images'
+    headers alone: their number, ``max_image_pixels``, and the tokens its images (``estimated_tokens``) and videos
+    (``video_token_counts``, stopped as soon as the row passes the bound) make against ``max_media_tokens``; nothing
+    is decoded. Then the rows that passed are decoded and go through the processor one bounded group of images at a
+    time (``_image_groups``), each group let go before the next, and only the replacement strings are kept: memory
+    holds one group, whatever the batch size or the number of images in a row. With ``keep_features`` (a collator)
+    all images of the batch go through the processor in one call and its outputs are kept. A row that fails a check,
+    whose image cannot be decoded or that the processor rejects, is refused, named.
 
     Videos (Qwen2-VL, Qwen2.5-VL: ``MediaTokens.video_placeholder``), each a list of frames, are counted from their
     frames' sizes as the video processor counts them (``VideoGrid``); their tokens join the row's media tokens."""
@@ -647,8 +716,7 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
     refused: list[tuple[int, str]] = []
     expected = np.zeros(len(texts), dtype=np.int64)
     per_image: list[list[tuple[int, int, int]]] = [[] for _ in texts]
-    rows: list[tuple[int, list]] = []  # (row, its opened images)
-    videos: dict[int, list[str]] = {}  # row -> the replacement string of each of its videos
+    rows: list[_Checked] = []  # the rows that passed, their images not yet decoded
     for k, (text, chat) in enumerate(zip(texts, chats)):
         messages = chat["messages"] if isinstance(chat, dict) else chat
         unsupported = unexpanded_media(messages, grid is not None)
@@ -671,46 +739,20 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
             refused.append((k, f"{len(video_values)} video(s) given for {video_slots} video placeholder(s) "
                                f"{media.video_placeholder!r} in the rendered chat; give one video per video part"))
             continue
-        try:
-            opened = [open_image(v, index=i, media_dir=options.media_dir, max_pixels=options.max_image_pixels)
-                      for i, v in enumerate(values)]
-            counts = video_token_counts(grid, video_values, options) if video_values else []
-        except MediaError as exc:
-            refused.append((k, str(exc)))
+        checked = _check_row(tok, media, grid, k, values, video_values, options, kwargs)
+        if isinstance(checked, str):
+            refused.append((k, checked))
             continue
-        estimate = estimated_tokens(tok.processor, opened, kwargs)
-        if (estimate or 0) + sum(counts) > options.max_media_tokens:
-            refused.append((k, _over_bound((estimate or 0) + sum(counts), options.max_media_tokens, _what(counts))))
-            continue
-        if counts:
-            videos[k] = [media.video_placeholder * n for n in counts]
-        rows.append((k, opened))
-    features: dict = {}
-    done: list[tuple[int, list[str]]] = []
-    groups = [rows] if keep_features else [rows[i:i + IMAGE_GROUP_ROWS] for i in range(0, len(rows), IMAGE_GROUP_ROWS)]
-    for group in groups:
-        flat = [image for _, opened in group for image in opened]
-        if not flat:  # rows with videos only
-            done.extend((k, []) for k, _ in group)
-            continue
-        try:
-            group_features, replacements = processor_images(tok.processor, flat, **kwargs)
-        except Exception:  # noqa: BLE001 - some image the processor rejects: find its row, one row at a time
-            for k, opened in group:
-                try:
-                    done.append((k, processor_images(tok.processor, opened, **kwargs)[1] if opened else []))
-                except Exception as exc:  # noqa: BLE001
-                    refused.append((k, f"the processor cannot take its images ({type(exc).__name__}: {exc})"))
-            continue
-        if keep_features:
-            features = dict(group_features)
-        at = 0
-        for k, opened in group:
-            done.append((k, list(replacements[at:at + len(opened)])))
-            at += len(opened)
+        rows.append(checked)
+    replacements, failed, features = _run_images(tok.processor, rows, options, kwargs, keep_features)
+    refused += sorted(failed.items())
     slot = re.compile("|".join(re.escape(p) for p in (media.placeholder, media.video_placeholder) if p))
-    for k, row_replacements in done:
-        row_videos_ = videos.get(k, [])
+    for row in rows:
+        k = row.row
+        if k in failed:
+            continue
+        row_replacements = replacements.get(k, [])
+        row_videos_ = [media.video_placeholder * n for n in row.videos]
         made = media.expected(row_replacements + row_videos_)
         if made > options.max_media_tokens:
             refused.append((k, _over_bound(made, options.max_media_tokens, _what(row_videos_))))
@@ -727,33 +769,203 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
         expected[k] = made
         per_image[k] = parts
     refused.sort()
-    return ExpandedRows(out, refused, expected, features, sum(len(o) for _, o in rows), per_image,
-                        sum(len(v) for v in videos.values()))
+    return ExpandedRows(out, refused, expected, features, sum(len(r.values) for r in rows),
+                        per_image, sum(len(r.videos) for r in rows))
 
 
-IMAGE_GROUP_ROWS = 16  # rows whose images go through the processor in one call (when its outputs are not kept)
+@dataclass
+class _Checked:
+    """A row whose images and videos passed the checks made from their headers: its images as the row holds them
+    (decoded later, a group at a time), each one's ``(height, width)`` and estimated tokens, and each video's count."""
+
+    row: int
+    values: list
+    sizes: list[tuple[int, int]]
+    tokens: list[int]
+    videos: list[int]
 
 
-def estimated_tokens(processor: Any, images: Sequence[Any], kwargs: dict) -> int | None:
-    """The image tokens the processor says it makes for ``images`` from their sizes alone, before any pixel is
-    processed (``_get_num_multimodal_tokens``, where the processor has it; None where it has not)."""
+def _check_row(tok: Any, media: MediaTokens, grid: VideoGrid | None, k: int, values: list, video_values: list,
+               options: Any, kwargs: dict) -> _Checked | str:
+    """A row checked from its images' and frames' headers alone: a ``_Checked``, or why it is refused (a line). Its
+    images' estimated tokens are checked before its videos are read, and the videos stop as soon as the row's
+    running total passes ``max_media_tokens``."""
+    bound = options.max_media_tokens
+    try:
+        sizes = [image_size(v, index=i, media_dir=options.media_dir, max_pixels=options.max_image_pixels)[::-1]
+                 for i, v in enumerate(values)]
+        tokens, exact = estimated_tokens(tok.processor, sizes, kwargs, floor=media.probe_count)
+        if sum(tokens) > bound:
+            return _over_bound(sum(tokens), bound, _what(video_values), "" if exact else UNCOUNTED)
+        counts, complete = (video_token_counts(grid, video_values, options, bound - sum(tokens)) if video_values
+                            else ([], True))
+    except MediaError as exc:
+        return str(exc)
+    total = sum(tokens) + sum(counts)
+    if total > bound:
+        note = "" if complete else f" (at least: video {len(counts) - 1}'s frames were read no further)"
+        return _over_bound(total, bound, _what(video_values), note)
+    return _Checked(k, values, sizes, tokens, counts)
+
+
+def _run_images(processor: Any, rows: Sequence[_Checked], options: Any, kwargs: dict,
+                keep_features: bool) -> tuple[dict[int, list[str]], dict[int, str], dict]:
+    """The processor's replacement string for each image of ``rows``: ``({row: its strings, in order}, {row: why it is
+    refused}, the processor's outputs)``. Images are decoded (``open_image``) a group at a time, just before the
+    group's processor call, and let go after it. Where a group fails, its images go again one at a time, so that only
+    the rows of the images the processor rejects are refused. With ``keep_features``, one group holds every image and
+    the processor's outputs are kept (else they are ``{}``)."""
+    done: dict[int, list] = {row.row: [None] * len(row.values) for row in rows}
+    kept: dict = {}
+    failed: dict[int, str] = {}
+    groups = [[(row, i) for row in rows for i in range(len(row.values))]] if keep_features else _image_groups(rows)
+    for group in groups:
+        decoded = []
+        for row, i in group:
+            if row.row in failed:
+                continue
+            try:
+                decoded.append((row.row, i, open_image(row.values[i], index=i, media_dir=options.media_dir,
+                                                       max_pixels=options.max_image_pixels)))
+            except MediaError as exc:
+                failed[row.row] = str(exc)
+        decoded = [item for item in decoded if item[0] not in failed]
+        if not decoded:
+            continue
+        try:
+            features, replacements = processor_images(processor, [image for _, _, image in decoded], **kwargs)
+        except Exception:  # noqa: BLE001 - some image the processor rejects: find it, one image at a time
+            for k, i, image in decoded:
+                if k in failed:
+                    continue
+                try:
+                    done[k][i] = processor_images(processor, [image], **kwargs)[1][0]
+                except Exception as exc:  # noqa: BLE001
+                    failed[k] = f"the processor cannot take its images ({type(exc).__name__}: {exc})"
+            continue
+        if keep_features:
+            kept = dict(features)
+        for (k, i, _), replacement in zip(decoded, replacements):
+            done[k][i] = replacement
+        del decoded, features  # the group's pixels go before the next group's are made
+    return {k: v for k, v in done.items() if k not in failed}, failed, kept
+
+
+# the most one group of images holds when the processor's outputs are not kept: decoded pixels (about 50 MB as RGB),
+# estimated image tokens (the processor's pixel values and its working copies grow with them: some 50 KB per Qwen2-VL
+# token) and images (a single image over a bound goes alone)
+IMAGE_GROUP_PIXELS = 1 << 24
+IMAGE_GROUP_TOKENS = 8192
+IMAGE_GROUP_IMAGES = 256
+
+
+def _image_groups(rows: Sequence[_Checked]) -> Iterator[list[tuple[_Checked, int]]]:
+    """The images of ``rows`` in order, ``(row, index)``, in groups within the ``IMAGE_GROUP_*`` bounds; a row's
+    images may fall into several groups (each image's replacement depends on that image alone)."""
+    group: list[tuple[_Checked, int]] = []
+    pixels = tokens = 0
+    for row in rows:
+        for i, ((height, width), n) in enumerate(zip(row.sizes, row.tokens)):
+            if group and (pixels + height * width > IMAGE_GROUP_PIXELS or tokens + n > IMAGE_GROUP_TOKENS
+                          or len(group) >= IMAGE_GROUP_IMAGES):
+                yield group
+                group, pixels, tokens = [], 0, 0
+            group.append((row, i))
+            pixels, tokens = pixels + height * width, tokens + n
+    if group:
+        yield group
+
+
+# where the processor cannot count its tokens from the sizes, each image is reckoned at one token per 14x14 pixels (the
+# smallest patch of these models, before any merging), or what the probe image made when that is more
+UNCOUNTED_PIXELS_PER_TOKEN = 14 * 14
+UNCOUNTED = (" (an upper bound: the processor gives no count from the sizes, so each image is reckoned at one token "
+             "per 14x14 pixels)")
+
+
+def estimated_tokens(processor: Any, sizes: Sequence[tuple[int, int]], kwargs: dict,
+                     floor: int = 0) -> tuple[list[int], bool]:
+    """Per image (``(height, width)``, EXIF applied), the image tokens the processor makes for it, reckoned from its
+    size alone, before any pixel is decoded; and whether that is the processor's own count.
+
+    The processor's count (``_get_num_multimodal_tokens``), times one plus the image's pan-and-scan crops where the
+    call makes them (``pan_and_scan_crops``: transformers' count leaves them out). Where the processor has no count,
+    or its count fails, an upper bound from the pixels (``UNCOUNTED_PIXELS_PER_TOKEN``, at least ``floor``), so that no
+    image escapes the bound; the count made after the image step is checked against the bound again either way."""
+    if not sizes:
+        return [], True
+    counted = processor_count(processor, sizes, kwargs)
+    exact = counted is not None
+    if counted is None:
+        counted = [max(floor, -(-height * width // UNCOUNTED_PIXELS_PER_TOKEN)) for height, width in sizes]
+    crops = pan_and_scan_crops(processor, sizes, kwargs)
+    return [n * (1 + c) for n, c in zip(counted, crops)], exact
+
+
+def processor_count(processor: Any, sizes: Sequence[tuple[int, int]], kwargs: dict) -> list[int] | None:
+    """The processor's own count of image tokens per image (``(height, width)``), from ``_get_num_multimodal_tokens``;
+    None where it has none, or it fails."""
     count = getattr(processor, "_get_num_multimodal_tokens", None)
-    if count is None or not images:
+    if count is None:
         return None
     try:
-        data = count(image_sizes=[(im.height, im.width) for im in images], **kwargs)
-        return int(sum(getattr(data, "num_image_tokens", None) or data["num_image_tokens"]))
-    except Exception:  # noqa: BLE001 - a processor whose count needs what it was not given: checked after
+        data = count(image_sizes=[tuple(size) for size in sizes], **kwargs)
+        found = [int(n) for n in (getattr(data, "num_image_tokens", None) or data["num_image_tokens"])]
+    except Exception:  # noqa: BLE001 - a processor whose count needs what it was not given
         return None
+    return found if len(found) == len(sizes) else None
+
+
+def pan_and_scan_crops(processor: Any, sizes: Sequence[tuple[int, int]], kwargs: dict) -> list[int]:
+    """Per image (``(height, width)``), the crops Gemma-3's pan-and-scan adds to it in a call with ``kwargs`` (0 each
+    where the image processor has no pan-and-scan, or the call does not ask for it). Each crop is one more image of the
+    processor's fixed size, so its tokens are the image's again."""
+    image_processor = getattr(processor, "image_processor", None)
+    if not hasattr(image_processor, "pan_and_scan"):
+        return [0] * len(sizes)
+    settings = _image_settings(processor, kwargs)
+    if not settings.get("do_pan_and_scan"):
+        return [0] * len(sizes)
+    return [_crops(height, width, settings["pan_and_scan_min_crop_size"], settings["pan_and_scan_max_num_crops"],
+                   settings["pan_and_scan_min_ratio_to_activate"]) for height, width in sizes]
+
+
+def _crops(height: int, width: int, min_crop: float, max_crops: int, min_ratio: float) -> int:
+    """Gemma-3's pan-and-scan arithmetic: an image whose long side is at least ``min_ratio`` times its short side is
+    cut along its long side into about that ratio of near-square crops (rounded half up), at most one per ``min_crop``
+    pixels of the long side, then held to between 2 and ``max_crops``; none when a crop would be under ``min_crop``
+    on either side."""
+    long, short = max(height, width), min(height, width)
+    if short <= 0 or long / short < min_ratio:
+        return 0
+    n = min(math.floor(long / short + 0.5), math.floor(long / min_crop))
+    n = min(max(2, n), max_crops)
+    return 0 if min(math.ceil(long / n), short) < min_crop else int(n)
+
+
+def _image_settings(processor: Any, kwargs: dict) -> dict:
+    """The image processor's settings in a processor call with ``kwargs``: the call's keywords over the processor's
+    defaults over the image processor's own configuration, as the call resolves them."""
+    merged = processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs, **kwargs)["images_kwargs"]
+    image_processor = processor.image_processor
+    standardize = getattr(image_processor, "_merge_and_standardize_kwargs", None)
+    if standardize is not None:
+        return dict(standardize(**merged))
+    return {name: merged[name] if merged.get(name) is not None else getattr(image_processor, name, None)
+            for name in {*merged, *PAN_AND_SCAN}}
+
+
+PAN_AND_SCAN = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+                "pan_and_scan_min_ratio_to_activate")
 
 
 def _what(videos: Sequence[Any]) -> str:
     return "images and videos" if videos else "images"
 
 
-def _over_bound(tokens: int, bound: int, what: str = "images") -> str:
+def _over_bound(tokens: int, bound: int, what: str = "images", note: str = "") -> str:
     return (f"its {what} make {tokens:,} {'image' if what == 'images' else 'media'} tokens, over max_media_tokens="
-            f"{bound:,}; shrink the {what}, or raise max_media_tokens (--max-media-tokens)")
+            f"{bound:,}{note}; shrink the {what}, or raise max_media_tokens (--max-media-tokens)")
 
 
 def media_spans(ids: np.ndarray, offsets: np.ndarray, media_ids: Sequence[int],
