@@ -193,8 +193,8 @@ def load_script(path: Path):
 VISION = FIXTURES / "vision"
 # fixture -> its tokenizer family
 VISION_FAMILIES = {"qwen2-vl": "qwen2.5", "qwen2.5-vl": "qwen2.5", "gemma-3": "gemma-3", "llava": "llama-2",
-                   "llava-next": "llama-2", "idefics3": "llama-3.1", "idefics3-1456": "llama-3.1", "mllama": "llama-3.2",
-                   "smolvlm": "smollm3"}
+                   "llava-next": "llama-2", "idefics3": "llama-3.1", "idefics3-1456": "llama-3.1",
+                   "mllama": "llama-3.2", "smolvlm": "smollm3"}
 
 
 def vision_processor_dir(family: str, out: Path) -> Path:
