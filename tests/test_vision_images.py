@@ -376,14 +376,7 @@ def text_labels(proc, ids, want, stop):
     return [-100] * start + ids[start:end + 1] + [-100] * (len(ids) - end - 1)
 
 
-MLLAMA_TEMPLATE = pytest.mark.xfail(
-    raises=MediaDetectionError, strict=True,
-    reason="Mllama's published template writes its system block (with the date) only into chats without images, so a "
-           "chat with one image renders shorter than one without; media_tokens reads the image part from the "
-           "0-image to 1-image renders and finds none. Reading it from the 1-image to 2-image renders fixes it.")
-
-
-@pytest.mark.parametrize("family", [pytest.param(f, marks=MLLAMA_TEMPLATE) if f == "mllama" else f for f in AGREEMENT])
+@pytest.mark.parametrize("family", sorted(AGREEMENT))
 def test_every_family_agrees_with_its_processor_on_photographs_and_their_variants(all_folders, family):
     """Each image in a user turn and in an assistant turn: ids equal the processor's (``processor(text=...,
     images=...)`` with the family's keywords) on the image as ``datasets`` opens it; labels the rule's (assistant

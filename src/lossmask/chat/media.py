@@ -570,11 +570,13 @@ def _derive(tok: Any, processor: Any) -> MediaTokens:
                 {"role": "assistant", "content": [{"type": "text", "text": b}]}]
 
     try:
-        renders = [tok.render(chat(*[image] * n)) for n in (0, 1, 2)]
+        renders = [tok.render(chat(*[image] * n)) for n in (0, 1, 2, 3)]
     except Exception as exc:  # noqa: BLE001 - any failure means the handling cannot be verified
         raise MediaDetectionError(f"the chat template of {name!r} cannot render an image part ({exc})") from exc
-    part = _inserted(renders[0], renders[1])
-    if part is None or part.count(placeholder) != 1 or _inserted(renders[1], renders[2]) != part:
+    # the part one more image adds, read between chats that already hold images: a template may write other text
+    # once a chat holds any image (Mllama's drops its system block, the date in it, from a chat with images)
+    part = _inserted(renders[1], renders[2])
+    if part is None or part.count(placeholder) != 1 or _inserted(renders[2], renders[3]) != part:
         raise MediaDetectionError(
             f"the chat template of {name!r} does not write the processor's image token {placeholder!r} once per "
             f"image part (it wrote {part!r} for one image); pass the processor whose template writes it, or "
