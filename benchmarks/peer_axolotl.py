@@ -68,12 +68,6 @@ SETTINGS = {
 }
 
 
-def conversations(rows: int) -> list[list[dict]]:
-    from bench_peers import sharegpt_chats
-
-    return sharegpt_chats(rows)
-
-
 def with_fields(chats: list[list[dict]], kind: str | None, seed: int = 0) -> list[list[dict]]:
     """The chats with axolotl's per-message fields added to their assistant messages (a fixed draw)."""
     if kind is None:
@@ -163,7 +157,9 @@ def compare(tokenizer, ours: list, theirs: list) -> dict:
 def run(rows: int, families=FAMILIES, settings=tuple(SETTINGS)) -> list[dict]:
     import lossmask
 
-    chats = conversations(rows)
+    from bench_peers import sharegpt_chats
+
+    chats = sharegpt_chats(rows)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:

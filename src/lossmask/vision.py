@@ -35,6 +35,7 @@ import pyarrow as pa
 import torch
 
 from .chat.media import VIDEO_NO_PROCESSOR, image_parts, is_image_part, part_image, video_parts
+from .chat.turn_spans import breaks_message, role_breaks
 from .engine.labels import label_batch
 from .engine.patterns import Markers
 from .options import MaskOptions
@@ -135,8 +136,6 @@ def _check_roles(encoded: Any, trained: np.ndarray, offsets: np.ndarray, last_tu
     """The role invariant, as ``mask_files`` holds rows to it: a row of the batch whose labels train user, system or
     tool text, or leave an assistant's text untrained (its images aside), is refused, naming the row. A collator
     cannot drop a row or render it again; ``hf.mask_dataset`` labels such rows from their rendering, or counts them."""
-    from .chat.turn_spans import breaks_message, role_breaks
-
     roles = encoded.roles
     if roles is None or not roles.role.any():
         return
