@@ -121,9 +121,14 @@ class InputFiles:
             # pre_buffer caches the ranges it has read until the file is closed: memory would grow with the file
             fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
         named = {self._local(path): path for path in self.paths}
-        dataset = ds.dataset(list(named), format=fmt, schema=self.schema)
-        scanner = dataset.scanner(batch_size=batch_size, batch_readahead=1, fragment_readahead=1, use_threads=True)
-        iterator = iter(scanner.scan_batches())
+        if self.format == "parquet" and all(s.equals(self.schema) for s in self.file_schemas):
+            # files of the job's own schema stream batch by batch: the scanner decodes a whole row group before its
+            # first batch, which the renderer then waits for (a 4,000-row file of chats: 30-110 ms against 10)
+            iterator = self._parquet_batches(named, batch_size)
+        else:
+            dataset = ds.dataset(list(named), format=fmt, schema=self.schema)
+            scanner = dataset.scanner(batch_size=batch_size, batch_readahead=1, fragment_readahead=1, use_threads=True)
+            iterator = iter(scanner.scan_batches())
         text = [i for i, field in enumerate(self.schema) if _holds_text(field.type)]
         within: dict[str, int] = {}
         path = self.paths[0]
@@ -142,6 +147,19 @@ class InputFiles:
             for i in text:
                 _check_utf8(batch.column(i), batch.schema.names[i], path, first)
             yield batch, path, first, "row"
+
+    @staticmethod
+    def _parquet_batches(named: dict[str, str], batch_size: int) -> Iterator[Any]:
+        """``scan_batches``' items (``.fragment.path``, ``.record_batch``) for Parquet files read one after another."""
+        import types
+
+        import pyarrow.parquet as pq
+
+        for local in named:
+            with pq.ParquetFile(local, pre_buffer=False) as parquet:
+                fragment = types.SimpleNamespace(path=local)
+                for batch in parquet.iter_batches(batch_size=batch_size, use_threads=True):
+                    yield types.SimpleNamespace(fragment=fragment, record_batch=batch)
 
     def _next_file(self, last: str, within: dict[str, int]) -> str:
         """The file a failed read was on: the last one read from, or the next one not read yet."""

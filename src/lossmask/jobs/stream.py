@@ -141,14 +141,7 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
                                "(one process already renders, tokenises and writes on two cores at once; workers pay "
                                f"beside it on more cores and from {2 * MIN_ROWS_PER_WORKER:,} rows)")
     try:
-        import pyarrow.parquet as pq
-
-        # (loss_weights keeps them: a handful of distinct values, which a dictionary stores in a few bits each)
-        token_columns = {options.input_ids_column, options.labels_column, options.completion_mask_column}
-        other_columns = [name for name in schema.names if name not in token_columns]
-        # Token columns are high-cardinality lists: dictionary encoding and statistics only cost time there.
-        writer = pq.ParquetWriter(temporary, schema, compression=compression, use_dictionary=other_columns or False,
-                                  write_statistics=other_columns or False)
+        writer = output_writer(temporary, schema, options, compression)
         # rendering jobs keep both cores busy with Python and the tokeniser: label on one thread alone
         single = one_thread if renders and (options.backend or "numba") == "numba" else nullcontext
         write_weights = options.loss_weights_column in schema.names
@@ -202,6 +195,18 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
             raise _os_error(exc, output, report, report_partial) from None
         raise
     return result
+
+
+def output_writer(path: str, schema: pa.Schema, options: MaskOptions, compression: str = "snappy") -> Any:
+    """The ``pyarrow.parquet.ParquetWriter`` a job writes its output with."""
+    import pyarrow.parquet as pq
+
+    # (loss_weights keeps them: a handful of distinct values, which a dictionary stores in a few bits each)
+    token_columns = {options.input_ids_column, options.labels_column, options.completion_mask_column}
+    other_columns = [name for name in schema.names if name not in token_columns]
+    # Token columns are high-cardinality lists: dictionary encoding and statistics only cost time there.
+    return pq.ParquetWriter(path, schema, compression=compression, use_dictionary=other_columns or False,
+                            write_statistics=other_columns or False)
 
 
 def job_input_kind(dataset: InputFiles, options: MaskOptions) -> str:
@@ -464,7 +469,7 @@ def _rendered_batches(batches, kind, options, tokenizer, num_proc):
 
     def here(batch, first_row):
         try:
-            return render_table(tokenizer, pa.Table.from_batches([batch]), kind, options, first_row=first_row)
+            return render_table(tokenizer, pa.Table.from_batches([batch]), kind, options, first_row=first_row, locate=True)
         except Exception as exc:  # raised where the caller names the row
             return _failed(exc)
 
