@@ -54,6 +54,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -179,11 +180,9 @@ def measure_family(family: str, data: Data, *, repeat: int = 2) -> dict:
 
     out["first_call_s"], _ = best(mask_files)  # loads fastokens, resolves (or reads cached) markers
     out["fast_tokeniser"] = ct.fast_tokens.reason or ("fastokens" if ct.fast_tokens._tokenizer is not None else "tokenizers")
-    written = _output_batches(data.folder / "out.parquet")
+    written = _output_tables(data.folder / "out.parquet")
 
     def floor_beside_write():  # the floor while another thread writes the job's output as a job writes it
-        import threading
-
         writer = threading.Thread(target=_write_output, args=(written, data.folder / "floor-write.parquet"))
         writer.start()
         floor()
@@ -205,7 +204,7 @@ def measure_family(family: str, data: Data, *, repeat: int = 2) -> dict:
     return out
 
 
-def _output_batches(path: Path) -> list:
+def _output_tables(path: Path) -> list:
     """The labelled output of a job, as the tables its writer was given (one per row group)."""
     import pyarrow.parquet as pq
 

@@ -114,52 +114,30 @@ class InputFiles:
         return _read_ahead(self._checked_dataset_batches(batch_size))
 
     def _checked_dataset_batches(self, batch_size: int):
-        import pyarrow.dataset as ds
-
-        fmt: Any = self.format
-        if fmt == "parquet":
-            # pre_buffer caches the ranges it has read until the file is closed: memory would grow with the file
-            fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
         named = {self._local(path): path for path in self.paths}
         if self.format == "parquet" and all(s.equals(self.schema) for s in self.file_schemas):
             # files of the job's own schema stream batch by batch: the scanner decodes a whole row group before its
             # first batch, which the renderer then waits for (a 4,000-row file of chats: 30-110 ms against 10)
-            iterator = self._parquet_batches(named, batch_size)
+            iterator = _parquet_batches(named, batch_size)
         else:
-            dataset = ds.dataset(list(named), format=fmt, schema=self.schema)
-            scanner = dataset.scanner(batch_size=batch_size, batch_readahead=1, fragment_readahead=1, use_threads=True)
-            iterator = iter(scanner.scan_batches())
+            iterator = _scanned_batches(named, self.format, self.schema, batch_size)
         text = [i for i, field in enumerate(self.schema) if _holds_text(field.type)]
         within: dict[str, int] = {}
         path = self.paths[0]
         while True:
             try:
-                tagged = next(iterator)
+                local, batch = next(iterator)  # the file's local path, a batch
             except StopIteration:
                 return
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OSError) as exc:
                 raise ValueError(f"{self._next_file(path, within)}: reading failed ({_first_line(exc)}); "
                                  "the file may be truncated or corrupt") from None
-            path = named.get(tagged.fragment.path, tagged.fragment.path)
-            batch = tagged.record_batch
+            path = named.get(local, local)
             first = within.get(path, 0)
             within[path] = first + batch.num_rows
             for i in text:
                 _check_utf8(batch.column(i), batch.schema.names[i], path, first)
             yield batch, path, first, "row"
-
-    @staticmethod
-    def _parquet_batches(named: dict[str, str], batch_size: int) -> Iterator[Any]:
-        """``scan_batches``' items (``.fragment.path``, ``.record_batch``) for Parquet files read one after another."""
-        import types
-
-        import pyarrow.parquet as pq
-
-        for local in named:
-            with pq.ParquetFile(local, pre_buffer=False) as parquet:
-                fragment = types.SimpleNamespace(path=local)
-                for batch in parquet.iter_batches(batch_size=batch_size, use_threads=True):
-                    yield types.SimpleNamespace(fragment=fragment, record_batch=batch)
 
     def _next_file(self, last: str, within: dict[str, int]) -> str:
         """The file a failed read was on: the last one read from, or the next one not read yet."""
@@ -221,6 +199,30 @@ class InputFiles:
             return match.group(0) if where is None else f"{match.group(0)} ({where})"
 
         return _ROW.sub(named, text, count=count)
+
+
+def _parquet_batches(named: dict[str, str], batch_size: int) -> Iterator[tuple[str, pa.RecordBatch]]:
+    """``(local path, batch)`` for Parquet files read one after another, a batch at a time."""
+    import pyarrow.parquet as pq
+
+    for local in named:
+        with pq.ParquetFile(local, pre_buffer=False) as parquet:
+            for batch in parquet.iter_batches(batch_size=batch_size, use_threads=True):
+                yield local, batch
+
+
+def _scanned_batches(named: dict[str, str], fmt: Any, schema: pa.Schema,
+                     batch_size: int) -> Iterator[tuple[str, pa.RecordBatch]]:
+    """``(local path, batch)`` through ``pyarrow.dataset``, each file's columns read as ``schema`` has them."""
+    import pyarrow.dataset as ds
+
+    if fmt == "parquet":
+        # pre_buffer caches the ranges it has read until the file is closed: memory would grow with the file
+        fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False))
+    dataset = ds.dataset(list(named), format=fmt, schema=schema)
+    scanner = dataset.scanner(batch_size=batch_size, batch_readahead=1, fragment_readahead=1, use_threads=True)
+    for tagged in scanner.scan_batches():
+        yield tagged.fragment.path, tagged.record_batch
 
 
 def _read_ahead(items: Iterator, depth: int = 1) -> Iterator:

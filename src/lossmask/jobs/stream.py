@@ -446,9 +446,9 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
             encoded.seconds["encode_wait"] = waited
         return encoded if label is None else label(batch, first_row, encoded)
 
-    # Rendering is Python under the GIL; tokenising (Rust) and labelling (numba) release it. So batch k is
-    # tokenised on a thread while the next batches render, and labelled there too when ``label`` is given (else by
-    # the caller), then written.
+    # Rendering and locating are Python under the GIL; tokenising (Rust) and labelling (numba) release it. So
+    # batch k is tokenised on a thread while the next batches render, and labelled there too when ``label`` is
+    # given (else by the caller), then written.
     with ThreadPoolExecutor(1, thread_name_prefix="lossmask-tokenise") as threads:
         ahead: collections.deque = collections.deque()
         for batch, first_row, rendered in _rendered_batches(batches, kind, options, tokenizer, num_proc):
@@ -469,7 +469,9 @@ def _rendered_batches(batches, kind, options, tokenizer, num_proc):
 
     def here(batch, first_row):
         try:
-            return render_table(tokenizer, pa.Table.from_batches([batch]), kind, options, first_row=first_row, locate=True)
+            # message text is located here too: on the tokenising thread, under the GIL, it held up the renderer
+            return render_table(tokenizer, pa.Table.from_batches([batch]), kind, options, first_row=first_row,
+                                locate=True)
         except Exception as exc:  # raised where the caller names the row
             return _failed(exc)
 
