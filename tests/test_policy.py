@@ -271,8 +271,9 @@ def test_real_table_fallback_when_detection_fails(family, model_name):
     assert resolution.template == family
 
 
-def test_real_table_fallback_without_a_match_warns_full_sequence():
+def test_real_template_that_renders_is_labelled_from_its_rendering_when_detection_and_table_miss():
     from lossmask import ChatTokenizer
+    from lossmask.chat.turn_spans import FromRendering
 
     ct = ChatTokenizer(chat_tokenizer("qwen2.5").tokenizer, name="private-checkpoint")  # a name the table does not know
 
@@ -280,16 +281,31 @@ def test_real_table_fallback_without_a_match_warns_full_sequence():
         raise MarkerDetectionError("probe could not be analysed")
 
     default = Steps.default()
-    steps = Steps(fail, default.match, default.entry_markers, default.strings_markers, default.verify)
-    with pytest.warns(FullSequenceWarning):
+    steps = Steps(fail, default.match, default.entry_markers, default.strings_markers, default.verify, default.rendered)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FullSequenceWarning)  # the template renders: the full sequence never trains
         resolution = _resolve_chat(ct, "some-private-model", False, steps)
-    assert resolution.markers is None and "some-private-model" in "\n".join(resolution.messages)
-    with pytest.raises(MarkerResolutionError):
-        _resolve_chat(ct, "some-private-model", True, steps)
+        assert _resolve_chat(ct, "some-private-model", True, steps).source == "rendered"  # strict: labelled, not raised
+        other = _resolve_chat(ct, "llama-3", False, steps)
+    assert resolution.source == "rendered" and isinstance(resolution.markers, FromRendering) and resolution.masking
+    assert "some-private-model" in "\n".join(resolution.messages) and "keeps every rule" in resolution.reason
     # the table entry of another family does not verify on this template, and is said so
+    assert other.source == "rendered" and any("'llama-3'" in m and "not used" in m for m in other.messages)
+    # without the rendering step (a template that renders nothing), the full sequence trains, loudly
+    bare = Steps(fail, default.match, default.entry_markers, default.strings_markers, default.verify)
     with pytest.warns(FullSequenceWarning):
-        resolution = _resolve_chat(ct, "llama-3", False, steps)
-    assert any("'llama-3'" in m and "not used" in m for m in resolution.messages)
+        assert _resolve_chat(ct, "some-private-model", False, bare).source == "none"
+
+
+def test_unsloth_studio_marker_strings_on_the_tokenizer_are_read_as_user_markers():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path("llama-3")), local_files_only=True)
+    tokenizer._unsloth_input_part = "<|start_header_id|>user<|end_header_id|>\n\n"
+    tokenizer._unsloth_output_part = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    resolution = resolve_markers(tokenizer)
+    assert resolution.source == "user" and resolution.report.ok
+    assert "_unsloth" not in resolution.reason and "response_part=['<|start_header_id|>assistant" in resolution.messages[0]
 
 
 def test_real_user_strings_unsloth_shape():

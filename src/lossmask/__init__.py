@@ -16,7 +16,7 @@ The package reads as the data flow (docs/architecture.md): ``chat`` (chats to id
 
 from __future__ import annotations
 
-from .chat import ChatTokenizer, load_tokenizer
+from .chat import ChatTokenizer, FromRendering, load_tokenizer
 from .engine import LabelledBatch, Markers, Outcome, OutcomeCounts, label_batch, make_labels, trainable_mask
 from .jobs import MaskReport, TooManyDroppedRows, check_drop_fraction, mask_files
 from .markers import (
@@ -40,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ChatTokenizer",
+    "FromRendering",
     "FullSequenceWarning",
     "LabelledBatch",
     "MarkerDetectionError",

@@ -15,14 +15,17 @@ message text is data, never structure, in the engine.
 - ``probes``: the probe conversations that show what a template writes;
 - ``media``: a processor's images (and Qwen2-VL's videos): what its template writes for one, its expansion, which
   tokens are media;
-- ``encode_media``: chat rows through a processor, each image expanded as the processor expands it.
+- ``encode_media``: chat rows through a processor, each image expanded as the processor expands it;
+- ``turn_spans``: each assistant turn found from the rendering alone (``FromRendering``: labels for templates whose
+  token markers cannot be read).
 """
 
 from .encode_batch import EncodedBatch, encode_table, render_table, tokenize_rendered
 from .probes import Conversation, probe_conversations, renderable_probes
 from .tokenizer import ChatTemplateError, ChatTokenizer, load_tokenizer
+from .turn_spans import FromRendering
 
 __all__ = [
-    "ChatTemplateError", "ChatTokenizer", "Conversation", "EncodedBatch", "encode_table", "load_tokenizer",
+    "ChatTemplateError", "ChatTokenizer", "Conversation", "EncodedBatch", "FromRendering", "encode_table", "load_tokenizer",
     "probe_conversations", "render_table", "renderable_probes", "tokenize_rendered",
 ]

@@ -19,6 +19,7 @@ from ..engine.outcomes import SPECIAL_TOKENS
 from .encode_rendered import LocatedRows, encode_located, encode_rendered, locate_rendered, text_can_match
 from .render import plain_arrow_type
 from .shapes import normalise_shapes, read_tools, takes_content_parts
+from .turn_spans import FromRendering
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class EncodedBatch:
     media_ids: tuple[int, ...] = ()  # ... and the ids of the media tokens (never trained)
     media_span: Any = None  # ... and a bool per token: inside an image's tokens, first to last (never trained)
     weights: Any = None  # encode_rendered.PlannedWeights: what each row's messages ask to weigh (chat/weights.py)
+    texts: list | None = None  # each valid row's rendering, kept when the rows are labelled from it (FromRendering)
 
 
 def chat_tokenizer(tokenizer: Any):
@@ -223,12 +225,16 @@ def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, 
     if not encoded.keep.all():
         valid = valid.copy()
         valid[np.flatnonzero(valid)[~encoded.keep]] = False
+    texts = None
+    if isinstance(markers, FromRendering):  # the rows are labelled from their rendering: keep it, not to render again
+        texts = rendered.located.texts if rendered.located is not None else \
+            [text for text, kept in zip(rendered.texts, encoded.keep) if kept]
     seconds = {**rendered.seconds, "tokenize_text": time.perf_counter() - started}
     return EncodedBatch(
         _as_list32(encoded.input_ids), valid, rendered.errors, seconds=seconds,
         in_content=encoded.in_content, dropped=sorted(rendered.dropped + encoded.dropped),
         special_rows=encoded.special_rows, special_example=encoded.special_example,
-        shapes=rendered.shapes, roles=encoded.roles, weights=encoded.weights,
+        shapes=rendered.shapes, roles=encoded.roles, weights=encoded.weights, texts=texts,
     )
 
 

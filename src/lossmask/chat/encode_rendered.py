@@ -438,7 +438,7 @@ def text_can_match(ct: Any, markers: Any, special_tokens_in_content: str) -> boo
     whose text holds the pattern's words. Returns False (no row), True (every row) or a regular
     expression of those words (the rows whose message text it finds).
     """
-    if markers is None:
+    if markers is None or not hasattr(markers, "response"):  # no markers, or labels from the rendering (no patterns)
         return False
     if special_tokens_in_content != "text":
         return True

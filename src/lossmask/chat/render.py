@@ -346,6 +346,22 @@ class DirectRenderer:
                 errors.append((i, str(exc)))
         return texts, errors
 
+    def render_one(self, messages: list, *, add_generation_prompt: bool = False, tools: Any = None) -> str:
+        """One conversation (a prefix of a row, for labels from the rendering): through the compiled template where
+        this job proved it equal to ``apply_chat_template``, else through ``ChatTokenizer.render``. Raises
+        ``ChatTemplateError`` as ``render`` does."""
+        if self.reason is None and not tools and all(type(m) is dict for m in messages):
+            compiled = self._compile(self.ct.template_for())
+            if compiled in self._proved:
+                try:
+                    if self.ct.renders_parts_only:
+                        messages = text_parts(messages)
+                    return render_bounded(compiled, messages=self._alias(messages), tools=None, documents=None,
+                                          add_generation_prompt=add_generation_prompt, **self._variables)
+                except Exception:  # noqa: BLE001 - rendered again below, for the error users see elsewhere
+                    pass
+        return self.ct.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
     def _render(self, compiled: Any, messages: list) -> str:
         if self.ct.renders_parts_only:
             messages = text_parts(messages)

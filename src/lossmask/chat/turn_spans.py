@@ -13,12 +13,16 @@ agrees with the whole conversation's rendering. Of those tokens the turn trains 
 (its stop: ``<｜end▁of▁sentence｜>``, ``<|im_end|>``), or up to its last character other than whitespace when
 it has none (Falcon). A token trains when its first character lies in the span, as in ``markers.verify``.
 
-This is a render per assistant turn, so it is done only for the rare rows whose marker labels break the
-invariant; their new labels are checked again before they are kept (``jobs.batch_step``).
+This is a render per assistant turn. With verified token markers it is done only for the rare rows whose marker
+labels break the invariant; their new labels are checked again before they are kept (``jobs.batch_step``). A
+template whose markers cannot be read at all (2026's reasoning templates: the generation prompt opens a think block
+that the history writes another way; GLM-4.6, whose turns close at the next role token) is labelled this way for
+every row: ``FromRendering`` stands where the markers would, and each row keeps the role invariant or is counted.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -28,42 +32,67 @@ from .locate import locate_messages
 from .render import ChatTemplateError
 
 
+@dataclass(frozen=True)
+class FromRendering:
+    """Stands where ``Markers`` would when a template's token markers cannot be read: each row is labelled from
+    its own rendering (``label_from_rendering``), its assistant turns found by rendering the conversation up to
+    and through each. Token ids alone carry no rendering: pre-tokenised rows need ``Markers``."""
+
+    end: tuple = ()  # no stop pattern: each turn's stop token is found in its rendering
+    mask_out: tuple = ()
+
+    def to_dict(self) -> dict:
+        return {"from_rendering": True}
+
+    def __str__(self) -> str:
+        return "labels from each row's rendering (no token markers)"
+
+
+NOT_FOUND = ("its assistant turns cannot be found from the rendering: the chat template writes the conversation "
+             "before a turn otherwise than its generation prompt does")
+
+
 def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: np.ndarray, *,
                            tools: Any = None, last_turn_only: bool = False,
-                           special_tokens_in_content: str = "text") -> np.ndarray | None:
+                           special_tokens_in_content: str = "text", text: str | None = None,
+                           offsets: np.ndarray | None = None, located: Any = None) -> np.ndarray | None:
     """A bool per token of ``ids`` (the row as the messages path encoded it, perhaps cut at a maximum length):
     inside an assistant turn found from the rendering. None when it cannot be told: a rendering the template
-    refuses, ids that are not this conversation's, a turn that does not continue the rendering before it."""
+    refuses, ids that are not this conversation's, a turn whose prompt disagrees with the text before it.
+
+    ``text`` / ``offsets``: the row's rendering and each token's character span in it, when the caller has them
+    (the batch step does): the row is then not rendered and encoded again."""
     messages = list(messages)
+    ids = np.asarray(ids)
     try:
-        text = ct.render(messages, tools=tools)
+        if text is None:
+            text = ct.render(messages, tools=tools)
     except ChatTemplateError:
         return None
-    row, offsets = _encode(ct, text, messages, special_tokens_in_content)
-    ids = np.asarray(ids)
-    if row.shape[0] < ids.shape[0] or not np.array_equal(row[: ids.shape[0]], ids):
-        return None
-    starts = offsets[: ids.shape[0], 0]
-    special = np.fromiter((int(t) in ct.special_ids for t in ids), dtype=bool, count=ids.shape[0])
+    if offsets is None:
+        row, offsets = _encode(ct, text, messages, special_tokens_in_content)
+        if row.shape[0] < ids.shape[0] or not np.array_equal(row[: ids.shape[0]], ids):
+            return None
+    offsets = np.asarray(offsets)[: ids.shape[0]]
     turns = [i for i, m in enumerate(messages) if isinstance(m, Mapping) and m.get("role") == "assistant"]
     if last_turn_only:
         turns = turns[-1:]
+    spans = turn_spans(ct, messages, text, turns, tools=tools, located=located)
+    if spans is None:
+        return None
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    special = np.isin(ids, special_id_array(ct))
     trained = np.zeros(ids.shape[0], dtype=bool)
-    for i in turns:
-        try:
-            prompt = ct.render(messages[:i], tools=tools, add_generation_prompt=True)
-            through = ct.render(messages[: i + 1], tools=tools)
-        except ChatTemplateError:
-            return None
-        start = common_prefix(prompt, through)
-        if not text.startswith(through[:start]):
-            return None
-        end = start + common_prefix(through[start:], text[start:])
-        inside = np.flatnonzero((starts >= start) & (starts < end))
+    for start, content_end, end, follows in spans:
+        # a special token the span's start cuts into is written by the model (``<think>`` in the prompt,
+        # ``</think>`` in the history: they share their first character)
+        cut = np.flatnonzero(special & (starts < start) & (ends > start))
+        first = int(starts[cut[0]]) if cut.size else start
+        inside = np.flatnonzero((starts >= first) & (starts < end))
         if not inside.size:
             continue
-        stops = inside[special[inside]]
-        if stops.size:
+        stops = inside[special[inside] & (ends[inside] > content_end)]
+        if stops.size:  # the turn's own stop: its last special token after the text
             last = int(stops[-1])
         else:
             last_char = start + len(text[start:end].rstrip())
@@ -71,8 +100,174 @@ def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: 
             if not kept.size:
                 continue
             last = int(kept[-1])
+            after = last + 1
+            while after < ids.shape[0] and not special[after] and not text[starts[after]:ends[after]].strip():
+                after += 1
+            # no stop of its own: the model stops by writing the next message's first token (GLM's <|user|>), or
+            # the history closes the turn with a special token that the turn rendered last leaves out (Apriel)
+            if follows and after < ids.shape[0] and special[after] and not text[end:starts[after]].strip():
+                last = after
         trained[int(inside[0]): last + 1] = True
     return trained
+
+
+def _render(ct: Any, messages: list, tools: Any, add_generation_prompt: bool) -> str:
+    """A prefix of a conversation, rendered: through the job's direct renderer where it has one (``ChatTokenizer``)."""
+    direct = getattr(type(ct), "direct_render", None)
+    if direct is not None:
+        return ct.direct_render.render_one(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    return ct.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
+
+def special_id_array(ct: Any) -> np.ndarray:
+    """The tokenizer's special-token ids as an array (made once per tokenizer), for ``np.isin``."""
+    cached = getattr(ct, "_special_id_array", None)
+    if cached is None:
+        cached = np.fromiter(sorted(ct.special_ids), dtype=np.int64)
+        try:
+            ct._special_id_array = cached
+        except AttributeError:  # a stand-in without attributes: made again next time
+            pass
+    return cached
+
+
+def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
+               tools: Any = None, located: Any = None) -> list[tuple[int, int, int, bool]] | None:
+    """``(start, text end, end, followed)`` in ``text`` for each assistant turn of ``turns``: where the model starts
+    writing it (past what the generation prompt supplies), where its own text ends, where the turn ends, and
+    whether another message follows it. None when a turn cannot be found so.
+
+    The start is where the conversation before the turn, rendered with the generation prompt, stops agreeing
+    with ``text``; it must lie past every earlier message's text (else the template rewrites the history as the
+    conversation goes on, and no prefix tells the turn). The end is where the conversation through the turn,
+    rendered with the turn last, stops agreeing with ``text``; where that rendering writes the turn otherwise
+    than the history does (a think block kept only for the last turn), the turn ends where its own tail, after
+    its text, stops agreeing instead."""
+    if located is None:
+        located = locate_messages(text, messages, system_optional=ct.content_tokens.drops_system)
+    if located.missing is not None:
+        return None
+    ends_by_message: dict[int, int] = {}
+    starts_by_message: dict[int, int] = {}
+    for a, b, index, _ in located.pieces:
+        ends_by_message[index] = max(b, ends_by_message.get(index, 0))
+        starts_by_message[index] = min(a, starts_by_message.get(index, a))
+    spans = []
+    for i in turns:
+        try:
+            prompt = _render(ct, messages[:i], tools, True)
+            through = _render(ct, messages[: i + 1], tools, False)
+        except ChatTemplateError:
+            return None
+        # (a prompt that goes on past the header can share the reply's first characters: "Here are" / "Hello")
+        start = min(common_prefix(prompt, text), starts_by_message.get(i, len(text)))
+        before = max((e for m, e in ends_by_message.items() if m < i), default=0)
+        if start < before:
+            return None
+        content_end = max(ends_by_message.get(i, start), start)
+        end = start + common_prefix(through[start:], text[start:]) if through.startswith(text[:start]) else start
+        if end < content_end:
+            own = locate_messages(through, messages[: i + 1], system_optional=ct.content_tokens.drops_system)
+            own_end = max((b for _, b, index, _ in own.pieces if index == i), default=None)
+            if own.missing is not None or own_end is None:
+                return None
+            end = content_end + common_prefix(through[own_end:], text[content_end:])
+        spans.append((start, content_end, end, i + 1 < len(messages)))
+    return spans
+
+
+def label_row_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: np.ndarray, *, tools: Any = None,
+                              last_turn_only: bool = False, special_tokens_in_content: str = "text",
+                              text: str | None = None, offsets: np.ndarray | None = None,
+                              ) -> tuple[np.ndarray | None, str | None]:
+    """``(trained, None)``: a bool per token of ``ids``, found from the rendering, keeping the role invariant; or
+    ``(None, why)`` when the turns cannot be found or their labels would train a user, system or tool message's
+    text (or leave an assistant's untrained)."""
+    messages = list(messages)
+    try:
+        text = ct.render(messages, tools=tools) if text is None else text
+    except ChatTemplateError as exc:
+        return None, str(exc).split("\n", 1)[0]
+    ids = np.asarray(ids)
+    if offsets is None:  # (the caller read them off the ids' bytes where it could)
+        row, offsets = _encode(ct, text, messages, special_tokens_in_content)
+        if row.shape[0] < ids.shape[0] or not np.array_equal(row[: ids.shape[0]], ids):
+            return None, "its token ids are not those of its rendering"
+    located = locate_messages(text, messages, system_optional=ct.content_tokens.drops_system)
+    trained = trained_from_rendering(ct, messages, ids, tools=tools, last_turn_only=last_turn_only, text=text,
+                                     offsets=offsets, located=located)
+    if trained is None:
+        return None, NOT_FOUND
+    starts, ends = offsets[: ids.shape[0], 0], offsets[: ids.shape[0], 1]
+    last_assistant = max((i for i, m in enumerate(messages) if isinstance(m, Mapping) and m.get("role") == "assistant"),
+                         default=-1)
+    for a, b, index, required in located.pieces:
+        inside = (starts >= a) & (ends <= b) & (ends > starts)
+        role = messages[index].get("role") if isinstance(messages[index], Mapping) else None
+        if role == "assistant":
+            if required and (not last_turn_only or index == last_assistant) and not trained[inside].all():
+                return None, f"the text of message {index} (assistant) does not train in the turn found for it"
+        elif trained[inside].any():
+            return None, f"the text of message {index} ({role}) would train: {NOT_FOUND}"
+    return trained, None
+
+
+def label_from_rendering(ct: Any, chats: Sequence[Any], input_ids: pa.Array, *, last_turn_only: bool = False,
+                         ignore_index: int = -100, dtype: Any = "int64", special_tokens_in_content: str = "text",
+                         texts: Sequence[str | None] | None = None) -> Any:
+    """Labels of a batch of chat rows (``input_ids``, one row per entry of ``chats``: ``(messages, tools)`` or None
+    for a null row), each found from its rendering (``label_row_from_rendering``). ``texts``: each row's rendering,
+    when the caller has it. A row whose turns cannot be found keeps null labels and is listed in ``rejected`` as
+    ``template_breaks_roles``. Returns an ``engine.labels.LabelledBatch``."""
+    import pyarrow.compute as pc
+
+    from ..engine.buffers import resolve_label_dtype
+    from ..engine.labels import LabelledBatch
+    from ..engine.outcomes import TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts
+
+    if isinstance(input_ids, pa.ChunkedArray):
+        input_ids = input_ids.combine_chunks()
+    lengths = pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    flat_ids = pc.list_flatten(input_ids).to_numpy(zero_copy_only=False)
+    trained = np.zeros(flat_ids.shape[0], dtype=bool)
+    null = ~np.asarray(input_ids.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    outcomes = np.full(lengths.shape[0], Outcome.EMPTY, dtype=np.int8)
+    rejected = []
+    spans, placed = None, np.zeros(lengths.shape[0], dtype=bool)
+    if texts is not None and len(texts) == lengths.shape[0] and not null.any():
+        # each token's characters read off the bytes its id stands for: no second call into the tokeniser
+        from .tokenizer import FlatIds
+
+        spans, placed = ct.spans_of(list(texts), FlatIds(flat_ids.astype(np.int32, copy=False), offsets))
+    for r in range(lengths.shape[0]):
+        chat = chats[r] if r < len(chats) else None
+        if null[r] or not chat or not lengths[r]:
+            continue
+        messages, tools = chat if isinstance(chat, tuple) else (chat, None)
+        at = slice(int(offsets[r]), int(offsets[r + 1]))
+        if not any(isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages):
+            outcomes[r] = Outcome.NO_RESPONSE
+            continue
+        row, why = label_row_from_rendering(ct, messages, flat_ids[at], tools=tools, last_turn_only=last_turn_only,
+                                            special_tokens_in_content=special_tokens_in_content,
+                                            text=texts[r] if texts is not None else None,
+                                            offsets=spans[at] if placed[r] else None)
+        if row is None:
+            rejected.append((r, TEMPLATE_BREAKS_ROLES, why))
+            null[r] = True
+            continue
+        trained[at] = row
+        outcomes[r] = Outcome.TRAINED if row.any() else Outcome.EMPTY_RESPONSE
+    label_dtype = resolve_label_dtype(dtype)
+    values = np.where(trained, flat_ids, ignore_index).astype(label_dtype, copy=False)
+    labels = type(input_ids).from_arrays(pa.array(offsets.astype(input_ids.offsets.type.to_pandas_dtype())),
+                                         pa.array(values), mask=pa.array(null) if null.any() else None)
+    running = np.concatenate([[0], np.cumsum(trained)])
+    trained_tokens = np.where(null, 0, running[offsets[1:]] - running[offsets[:-1]])
+    counts = OutcomeCounts.from_rows(outcomes, trained_tokens, np.where(null, 0, lengths))
+    return LabelledBatch(labels, trained_tokens, outcomes, counts, rejected=tuple(rejected),
+                         from_rendering=tuple(r for r in range(lengths.shape[0]) if outcomes[r] == Outcome.TRAINED))
 
 
 def _encode(ct: Any, text: str, messages: list, special_tokens_in_content: str) -> tuple[np.ndarray, np.ndarray]:
@@ -88,12 +283,18 @@ def _encode(ct: Any, text: str, messages: list, special_tokens_in_content: str) 
 
 
 def common_prefix(a: str, b: str) -> int:
-    """How many leading characters two strings share."""
+    """How many leading characters two strings share (slices compared in C, halving: no loop over characters)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def role_breaks(trained: np.ndarray, roles: Any, last_turn_only: bool = False) -> np.ndarray:
@@ -129,6 +330,10 @@ def label_encoded(encoded: Any, markers: Any, *, backend: str | None = None, las
     from ..engine.outcomes import TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts
 
     ids = encoded.input_ids
+    if isinstance(markers, FromRendering):
+        return label_from_rendering(encoded.tokenizer, encoded.chats, ids, last_turn_only=last_turn_only,
+                                    ignore_index=ignore_index, dtype=dtype,
+                                    special_tokens_in_content=encoded.special_tokens_in_content)
     result = label_batch(ids, markers, backend=backend, last_turn_only=last_turn_only, ignore_index=ignore_index,
                          dtype=dtype, data_mask=encoded.in_content)
     roles = encoded.roles

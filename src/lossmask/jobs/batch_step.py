@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from ..chat.encode_batch import chat_tokenizer, chats_of_rows
 from ..chat.encode_media import encode_rows
-from ..chat.turn_spans import breaks_message, role_breaks, trained_from_rendering
+from ..chat.turn_spans import FromRendering, breaks_message, label_from_rendering, role_breaks, trained_from_rendering
 from ..engine.buffers import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
 from ..engine.labels import label_batch
 from ..engine.outcomes import CAUSES, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts, classify_drops
@@ -216,6 +216,16 @@ def mask_batch(
     media_span = media_span if media_span is not None and media_span.any() else None
     if prompt_lengths is not None:
         labels, trained, outcomes, counts = _label_by_position(input_ids, prompt_lengths, options)
+    elif isinstance(markers, FromRendering):
+        if kind == "input_ids":
+            raise ValueError(
+                f"{source}: column {options.input_ids_column!r} holds token ids, which carry no rendering to label from; "
+                "this chat template's markers cannot be read, so give the chat rows (messages) instead, or markers "
+                "(--markers FILE.json / markers=)")
+        labels, trained, outcomes, counts, broken = _label_from_rendering(input_ids, table, kind, tokenizer, options,
+                                                                          tally, first_row, keep_valid, encoded)
+        if media_span is not None:
+            labels, trained, counts = _untrain(labels, trained, outcomes, media_span, options.ignore_index)
     elif markers is None:
         try:
             labels, trained, outcomes, counts = _label_everything(input_ids, options)
@@ -550,6 +560,24 @@ def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid
         at = int(firsts[np.searchsorted(firsts, starts[r])])
         tally.add_rejected(row_number(int(r)), TEMPLATE_BREAKS_ROLES, breaks_message(roles, at, int(starts[r])))
     return broken, relabelled
+
+
+def _label_from_rendering(input_ids, table, kind, tokenizer, options, tally, first_row, keep_valid, encoded=None):
+    """Every row labelled from its own rendering (``chat.turn_spans.label_from_rendering``): the template's markers
+    cannot be read. A row whose turns cannot be found is counted as ``template_breaks_roles`` and dropped."""
+    ct = chat_tokenizer(tokenizer)
+    chats = chats_of_rows(ct, table, kind, options, range(table.num_rows))
+    result = label_from_rendering(ct, chats, input_ids, last_turn_only=options.last_turn_only,
+                                  ignore_index=options.ignore_index, dtype=options.label_dtype,
+                                  special_tokens_in_content=options.special_tokens_in_content,
+                                  texts=getattr(encoded, "texts", None))
+    index = np.flatnonzero(keep_valid) if keep_valid is not None else None
+    broken = np.zeros(len(result.outcomes), dtype=bool)
+    for r, reason, message in result.rejected:  # these rows leave the batch, counted by their reason
+        tally.add_rejected(first_row + (int(index[r]) if index is not None and r < index.size else int(r)), reason,
+                           message)
+        broken[r] = True
+    return result.labels, result.trained_tokens, result.outcomes, result.counts, broken
 
 
 def _slice_roles(roles, at: slice):

@@ -93,7 +93,8 @@ class MaskReport:
             special_tokens_example=tally.special_example,
             dropped_examples=tuple(tally.rejected_examples),
             tokens_dropped=0 if keep_dropped else tally.tokens_dropped,
-            marker_texts=None if markers is None or decode is None else marker_texts(markers.to_dict(), decode),
+            marker_texts=None if markers is None or decode is None or not hasattr(markers, "response")
+            else marker_texts(markers.to_dict(), decode),
             shapes={shape: rows for shape, rows in tally.shapes.items() if rows},
             media_tokens=tally.media_tokens,
             labelled_from_rendering=tally.from_rendering,
@@ -215,6 +216,10 @@ class MaskReport:
             lines.append("markers: none needed, prompt tokens are masked by position")
         elif self.markers is None:
             lines.append(f"markers ({self.markers_source}): none, the full sequence trains")
+        elif self.markers_source == "rendered" or "from_rendering" in self.markers:
+            lines.append("markers (rendered): this chat template's token markers cannot be read, so each row was labelled "
+                         "from its own rendering (its assistant turns found by rendering the conversation up to and "
+                         "through each)")
         else:
             lines.append(f"markers ({self.markers_source}):")
             texts = marker_texts(self.markers, decode) if decode is not None else self.marker_texts

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from ..engine import one_thread
 from .inputs import InputFiles, open_inputs
+from ..chat.turn_spans import FromRendering
 from ..engine.patterns import Markers
 from ..options import SHAREGPT_COLUMN, MaskOptions
 from .batch_step import input_kind, mask_batch, output_schema
@@ -541,6 +542,8 @@ def _resolve_job_markers(markers: Any, *, tokenizer: Any, model_name: str | None
     if markers is not None:
         if isinstance(markers, Markers):
             return markers, "given", ()
+        if isinstance(markers, FromRendering):  # asked for: each row labelled from its own rendering
+            return markers, "rendered", ()
         if isinstance(markers, dict):
             return Markers.from_dict(markers), "given", ()
         path = os.fspath(markers)

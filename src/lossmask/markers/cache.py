@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from ..chat.turn_spans import FromRendering
 from ..engine.patterns import Markers
 
 # The code a resolution depends on, relative to the package: a change to any of them is a new key.
@@ -68,7 +69,8 @@ def resolve_cached(ct: Any, resolve: Callable[[], Any], **arguments: Any):
     if stored is not None:
         for category, message in stored["warnings"]:
             warnings.warn(own(message), _category(category), stacklevel=3)
-        markers = Markers.from_dict(stored["markers"]) if stored["markers"] is not None else None
+        markers = None if stored["markers"] is None else FromRendering() if stored["markers"] == FromRendering().to_dict() \
+            else Markers.from_dict(stored["markers"])
         messages = tuple(own(m) for m in stored["messages"])
         return Resolution(markers, stored["source"], messages, own(stored["reason"]), stored["template"])
     with warnings.catch_warnings(record=True) as caught:

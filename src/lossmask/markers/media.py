@@ -25,8 +25,8 @@ from ..engine.patterns import Markers
 def with_media(markers: Markers | None, tokenizer: Any) -> Markers | None:
     """``markers`` with the media tokens of ``tokenizer``'s processor added to ``mask_out`` (unchanged for a plain
     tokenizer, or for ``None``, which trains everything); ``MediaDetectionError`` when the probe disagrees."""
-    if markers is None or getattr(tokenizer, "processor", None) is None:
-        return markers
+    if markers is None or not hasattr(markers, "response") or getattr(tokenizer, "processor", None) is None:
+        return markers  # (labels from the rendering hold no patterns: a processor's media tokens are untrained by span)
     media = media_tokens(tokenizer)
     ids = set(media.ids)
     for kind in ("response", "instruction", "end"):

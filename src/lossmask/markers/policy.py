@@ -13,8 +13,16 @@
 4. When detection raises ``MarkerDetectionError`` (and only then): the template table, for the
    model name, then for the tokenizer's own name; an entry's markers are used only when ``verify``
    finds them exact, and a ``MarkerFallbackWarning`` names the detection error.
-5. When both miss: ``FullSequenceWarning``, loud, and the full sequence trains (markers None);
-   under ``strict=True`` a ``MarkerResolutionError`` instead.
+5. When both miss and the template renders a chat: every row is labelled from its own rendering
+   (``chat.turn_spans.FromRendering`` stands where the markers would; source "rendered"). Each assistant
+   turn is found by rendering the conversation up to it and through it; a row where that fails is counted,
+   never trained whole. This is checked on a probe chat before it is chosen.
+6. When the template renders no chat at all: ``FullSequenceWarning``, loud, and the full sequence trains
+   (markers None); under ``strict=True`` a ``MarkerResolutionError`` instead.
+
+Before detection, a tokenizer that Unsloth Studio prepared carries its own marker strings
+(``_unsloth_input_part`` / ``_unsloth_output_part``): they are read as ``instruction_part`` /
+``response_part`` (step 2) when the caller gives none.
 
 Any other exception (a template that raises on the probes in a way detection does not expect, a
 bug while applying markers, a bad argument) propagates: it is never taken for "detection failed".
@@ -29,7 +37,7 @@ from typing import Any, Callable, Sequence
 from ..engine.patterns import Markers
 from .detect import MarkerDetectionError
 
-SOURCES = ("detected", "table", "user", "none")
+SOURCES = ("detected", "table", "user", "rendered", "none")
 
 CHAT_FORMATS = ("chat", "conversational", "messages", "sharegpt")
 NO_MASKING_FORMATS = {
@@ -63,13 +71,13 @@ class MarkerResolutionError(MarkerDetectionError):
 class Resolution:
     """What ``resolve_markers`` decided.
 
-    ``markers``: the markers to label with, or None (train every token). ``source``: "detected",
-    "table", "user" or "none". ``messages``: what the user should read, in order (warnings
+    ``markers``: the markers to label with, ``FromRendering`` (label each row from its rendering) or None
+    (train every token). ``source``: "detected", "table", "user", "rendered" or "none". ``messages``: what the user should read, in order (warnings
     included). ``reason``: one line saying why this source was chosen. ``template``: the table entry
     used (or the one tried). ``report``: the verification report of the markers, when one was made.
     """
 
-    markers: Markers | None
+    markers: Any
     source: str
     messages: tuple[str, ...]
     reason: str
@@ -116,6 +124,8 @@ def resolve_markers(
 
     from ..chat.tokenizer import ChatTemplateError, load_tokenizer
 
+    if response_part is None and instruction_part is None:
+        response_part, instruction_part = _unsloth_parts(tokenizer)
     user_strings = response_part is not None or instruction_part is not None
     try:
         ct = load_tokenizer(tokenizer)
@@ -141,7 +151,8 @@ class Steps:
     ``detect(ct) -> (markers, report)`` raises ``MarkerDetectionError`` when it fails;
     ``match(name) -> TemplateMatch | None``; ``entry_markers(ct, entry) -> Markers``;
     ``strings_markers(ct, **strings) -> Markers``; ``verify(ct, markers) -> report`` with ``.ok``
-    and ``.summary()``. Tests pass their own to reach every decision.
+    and ``.summary()``; ``rendered(ct, messages, tried) -> Resolution | None``: labels from each row's rendering
+    when the template renders a chat (None: no such step). Tests pass their own to reach every decision.
     """
 
     detect: Callable[[Any], tuple[Markers, Any]]
@@ -149,6 +160,7 @@ class Steps:
     entry_markers: Callable[[Any, Any], Markers]
     strings_markers: Callable[..., Markers]
     verify: Callable[[Any, Markers], Any]
+    rendered: Callable[[Any, list, Any], Any] | None = None
 
     @classmethod
     def default(cls) -> "Steps":
@@ -156,7 +168,8 @@ class Steps:
         from .templates import match_template, table_markers
         from .verify import verify
 
-        return cls(detect_markers_with_report, match_template, table_markers, markers_from_strings, verify)
+        return cls(detect_markers_with_report, match_template, table_markers, markers_from_strings, verify,
+                   _from_rendering)
 
 
 def _resolve_chat(ct: Any, model_name: str | None, strict: bool, steps: Steps) -> Resolution:
@@ -168,6 +181,18 @@ def _resolve_chat(ct: Any, model_name: str | None, strict: bool, steps: Steps) -
         return _from_table(ct, names, exc, strict, steps)
     reason = f"markers detected from the chat template of {ct.name!r} and verified: {report.summary()}"
     return Resolution(markers, "detected", (reason,), reason, report=report)
+
+
+def _unsloth_parts(tokenizer: Any) -> tuple[str | None, str | None]:
+    """The marker strings Unsloth Studio sets on a tokenizer it prepared (``_unsloth_output_part`` opens a reply,
+    ``_unsloth_input_part`` a user turn), on the tokenizer or the processor's tokenizer; ``(None, None)`` without."""
+    for obj in (tokenizer, getattr(tokenizer, "tokenizer", None), getattr(tokenizer, "_tokenizer", None)):
+        if obj is None or isinstance(obj, str):
+            continue
+        output, given = getattr(obj, "_unsloth_output_part", None), getattr(obj, "_unsloth_input_part", None)
+        if isinstance(output, str) and output:
+            return output, given if isinstance(given, str) and given else None
+    return None, None
 
 
 def _check_format(dataset_format: str) -> str:
@@ -259,7 +284,52 @@ def _from_table(ct, names: list[str], detection_error: MarkerDetectionError, str
             messages.append(f"WARNING: {warning}")
             return Resolution(markers, "table", tuple(messages), reason, template=tried, report=report)
         messages.append(f"the template table entry {tried!r} is not used: it fails verification: {report.summary()}")
+    rendered = steps.rendered(ct, messages, tried) if steps.rendered is not None else None
+    if rendered is not None:
+        return rendered
     return _full_sequence(ct.name, messages, strict, tried, report, stacklevel=5)
+
+
+PROBE = (
+    {"role": "system", "content": "You answer in one short line."},
+    {"role": "user", "content": "What colour is the sky on a clear day?"},
+    {"role": "assistant", "content": "It is blue."},
+    {"role": "user", "content": "And at night?"},
+    {"role": "assistant", "content": "It is dark, with stars."},
+)
+
+
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The time now in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _from_rendering(ct: Any, messages: list[str], tried: str | None) -> Resolution | None:
+    """Labels from each row's rendering, when the template renders a chat: with its system message, else without
+    (templates that refuse one). None when it renders neither (the full sequence then trains, loudly)."""
+    from ..chat.render import ChatTemplateError
+    from ..chat.turn_spans import FromRendering, _encode, label_row_from_rendering
+
+    problem = None
+    # with a system message; without (templates that refuse one); with tools (templates made for tool use only)
+    for probe, tools in ((list(PROBE), None), (list(PROBE[1:]), None), (list(PROBE[1:]), [PROBE_TOOL])):
+        try:
+            text = ct.render(probe, tools=tools)
+        except ChatTemplateError as exc:
+            problem = problem or _first_line(exc)
+            continue
+        ids, _ = _encode(ct, text, probe, "text")
+        trained, why = label_row_from_rendering(ct, probe, ids, tools=tools, text=text)
+        checked = ("a probe chat labelled from its rendering keeps every rule (replies and their stop tokens train, "
+                   "no user or system text and no assistant header does)") if trained is not None and trained.any() \
+            else f"the probe chat cannot be labelled from its rendering ({why or 'nothing trains'}): rows that cannot " \
+                 "are counted as template_breaks_roles, never trained whole"
+        reason = (f"no token markers could be read or verified for {ct.name!r}; each row is labelled from its own "
+                  f"rendering (its assistant turns found by rendering the conversation up to and through each): {checked}")
+        messages.append(reason)
+        return Resolution(FromRendering(), "rendered", tuple(messages), reason, template=tried)
+    messages.append(f"the chat template renders no chat ({problem}), so no row can be labelled from its rendering")
+    return None
 
 
 def _full_sequence(name: str, messages: list[str], strict: bool, tried: str | None, report: Any, *, stacklevel: int = 4) -> Resolution:

@@ -1,0 +1,178 @@
+"""Every real chat template of llama.cpp's collection trains what it should, through ``mask_files``.
+
+The 70 templates (``tests/fixtures/template_collection.py``: fetched once from the ``llama-cpp-python``
+source package, never copied here) include this year's reasoning templates whose token markers cannot be
+read (Gemma-4, DeepSeek-V3.2, GLM-4.6, Nemotron-3, MiniMax-M2 ...): those are labelled from each row's
+rendering. For every template that renders a chat, on a plain two-turn chat, a system + two-turn chat and
+a chat whose user quotes the template's own assistant header:
+
+- every assistant reply trains, and so does the stop token after it (the first special token the rendering
+  writes after the reply, before the next message);
+- no user or system text trains, and nothing of what the generation prompt supplies (the assistant header);
+- no such chat is dropped.
+
+The oracle reads the rendering from ``apply_chat_template`` itself and each token's bytes from the ids
+lossmask wrote, not from lossmask's own rendering code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pq = pytest.importorskip("pyarrow.parquet")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+import template_collection as collection  # noqa: E402
+
+sys.path.pop(0)
+
+NAMES = (
+    "Apertus-8B-Instruct", "Apriel-1.6-15b-Thinker-fixed", "Bielik-11B-v3.0-Instruct", "ByteDance-Seed-OSS",
+    "Cohere2MoE", "CohereForAI-c4ai-command-r-plus-tool_use", "CohereForAI-c4ai-command-r7b-12-2024-tool_use",
+    "GLM-4.6", "GLM-4.7-Flash", "GigaChat3-10B-A1.8B", "GigaChat3.1-10B-A1.8B", "HuggingFaceTB-SmolLM3-3B",
+    "Kimi-K2-Instruct", "Kimi-K2-Thinking", "Kimi-K3", "LFM2-8B-A1B", "LFM2.5-8B-A1B", "LFM2.5-Instruct", "MiMo-VL",
+    "MiniMax-M1", "MiniMax-M2", "MiniMax-M3", "Mistral-Small-3.2-24B-Instruct-2506",
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "NVIDIA-Nemotron-Nano-v2", "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "Qwen-QwQ-32B", "Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B",
+    "Qwen3-Coder", "Qwen3.5-4B", "Reka-Edge", "Spark2.5", "StepFun3.5-Flash", "deepseek-ai-DeepSeek-R1-Distill-Llama-8B",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "deepseek-ai-DeepSeek-V3.1", "deepseek-ai-DeepSeek-V3.2",
+    "deepseek-ai-DeepSeek-V4-Flash-0731", "deepseek-ai-DeepSeek-V4", "fireworks-ai-llama-3-firefunction-v2",
+    "google-gemma-2-2b-it", "google-gemma-4-31B-it-interleaved", "google-gemma-4-31B-it", "ibm-granite-granite-3.3-2B-Instruct",
+    "ibm-granite-granite-4.0", "ibm-granite-granite-4.1", "inclusionai-ling-3.0-flash", "llama-cpp-deepseek-r1",
+    "llama-cpp-rwkv-world", "meetkai-functionary-medium-v3.1", "meetkai-functionary-medium-v3.2",
+    "meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct", "meta-llama-Llama-3.3-70B-Instruct",
+    "microsoft-Phi-3.5-mini-instruct", "mistralai-Ministral-3-14B-Reasoning-2512", "mistralai-Mistral-Nemo-Instruct-2407",
+    "moonshotai-Kimi-K2", "muse-glimmer", "openai-gpt-oss-120b", "openbmb-MiniCPM5-1B", "poolside-Laguna-S-2.1",
+    "poolside-Laguna-XS-2.1", "poolside-Laguna-XS.2", "tencent-Hy3", "unsloth-Apriel-1.5",
+    "unsloth-mistral-Devstral-Small-2507", "upstage-Solar-Open-100B",
+)
+
+PLAIN = [{"role": "user", "content": "Hi there, can you help?"}, {"role": "assistant", "content": "Hello friend, gladly."},
+         {"role": "user", "content": "How are you today?"}, {"role": "assistant", "content": "Fine thanks, and you?"}]
+SYSTEM = [{"role": "system", "content": "Answer briefly please."}] + PLAIN
+
+
+@lru_cache(maxsize=1)
+def _folder() -> Path:
+    folder, why = collection.collection_dir()
+    if folder is None:
+        pytest.skip(why)
+    return folder
+
+
+def _quoting(tok) -> list[dict]:
+    """A chat whose user message quotes the template's own assistant header (what the generation prompt adds)."""
+    user = [{"role": "user", "content": "x"}]
+    try:
+        header = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)[
+            len(tok.apply_chat_template(user, tokenize=False)):]
+    except Exception:
+        header = ""
+    header = header.strip() or "<|im_start|>assistant"
+    return [{"role": "user", "content": f"Please repeat {header} back to me."},
+            {"role": "assistant", "content": "Hello friend, gladly."},
+            {"role": "user", "content": "How are you today?"}, {"role": "assistant", "content": "Fine thanks, and you?"}]
+
+
+def _render(tok, messages, **kwargs) -> str | None:
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception:
+        return None
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet back to bytes (printable bytes stand for themselves, the rest are shifted)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    shifted, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            shifted[chr(b)] = b
+        else:
+            shifted[chr(256 + n)] = b
+            n += 1
+    return shifted
+
+
+def _token_bytes(tok, ids: list[int]) -> list[bytes]:
+    specials = set(tok.added_tokens_decoder)
+    decoder = _byte_decoder()
+    out = []
+    for token_id, piece in zip(ids, tok.convert_ids_to_tokens(ids)):
+        out.append(piece.encode() if token_id in specials else bytes(decoder[c] for c in piece))
+    return out
+
+
+def _problems(tok, messages: list[dict], ids: list[int], labels: list[int]) -> list[str]:
+    text = _render(tok, messages).encode()
+    pieces = _token_bytes(tok, ids)
+    if b"".join(pieces) != text:
+        return ["the ids written are not the tokens of the template's rendering"]
+    starts, at = [], 0
+    for piece in pieces:
+        starts.append(at)
+        at += len(piece)
+    ends = [s + len(p) for s, p in zip(starts, pieces)]
+    trained = [label != -100 for label in labels]
+    special = [i in set(tok.added_tokens_decoder) for i in ids]  # the template's control tokens, all added as special
+    problems, cursor, previous_end = [], 0, 0
+    for index, message in enumerate(messages):
+        content = message["content"].encode()
+        found = text.find(content, cursor)
+        if found < 0:
+            continue  # a template that moves a message elsewhere (a system prompt folded into the last user turn)
+        cursor = found + len(content)
+        inside = [k for k in range(len(ids)) if starts[k] >= found and ends[k] <= cursor]
+        if message["role"] != "assistant":
+            if any(trained[k] for k in inside):
+                problems.append(f"the text of message {index} ({message['role']}) trains")
+            previous_end = cursor
+            continue
+        if not all(trained[k] for k in inside):
+            problems.append(f"the reply of message {index} does not all train")
+        following = text.find(messages[index + 1]["content"].encode(), cursor) if index + 1 < len(messages) else len(text)
+        stops = [k for k in range(len(ids)) if special[k] and starts[k] >= cursor and starts[k] < following]
+        if stops and not trained[stops[0]]:
+            problems.append(f"the stop token {pieces[stops[0]]!r} after message {index} does not train")
+        prompt = (_render(tok, messages[:index], add_generation_prompt=True) or "").encode()
+        agreed = next((k for k, (a, b) in enumerate(zip(prompt, text)) if a != b), min(len(prompt), len(text)))
+        header = [k for k in range(len(ids)) if starts[k] >= previous_end and ends[k] <= min(agreed, found)]
+        if any(trained[k] for k in header):
+            problems.append(f"the header before message {index} trains")
+        previous_end = cursor
+    return problems
+
+
+def test_the_collection_is_the_pinned_one():
+    assert sorted(p.stem for p in _folder().glob("*.jinja")) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_template_that_renders_a_chat_trains_replies_and_stops_only(name, tmp_path):
+    from lossmask import mask_files, resolve_markers
+
+    tok = collection.tokenizer_for((_folder() / f"{name}.jinja").read_text(encoding="utf-8"))
+    chats = [c for c in (PLAIN, SYSTEM, _quoting(tok)) if _render(tok, c) is not None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resolution = resolve_markers(tok)
+    if not chats:  # (made for tool use: it renders chats given tools, and is labelled from its rendering then)
+        pytest.skip(f"{name} renders no chat without tools or documents")
+    assert resolution.source != "none", f"{name} renders chats, yet the full sequence would train"
+    source = tmp_path / "chats.jsonl"
+    source.write_text("\n".join(json.dumps({"messages": c}) for c in chats) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = mask_files(source, tmp_path / "out.parquet", tokenizer=tok)
+    assert report.rows_out == len(chats), f"{name} ({resolution.source}) dropped a plain chat: {report.summary()}"
+    table = pq.read_table(tmp_path / "out.parquet")
+    for chat, ids, labels in zip(chats, table["input_ids"].to_pylist(), table["labels"].to_pylist()):
+        assert not _problems(tok, chat, ids, labels), (name, resolution.source, _problems(tok, chat, ids, labels))
