@@ -224,7 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     else:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text, encoding="utf-8")
+        # the section on llama.cpp's template collection is conformance_collection.py's: kept as it is
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from conformance_collection import kept_section
+
+        sys.path.pop(0)
+        kept = kept_section(Path(args.out).read_text(encoding="utf-8")) if Path(args.out).exists() else ""
+        Path(args.out).write_text(text.rstrip("\n") + "\n\n" + kept if kept else text, encoding="utf-8")
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -54,101 +54,12 @@ NAMES = (
     "unsloth-mistral-Devstral-Small-2507", "upstage-Solar-Open-100B",
 )
 
-PLAIN = [{"role": "user", "content": "Hi there, can you help?"}, {"role": "assistant", "content": "Hello friend, gladly."},
-         {"role": "user", "content": "How are you today?"}, {"role": "assistant", "content": "Fine thanks, and you?"}]
-SYSTEM = [{"role": "system", "content": "Answer briefly please."}] + PLAIN
-
-
 @lru_cache(maxsize=1)
 def _folder() -> Path:
     folder, why = collection.collection_dir()
     if folder is None:
         pytest.skip(why)
     return folder
-
-
-def _quoting(tok) -> list[dict]:
-    """A chat whose user message quotes the template's own assistant header (what the generation prompt adds)."""
-    user = [{"role": "user", "content": "x"}]
-    try:
-        header = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)[
-            len(tok.apply_chat_template(user, tokenize=False)):]
-    except Exception:
-        header = ""
-    header = header.strip() or "<|im_start|>assistant"
-    return [{"role": "user", "content": f"Please repeat {header} back to me."},
-            {"role": "assistant", "content": "Hello friend, gladly."},
-            {"role": "user", "content": "How are you today?"}, {"role": "assistant", "content": "Fine thanks, and you?"}]
-
-
-def _render(tok, messages, **kwargs) -> str | None:
-    try:
-        return tok.apply_chat_template(messages, tokenize=False, **kwargs)
-    except Exception:
-        return None
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """The byte-level BPE alphabet back to bytes (printable bytes stand for themselves, the rest are shifted)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    shifted, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            shifted[chr(b)] = b
-        else:
-            shifted[chr(256 + n)] = b
-            n += 1
-    return shifted
-
-
-def _token_bytes(tok, ids: list[int]) -> list[bytes]:
-    specials = set(tok.added_tokens_decoder)
-    decoder = _byte_decoder()
-    out = []
-    for token_id, piece in zip(ids, tok.convert_ids_to_tokens(ids)):
-        out.append(piece.encode() if token_id in specials else bytes(decoder[c] for c in piece))
-    return out
-
-
-def _problems(tok, messages: list[dict], ids: list[int], labels: list[int]) -> list[str]:
-    text = _render(tok, messages).encode()
-    pieces = _token_bytes(tok, ids)
-    if b"".join(pieces) != text:
-        return ["the ids written are not the tokens of the template's rendering"]
-    starts, at = [], 0
-    for piece in pieces:
-        starts.append(at)
-        at += len(piece)
-    ends = [s + len(p) for s, p in zip(starts, pieces)]
-    trained = [label != -100 for label in labels]
-    special = [i in set(tok.added_tokens_decoder) for i in ids]  # the template's control tokens, all added as special
-    problems, cursor, previous_end = [], 0, 0
-    for index, message in enumerate(messages):
-        content = message["content"].encode()
-        found = text.find(content, cursor)
-        if found < 0:
-            continue  # a template that moves a message elsewhere (a system prompt folded into the last user turn)
-        cursor = found + len(content)
-        inside = [k for k in range(len(ids)) if starts[k] >= found and ends[k] <= cursor]
-        if message["role"] != "assistant":
-            if any(trained[k] for k in inside):
-                problems.append(f"the text of message {index} ({message['role']}) trains")
-            previous_end = cursor
-            continue
-        if not all(trained[k] for k in inside):
-            problems.append(f"the reply of message {index} does not all train")
-        following = text.find(messages[index + 1]["content"].encode(), cursor) if index + 1 < len(messages) else len(text)
-        stops = [k for k in range(len(ids)) if special[k] and starts[k] >= cursor and starts[k] < following]
-        if stops and not trained[stops[0]]:
-            problems.append(f"the stop token {pieces[stops[0]]!r} after message {index} does not train")
-        prompt = (_render(tok, messages[:index], add_generation_prompt=True) or "").encode()
-        agreed = next((k for k, (a, b) in enumerate(zip(prompt, text)) if a != b), min(len(prompt), len(text)))
-        header = [k for k in range(len(ids)) if starts[k] >= previous_end and ends[k] <= min(agreed, found)]
-        if any(trained[k] for k in header):
-            problems.append(f"the header before message {index} trains")
-        previous_end = cursor
-    return problems
 
 
 def test_the_collection_is_the_pinned_one():
@@ -160,7 +71,7 @@ def test_every_template_that_renders_a_chat_trains_replies_and_stops_only(name, 
     from lossmask import mask_files, resolve_markers
 
     tok = collection.tokenizer_for((_folder() / f"{name}.jinja").read_text(encoding="utf-8"))
-    chats = [c for c in (PLAIN, SYSTEM, _quoting(tok)) if _render(tok, c) is not None]
+    chats = collection.chats_for(tok)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         resolution = resolve_markers(tok)
@@ -175,4 +86,5 @@ def test_every_template_that_renders_a_chat_trains_replies_and_stops_only(name, 
     assert report.rows_out == len(chats), f"{name} ({resolution.source}) dropped a plain chat: {report.summary()}"
     table = pq.read_table(tmp_path / "out.parquet")
     for chat, ids, labels in zip(chats, table["input_ids"].to_pylist(), table["labels"].to_pylist()):
-        assert not _problems(tok, chat, ids, labels), (name, resolution.source, _problems(tok, chat, ids, labels))
+        found = collection.problems(tok, chat, ids, labels)
+        assert not found, (name, resolution.source, found)

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from .engine.patterns import Markers
+from .chat.turn_spans import FromRendering
 from .jobs.batch_step import input_kind, mask_batch, output_schema
 from .jobs.report import MaskReport, Tally
 from .options import MaskOptions
@@ -276,6 +277,11 @@ def train_on_responses_only(
     packed = False
     truncation_mode = getattr(args, "truncation_mode", None) or "keep_start"
     wrapped = bool(getattr(args, "packing", False)) and getattr(args, "packing_strategy", None) == "wrapped"
+    if isinstance(resolved, FromRendering) and (bool(getattr(args, "packing", False)) or _padding_free(trainer)):
+        raise ValueError(
+            f"the chat template of {chat.name!r} has no token markers that can be read, so each row is labelled from its "
+            "own rendering, and packed or padding-free batches are labelled again from token ids alone; train with "
+            "SFTConfig(packing=False, padding_free=False), or pass markers= (lossmask.Markers) that verify")
     plan = _Plan(job, truncation_mode, wrapped, limit)
     if getattr(trainer, "train_dataset", None) is not None:
         trainer.train_dataset, is_packed = plan.mask(trainer.train_dataset, "train")

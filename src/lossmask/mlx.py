@@ -36,6 +36,7 @@ import mlx.nn as nn
 import numpy as np
 import pyarrow as pa
 
+from .chat.turn_spans import FromRendering
 from .engine import buffers, get_backend
 from .engine.labels import label_batch
 from .engine.outcomes import Outcome, OutcomeCounts
@@ -94,9 +95,11 @@ class MaskedDataset:
                  max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION, last_turn_only: bool = False,
                  labels: Any = None, ignore_index: int = -100, name: str = "dataset",
                  data_mask: np.ndarray | None = None, loss_weights: Any = None):
-        if mask_prompt and labels is None and not isinstance(markers, Markers):
-            raise TypeError(f"{name}: mask_prompt=True needs markers (a lossmask.Markers, e.g. lossmask.detect_markers(tokenizer))")
         chats = input_ids if callable(getattr(input_ids, "label", None)) and hasattr(input_ids, "in_content") else None
+        if mask_prompt and labels is None and not isinstance(markers, Markers) and not (
+                chats is not None and isinstance(markers, FromRendering)):
+            raise TypeError(f"{name}: mask_prompt=True needs markers (a lossmask.Markers, e.g. lossmask.detect_markers(tokenizer)); "
+                            "labels from each row's rendering (lossmask.FromRendering) need chat rows, not token ids")
         if chats is not None:
             input_ids, data_mask = chats.input_ids, chats.in_content
         array = _as_rows(input_ids)
@@ -369,8 +372,10 @@ def load_dataset(
     tokenizer's chat template) or ``{split}.parquet`` (``lossmask mask`` output: ``input_ids`` and, when
     present, ``labels``, which are used as they are). ``train`` is required; a missing ``valid`` or
     ``test`` split is ``[]``, as in mlx-lm (a missing ``valid`` warns: training goes on without
-    validation). ``markers`` default to ``lossmask.detect_markers(tokenizer)`` (only needed when
-    ``mask_prompt``, or to name why rows of a Parquet split train nothing). Message text is data:
+    validation). ``markers`` default to what ``lossmask.resolve_markers(tokenizer, strict=True)`` chooses: detected,
+    else the template table, else labels from each row's rendering (``FromRendering``: chat rows only) for a
+    template whose token markers cannot be read (only needed when ``mask_prompt``, or to name why rows of a Parquet
+    split train nothing). Message text is data:
     special-token strings in it are encoded as text (``special_tokens_in_content``, as in
     ``lossmask.MaskOptions``) and no marker can match inside it.
     """
@@ -384,10 +389,10 @@ def load_dataset(
                          "valid.jsonl and test.jsonl")
     if paths[1] is None:
         warnings.warn(f"{folder} has no valid.jsonl: training goes on without validation (as in mlx-lm)", stacklevel=2)
-    if mask_prompt and markers is None:
-        from .markers.detect import detect_markers
+    if mask_prompt and markers is None:  # the policy: detected, else the table, else labels from each row's rendering
+        from .markers.policy import resolve_markers
 
-        markers = detect_markers(tokenizer)
+        markers = resolve_markers(tokenizer, strict=True).markers
     out: list[MaskedDataset | list] = []
     for split, path in zip(SPLITS, paths):
         if path is None:

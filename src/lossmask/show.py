@@ -27,6 +27,7 @@ import numpy as np
 from .chat.probes import WEATHER_TOOL
 from .engine.labels import make_labels
 from .engine.patterns import KINDS, Markers
+from .chat.turn_spans import FromRendering
 from .markers.policy import Resolution, resolve_markers
 
 _CALL = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
@@ -67,7 +68,7 @@ class Shown:
 
 def describe_markers(tokenizer: Any, markers: Markers | None) -> dict[str, list[tuple[list[int], str]]]:
     """``{kind: [(ids, decoded text), ...]}`` for each marker kind that has patterns."""
-    if markers is None:
+    if markers is None or not hasattr(markers, "response"):  # none, or labels from the rendering: no patterns
         return {}
     from .chat.tokenizer import load_tokenizer
 
@@ -85,6 +86,22 @@ def _coerce_conversation(conversation: Any) -> tuple[list[Mapping[str, Any]], li
     raise TypeError(
         f"a conversation is a list of messages or a mapping with 'messages' (and 'tools'), got {type(conversation).__name__}"
     )
+
+
+def _sample_chat(ct: Any, text: str) -> tuple[list, Any]:
+    """The messages and tools of the sample as ``_render_sample`` rendered them into ``text``."""
+    from .chat.tokenizer import ChatTemplateError
+
+    messages, tools = SAMPLE_CONVERSATION["messages"], SAMPLE_CONVERSATION["tools"]
+    merged = _merge_assistant_runs([m for m in messages if m["role"] != "tool" and not m.get("tool_calls")])
+    for msgs, tls in ((messages, tools), ([_arguments_as_json(m) for m in messages], tools), (merged, None),
+                      ([m for m in merged if m["role"] != "system"], None)):
+        try:
+            if ct.render(msgs, tools=tls) == text:
+                return msgs, tls
+        except ChatTemplateError:
+            continue
+    return list(messages), tools
 
 
 def _render_sample(ct: Any) -> tuple[str, tuple[str, ...]]:
@@ -185,6 +202,15 @@ def label_conversation(
     ids, offsets = ct.encode_with_offsets(text)
     if resolution.markers is None:
         trained = np.ones(len(ids), dtype=bool)
+    elif isinstance(resolution.markers, FromRendering):  # no token markers: the turns found from the rendering
+        from .chat.turn_spans import label_row_from_rendering
+
+        messages, tools = _coerce_conversation(conversation) if conversation is not None else _sample_chat(ct, text)
+        found, why = label_row_from_rendering(ct, messages, np.asarray(ids), tools=tools, text=text,
+                                              offsets=np.asarray(offsets))
+        trained = found if found is not None else np.zeros(len(ids), dtype=bool)
+        if why:
+            notes = tuple(notes) + (f"this conversation cannot be labelled from its rendering: {why}",)
     else:
         trained = np.asarray(make_labels([ids.tolist()], resolution.markers)[0], dtype=np.int64) != -100
     return Shown(ct.name, text, ids, token_pieces(text, offsets), trained, resolution,
@@ -413,6 +439,7 @@ def run_detect(tokenizer: Any, *, model_name: str | None = None, as_json: bool =
     out = out or sys.stdout
     info = detect_report(tokenizer, model_name=model_name)
     verified = info["markers"] is not None and info["verification"] is not None and info["verification"]["ok"]
+    verified = verified or info["source"] == "rendered"  # labels from each row's rendering, checked on a probe chat
     if as_json:
         print(json.dumps(info, indent=2, ensure_ascii=False), file=out)
         return 0 if verified else 1
@@ -420,6 +447,9 @@ def run_detect(tokenizer: Any, *, model_name: str | None = None, as_json: bool =
     print(f"source: {info['source']}" + (f" (template table entry {info['template']!r})" if info["source"] == "table" else ""), file=out)
     if info["markers"] is None:
         print("markers: none: the full sequence trains", file=out)
+    elif info["source"] == "rendered":
+        print("markers: none can be read; each row is labelled from its own rendering (its assistant turns found by "
+              "rendering the conversation up to and through each)", file=out)
     else:
         from .jobs.report import marker_lines
 

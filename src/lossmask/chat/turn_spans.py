@@ -23,6 +23,7 @@ every row: ``FromRendering`` stands where the markers would, and each row keeps 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -236,10 +237,10 @@ def label_from_rendering(ct: Any, chats: Sequence[Any], input_ids: pa.Array, *, 
     rejected = []
     spans, placed = None, np.zeros(lengths.shape[0], dtype=bool)
     if texts is not None and len(texts) == lengths.shape[0] and not null.any():
-        # each token's characters read off the bytes its id stands for: no second call into the tokeniser
-        from .tokenizer import FlatIds
-
-        spans, placed = ct.spans_of(list(texts), FlatIds(flat_ids.astype(np.int32, copy=False), offsets))
+        # each token's characters read off the bytes its id stands for: no second call into the tokeniser (``spans_of``
+        # reads ``ids`` and ``offsets`` of a ``tokenizer.FlatIds``; this module is below ``tokenizer``, so a stand-in)
+        flat = SimpleNamespace(ids=flat_ids.astype(np.int32, copy=False), offsets=offsets)
+        spans, placed = ct.spans_of(list(texts), flat)
     for r in range(lengths.shape[0]):
         chat = chats[r] if r < len(chats) else None
         if null[r] or not chat or not lengths[r]:
@@ -266,8 +267,9 @@ def label_from_rendering(ct: Any, chats: Sequence[Any], input_ids: pa.Array, *, 
     running = np.concatenate([[0], np.cumsum(trained)])
     trained_tokens = np.where(null, 0, running[offsets[1:]] - running[offsets[:-1]])
     counts = OutcomeCounts.from_rows(outcomes, trained_tokens, np.where(null, 0, lengths))
-    return LabelledBatch(labels, trained_tokens, outcomes, counts, rejected=tuple(rejected),
-                         from_rendering=tuple(r for r in range(lengths.shape[0]) if outcomes[r] == Outcome.TRAINED))
+    # (every row comes from its rendering here, and the source says so: ``from_rendering`` lists the rows that the
+    # markers could not read, of which there are none)
+    return LabelledBatch(labels, trained_tokens, outcomes, counts, rejected=tuple(rejected))
 
 
 def _encode(ct: Any, text: str, messages: list, special_tokens_in_content: str) -> tuple[np.ndarray, np.ndarray]:
