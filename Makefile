@@ -35,9 +35,10 @@ example: $(EXAMPLE_STAMP)
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-# Build the real-template tokenizers now (the tests otherwise do it on first need).
+# Build the real-template tokenizers and fetch llama.cpp's template collection now (the tests otherwise do it on first need).
 fixtures: $(TEST_STAMP)
 	$(PY) tests/fixtures/build_tokenizers.py
+	$(PY) tests/fixtures/template_collection.py
 
 bench: $(TEST_STAMP)
 	$(PY) -m pytest benchmarks --benchmark-enable --benchmark-only -s
