@@ -89,7 +89,9 @@ def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: 
         # ``</think>`` in the history: they share their first character)
         cut = np.flatnonzero(special & (starts < start) & (ends > start))
         first = int(starts[cut[0]]) if cut.size else start
-        inside = np.flatnonzero((starts >= first) & (starts < end))
+        # (a special token that only begins in the span is not the turn's: the renderings parted inside it, as
+        # <|user|> and <|endoftext|> share "<|")
+        inside = np.flatnonzero((starts >= first) & (starts < end) & ((ends <= end) | ~special))
         if not inside.size:
             continue
         stops = inside[special[inside] & (ends[inside] > content_end)]
@@ -120,11 +122,27 @@ def _render(ct: Any, messages: list, tools: Any, add_generation_prompt: bool) ->
     return ct.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
 
+def _start_after(ct: Any, messages: list, i: int, prompt: str, text: str, ends_by_message: dict) -> int | None:
+    """Where turn ``i`` starts in ``text``, from the generation prompt's tail after the text of the last message before
+    the turn that has text in both: that tail (the header) followed in ``text`` as far as it agrees."""
+    earlier = [m for m in ends_by_message if m < i]
+    if not earlier:
+        return None
+    last = max(earlier)
+    own = locate_messages(prompt, messages[:i], system_optional=ct.content_tokens.drops_system)
+    in_prompt = max((b for _, b, index, _ in own.pieces if index == last), default=None)
+    if own.missing is not None or in_prompt is None:
+        return None
+    after = ends_by_message[last]
+    return after + common_prefix(prompt[in_prompt:], text[after:])
+
+
 def special_id_array(ct: Any) -> np.ndarray:
-    """The tokenizer's special-token ids as an array (made once per tokenizer), for ``np.isin``."""
+    """The ids of the tokenizer's control tokens, every added token (Phi-3's ``<|end|>`` is added, not flagged special),
+    as an array made once per tokenizer, for ``np.isin``: a turn's stop is one of them."""
     cached = getattr(ct, "_special_id_array", None)
     if cached is None:
-        cached = np.fromiter(sorted(ct.special_ids), dtype=np.int64)
+        cached = np.fromiter(sorted(getattr(ct, "added_ids", None) or ct.special_ids), dtype=np.int64)
         try:
             ct._special_id_array = cached
         except AttributeError:  # a stand-in without attributes: made again next time
@@ -163,8 +181,11 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
         # (a prompt that goes on past the header can share the reply's first characters: "Here are" / "Hello")
         start = min(common_prefix(prompt, text), starts_by_message.get(i, len(text)))
         before = max((e for m, e in ends_by_message.items() if m < i), default=0)
-        if start < before:
-            return None
+        if start < before:  # the history is written otherwise as the chat goes on (Mistral moves the system prompt
+            # into the last user turn): the prompt's tail after the last text before the turn, where the row has it
+            start = _start_after(ct, messages, i, prompt, text, ends_by_message)
+            if start is None or start < before or start > starts_by_message.get(i, len(text)):
+                return None
         content_end = max(ends_by_message.get(i, start), start)
         end = start + common_prefix(through[start:], text[start:]) if through.startswith(text[:start]) else start
         if end < content_end:
@@ -173,6 +194,15 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
             if own.missing is not None or own_end is None:
                 return None
             end = content_end + common_prefix(through[own_end:], text[content_end:])
+        if i + 1 == len(messages) and end > content_end:
+            # the row's last message: what the template writes after it only when the conversation ends (Phi-3's
+            # <|endoftext|> after the stop) is not the turn's; the chat rendered going on with a user message parts there
+            try:
+                going_on = _render(ct, messages + [{"role": "user", "content": "Next."}], tools, False)
+            except ChatTemplateError:
+                going_on = None
+            if going_on is not None and going_on.startswith(text[:content_end]):
+                end = max(content_end, min(end, common_prefix(going_on, text)))
         spans.append((start, content_end, end, i + 1 < len(messages)))
     return spans
 
