@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
+from contextlib import contextmanager
 
 
 def _example(args: argparse.Namespace) -> int:
@@ -39,9 +41,8 @@ def _image_options(args: argparse.Namespace) -> dict:
 def _mask(args: argparse.Namespace) -> int:
     from .jobs.stopping import stop_on_signals
 
-    _fail_cleanly_on_signals()
-    _warnings_on_one_line()
-    with stop_on_signals():  # SIGTERM and Ctrl-C end the job between kernel calls, with one line
+    with _fail_cleanly_on_signals(), _warnings_on_one_line(), stop_on_signals():
+        # SIGTERM and Ctrl-C end the job between kernel calls, with one line
         return _mask_job(args)
 
 
@@ -101,11 +102,30 @@ def _mask_job(args: argparse.Namespace) -> int:
     return 0
 
 
-def _warnings_on_one_line() -> None:
-    """Each warning a job gives is one line on stderr (``lossmask mask: warning: ...``), as its errors are."""
-    import warnings
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
-    warnings.formatwarning = lambda message, *_, **__: f"lossmask mask: warning: {_escaped(message)}\n"
+
+def format_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning of lossmask's as ``lossmask mask`` prints it: one line, ``lossmask mask: warning: ...``."""
+    return f"lossmask mask: warning: {_escaped(message)}\n"
+
+
+@contextmanager
+def _warnings_on_one_line():
+    """While the job runs, each warning lossmask gives is one line on stderr (``format_warning``), as its errors are;
+    other libraries' warnings keep the format they had, and that format is put back when the job ends."""
+    before = warnings.formatwarning
+
+    def formatted(message, category, filename, lineno, line=None):
+        if os.path.abspath(filename).startswith(_PACKAGE):
+            return format_warning(message, category, filename, lineno, line)
+        return before(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatted
+    try:
+        yield
+    finally:
+        warnings.formatwarning = before
 
 
 def _escaped(text: str) -> str:
@@ -125,14 +145,22 @@ def _error_text(exc: BaseException) -> str:
     return "\n".join(map(_escaped, lines))
 
 
-def _fail_cleanly_on_signals() -> None:
-    """Beyond the file size limit a write fails with an error (EFBIG) instead of SIGXFSZ killing the process with its
-    partial files in place. (SIGTERM and SIGINT: ``jobs.stopping.stop_on_signals``.)"""
+@contextmanager
+def _fail_cleanly_on_signals():
+    """While the job runs, a write beyond the file size limit fails with an error (EFBIG) instead of SIGXFSZ killing
+    the process with its partial files in place; the handler before is put back after. (SIGTERM and SIGINT:
+    ``jobs.stopping.stop_on_signals``.)"""
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGXFSZ"):
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGXFSZ"):
+        yield
+        return
+    before = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGXFSZ, before)
 
 
 def _add_mask_command(commands) -> None:
@@ -311,9 +339,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``) and return its exit status. Called from Python (a
+    test, a notebook), it leaves the process as it found it: warning format, signal handlers, environment."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    # transformers' advice on import ("PyTorch was not found ...") concerns its models, which no command but lora uses
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    with _quiet_transformers_advice():
+        return _run(argv)
+
+
+@contextmanager
+def _quiet_transformers_advice():
+    """transformers' advice on import ("PyTorch was not found ...") concerns its models, which no command but lora
+    uses: silenced for the run, unless the caller set it; the environment is as it was afterwards."""
+    name = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["lora"]:  # mlx-lm's own parser reads the rest (lossmask.lora)
         from .lora import main as lora_main
 
