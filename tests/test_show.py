@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from functools import lru_cache
 from html.parser import HTMLParser
 
@@ -182,3 +183,83 @@ def test_show_sample_passes_json_string_arguments_where_the_template_needs_them(
     out = capsys.readouterr().out
     assert "JSON strings" in out
     assert "<｜tool▁outputs▁end｜>[It is -3 °C and snowing." in out
+
+
+# -- lossmask mask --show: long rows -----------------------------------------------------------------------
+
+def _row(lengths, trained_every_other=True):
+    """Token texts t0, t1, ... over messages of ``lengths``, every second message trained; and the starts."""
+    texts, trained, starts = [], [], []
+    for m, n in enumerate(lengths):
+        starts.append(len(texts))
+        texts += [f"t{len(texts) + k}" for k in range(n)]
+        trained += [m % 2 == 1] * n
+    return texts, trained, starts
+
+
+def test_a_short_row_prints_whole_one_line_per_message():
+    from lossmask.jobs.display import preview_lines
+
+    texts, trained, starts = _row([3, 2, 4])
+    lines, left_out = preview_lines(texts, trained, starts, max_tokens=200)
+    assert left_out == 0 and lines == ["t0 t1 t2", "[t3] [t4]", "t5 t6 t7 t8"]
+
+
+def test_a_long_row_shows_each_message_head_and_tail_and_counts_what_was_left_out():
+    from lossmask.jobs.display import preview_lines
+
+    texts, trained, starts = _row([300, 500, 5, 400])
+    lines, left_out = preview_lines(texts, trained, starts, max_tokens=200)
+    assert len(lines) == 4  # every message boundary is a line start
+    shown = sum(line.count("t") for line in lines) - sum(line.count("tokens") for line in lines)
+    assert shown + left_out == len(texts) and 190 <= shown <= 210
+    for line, (a, b) in zip(lines, zip(starts, starts[1:] + [len(texts)])):
+        first, last = (f"[t{a}]", f"[t{b - 1}]") if trained[a] else (f"t{a}", f"t{b - 1}")
+        assert line.startswith(first + " ") and line.endswith(" " + last)  # where each message starts and ends
+    assert lines[2] == "t800 t801 t802 t803 t804"  # a short message is never cut
+    assert re.fullmatch(r"t0 .* t\d+ … (\d+) tokens … t\d+ .* t299", lines[0])
+    notes = [int(n.replace(",", "")) for n in re.findall(r"… ([\d,]+) tokens …", "\n".join(lines))]
+    assert sum(notes) == left_out
+
+
+def test_a_row_of_many_messages_keeps_the_first_and_last_and_counts_those_between():
+    from lossmask.jobs.display import preview_lines
+
+    texts, trained, starts = _row([30] * 100)
+    lines, left_out = preview_lines(texts, trained, starts, max_tokens=80)
+    assert lines[0].startswith("t0 ") and lines[-1].endswith(" [t2999]")
+    between = [line for line in lines if "messages" in line]
+    assert between == ["… 90 messages (2,700 tokens) …"] and len(lines) == 11
+    assert left_out == 2700 + 10 * (30 - 8)
+
+
+def test_message_starts_are_the_headers_and_the_ends_of_replies():
+    from lossmask.jobs.display import message_starts
+
+    # system, user (header 7 8), assistant (header 7 9, reply trained), "\n", user (no header: after the reply)
+    ids = [1, 2, 7, 8, 3, 7, 9, 4, 5, 10, 6, 3]
+    trained = [False] * 7 + [True, True, False, False, False]
+    texts = ["s", "s", "<h>", "u", "x", "<h>", "a", "r", "<e>", "\n", "y", "z"]
+    assert message_starts(ids, trained, [[7, 8], [7, 9]], texts) == [0, 2, 5, 10]
+    assert message_starts(ids, trained, [[7, 8], [7, 9]]) == [0, 2, 5, 9]
+    assert message_starts(ids, trained) == [0, 7, 9]  # no markers: where the labels switch
+
+
+def test_cli_show_prints_long_rows_by_message_within_show_tokens(tmp_path, capsys):
+    long_text = " ".join(f"word{k}" for k in range(400))
+    chat = [{"role": "user", "content": "Tell me a long story."}, {"role": "assistant", "content": long_text},
+            {"role": "user", "content": "Again, please."}, {"role": "assistant", "content": long_text}]
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"messages": chat}) + "\n")
+    out = tmp_path / "out.parquet"
+    tok = str(tokenizer_path("qwen2.5"))
+    assert main(["mask", str(source), str(out), "--tokenizer", tok, "--no-progress", "--show", "1"]) == 0
+    shown = capsys.readouterr().out.split("\nfirst row of", 1)[1].splitlines()[1:]
+    assert re.fullmatch(r"row 0 \([\d,]+ of [\d,]+ tokens trained; [\d,]+ of them left out where … stands\):", shown[0])
+    assert [line.split(" ", 4)[2:4] for line in shown[1:]] == [
+        ["<|im_start|>", "system"], ["<|im_start|>", "assistant"], ["<|im_start|>", "user"], ["<|im_start|>", "assistant"]]
+    assert sum(line.count(" tokens …") for line in shown) == 2 and all(len(line) < 1500 for line in shown)
+    assert main(["mask", str(source), str(out), "--tokenizer", tok, "--no-progress", "--show", "1",
+                 "--show-tokens", "0"]) == 0
+    whole = capsys.readouterr().out.split("\nfirst row of", 1)[1]
+    assert "…" not in whole and whole.count("[ word] [3] [9] [9] [<|im_end|>]") == 2

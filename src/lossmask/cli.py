@@ -93,9 +93,11 @@ def _mask_job(args: argparse.Namespace) -> int:
             tokenizer = load_chat_tokenizer(args.tokenizer, chat_template=args.chat_template) if args.tokenizer else None
             colour = sys.stdout.isatty()
             legend = "trained tokens highlighted" if colour else "trained tokens in [brackets]"
-            print(f"\nfirst {args.show} rows of {args.output} ({legend}):")
+            rows = "first row" if args.show == 1 else f"first {args.show} rows"
+            print(f"\n{rows} of {args.output}, a line per message ({legend}):")
             print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
-                               labels_column=args.labels_column, colour=colour))
+                               labels_column=args.labels_column, colour=colour, markers=report.markers,
+                               max_tokens=args.show_tokens))
     except JobStopped as stop:
         print(f"lossmask mask: stopped by {stop.name} after {_escaped(args.output)} was written", file=sys.stderr)
         return 128 + stop.signum
@@ -164,6 +166,8 @@ def _fail_cleanly_on_signals():
 
 
 def _add_mask_command(commands) -> None:
+    from .jobs.display import SHOW_TOKENS
+
     mask = commands.add_parser(
         "mask", help="label a dataset file by file, batch by batch, and write Parquet with labels",
         description="Label INPUT (Parquet file, folder or glob; Arrow IPC; JSONL) and write OUTPUT (Parquet), "
@@ -268,7 +272,11 @@ def _add_mask_command(commands) -> None:
                            "where cores and rows pay for them (one process on 2 cores)")
     mask.add_argument("--report", metavar="FILE.json", help="write the report as JSON")
     mask.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
-    mask.add_argument("--show", type=int, default=0, metavar="N", help="print the first N output rows, trained tokens marked")
+    mask.add_argument("--show", type=int, default=0, metavar="N",
+                      help="print the first N output rows, a line per message, trained tokens marked")
+    mask.add_argument("--show-tokens", type=int, default=SHOW_TOKENS, metavar="N",
+                      help="--show prints about N tokens of a row (default %(default)s): past that, each message's "
+                           "head and tail, with the count of what was left out; 0 prints whole rows")
     mask.set_defaults(run=_mask)
 
 
