@@ -157,7 +157,7 @@ def test_cli_show_bad_inputs_name_the_problem(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     assert main(["show", path, str(bad)]) == 1
-    assert "is not JSON" in capsys.readouterr().err
+    assert f"{bad}, line 1: not valid JSON" in capsys.readouterr().err
     assert main(["show", str(tmp_path / "missing-tokenizer")]) == 1
     assert "missing-tokenizer: the folder does not exist" in capsys.readouterr().err  # not "Repo id must be ..."
 
@@ -263,3 +263,78 @@ def test_cli_show_prints_long_rows_by_message_within_show_tokens(tmp_path, capsy
                  "--show-tokens", "0"]) == 0
     whole = capsys.readouterr().out.split("\nfirst row of", 1)[1]
     assert "…" not in whole and whole.count("[ word] [3] [9] [9] [<|im_end|>]") == 2
+
+
+# -- lossmask show reads what lossmask mask reads -------------------------------------------------------------
+
+CHAT = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]
+SHAREGPT = [{"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris."}]
+
+
+def _chat_forms(folder):
+    """The same chat in each form lossmask mask reads, as ``(file, extra arguments)``."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    other = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    forms = {
+        "messages.json": json.dumps({"messages": CHAT}),
+        "list.json": json.dumps(CHAT),
+        "sharegpt.json": json.dumps({"id": "x", "conversations": SHAREGPT}, indent=1),
+        "sharegpt-list.json": json.dumps(SHAREGPT),
+        "pairs.json": json.dumps({"prompt": CHAT[:1], "completion": CHAT[1:]}),
+        "rows.jsonl": json.dumps(other) + "\n" + json.dumps({"messages": CHAT}) + "\n",
+        "rows-array.json": json.dumps([other, {"messages": CHAT}]),
+    }
+    out = []
+    for name, text in forms.items():
+        (folder / name).write_text(text, encoding="utf-8")
+        out.append((folder / name, ["--row", "1"] if name.startswith("rows") else []))
+    with gzip.open(folder / "rows.jsonl.gz", "wt", encoding="utf-8") as fh:
+        fh.write(forms["rows.jsonl"])
+    out.append((folder / "rows.jsonl.gz", ["--row", "1"]))
+    pq.write_table(pa.Table.from_pylist([{"conversations": SHAREGPT}, {"conversations": SHAREGPT}]),
+                   folder / "rows.parquet")
+    out.append((folder / "rows.parquet", ["--row", "1"]))
+    return out
+
+
+def test_show_reads_every_chat_form_that_mask_reads(tmp_path, capsys):
+    tok = str(tokenizer_path("qwen2.5"))
+    bodies = {}
+    for path, extra in _chat_forms(tmp_path):
+        assert main(["show", tok, str(path), *extra]) == 0, (path, capsys.readouterr().err)
+        out = capsys.readouterr().out
+        bodies[path.name] = out.split("trained text is between [ and ]\n", 1)[1]
+        if "sharegpt" in path.name or path.suffix == ".parquet":
+            assert "note: sharegpt_messages_read" in out
+    assert len(set(bodies.values())) == 1, bodies
+    assert "<|im_start|>assistant\n[Paris.<|im_end|>]" in bodies["messages.json"]
+
+
+def test_show_refuses_what_it_cannot_render_naming_the_file_and_row(tmp_path, capsys):
+    tok = str(tokenizer_path("qwen2.5"))
+    cases = {
+        "text.json": ({"prompt": "Capital of France?", "completion": " Paris."}, "holds prompt and completion as text"),
+        "ids.json": ({"input_ids": [1, 2, 3]}, "holds token ids ('input_ids')"),
+        "opens.json": ({"conversations": [{"from": "gpt", "value": "Welcome."}]},
+                       "lossmask mask drops this row as no_exchange"),
+        "speaker.json": ({"conversations": [{"from": "wizard", "value": "Hi"}]}, "'wizard', a speaker the role map"),
+    }
+    for name, (row, said) in cases.items():
+        (tmp_path / name).write_text(json.dumps(row))
+        assert main(["show", tok, str(tmp_path / name)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"lossmask show: error: {tmp_path / name}") and said in err and err.count("\n") == 1, err
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": CHAT}) + "\n")
+    assert main(["show", tok, str(tmp_path / "rows.jsonl"), "--row", "3"]) == 1
+    assert "rows.jsonl has 2 rows (counted from 0); it has no row 3" in capsys.readouterr().err
+    assert main(["show", tok, str(tmp_path / "opens.json"), "--row", "1"]) == 1
+    assert "opens.json holds one chat; it has no row 1" in capsys.readouterr().err
+    assert main(["show", tok, str(tmp_path / "speaker.json"), "--role-map", "wizard=user"]) == 0  # read, trains nothing
+    assert "0 of " in capsys.readouterr().out
+    (tmp_path / "mixed.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"conversations": SHAREGPT}))
+    assert main(["show", tok, str(tmp_path / "mixed.jsonl"), "--row", "1"]) == 1  # as mask: the messages column wins
+    assert f"row 1 ({tmp_path / 'mixed.jsonl'}, line 2): column 'messages' is null" in capsys.readouterr().err

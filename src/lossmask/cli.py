@@ -286,8 +286,12 @@ def _show(args: argparse.Namespace) -> int:
 
     try:
         check_tokenizer_path(args.tokenizer)
-        return run_show(args.tokenizer, args.conversation, html_path=args.html, model_name=args.model_name)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+        from .options import MaskOptions
+
+        options = MaskOptions(role_map=args.role_map)
+        return run_show(args.tokenizer, args.conversation, html_path=args.html, model_name=args.model_name,
+                        row=args.row, options=options)
+    except (ValueError, TypeError, OSError, ImportError) as exc:
         print(f"lossmask show: error: {_error_text(exc)}", file=sys.stderr)
         return 1
 
@@ -307,12 +311,19 @@ def _detect(args: argparse.Namespace) -> int:
 def _add_show_commands(commands) -> None:
     show = commands.add_parser(
         "show", help="render a conversation and show which tokens train (terminal or HTML page)",
-        description="Render CONVERSATION.json (a list of messages, or {\"messages\": [...], \"tools\": [...]}; default: a "
-        "built-in sample with a system prompt, several turns and a tool call) with the tokenizer's chat template, "
+        description="Render a chat (CHAT: one chat as JSON, or a row of a data file; default: a built-in sample with a "
+        "system prompt, several turns and a tool call) with the tokenizer's chat template, as `lossmask mask` would, "
         "choose markers as training would (detection, then the template table), and show the trained tokens.",
     )
     show.add_argument("tokenizer", metavar="TOKENIZER", help="tokenizer folder (tokenizer.json + tokenizer_config.json)")
-    show.add_argument("conversation", metavar="CONVERSATION.json", nargs="?", help="default: the built-in sample")
+    show.add_argument("conversation", metavar="CHAT", nargs="?",
+                      help="a JSON file with one chat ({\"messages\": [...], \"tools\": [...]}, ShareGPT's "
+                           "{\"conversations\": [{\"from\", \"value\"}, ...]}, prompt + completion messages, or a "
+                           "bare list of messages), or any input `lossmask mask` reads (JSON Lines, a JSON array, "
+                           "Parquet, Arrow IPC, compressed); default: the built-in sample")
+    show.add_argument("--row", type=int, default=0, metavar="N", help="the row of CHAT to show (from 0; default 0)")
+    show.add_argument("--role-map", metavar="FROM=ROLE,...",
+                      help="ShareGPT speaker names to roles, over the default human=user, gpt=assistant... (as mask's)")
     show.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML page instead of printing")
     show.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
     show.set_defaults(run=_show)

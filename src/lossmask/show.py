@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence, TextIO
 
 import numpy as np
@@ -27,6 +27,7 @@ import numpy as np
 from .chat.probes import WEATHER_TOOL
 from .engine.labels import make_labels
 from .engine.patterns import KINDS, Markers
+from .jobs.display import escaped
 from .markers.policy import Resolution, resolve_markers
 
 _CALL = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
@@ -335,6 +336,126 @@ def write_html(shown: Shown, path: str | os.PathLike, tokenizer: Any = None) -> 
         fh.write(to_html(shown, decode=decode, special_ids=special))
 
 
+# -- reading a chat as lossmask mask reads it ------------------------------------------------------------
+
+
+def read_chat(tokenizer: Any, path: str | os.PathLike, *, row: int = 0, options: Any = None) -> tuple[dict, tuple[str, ...]]:
+    """Row ``row`` of ``path`` as ``lossmask mask`` would render it: ``({"messages", "tools"}, notes)``.
+
+    ``path`` holds one chat (a JSON object with ``messages``, ShareGPT's ``conversations`` or ``prompt`` +
+    ``completion`` as messages, and perhaps ``tools``; or a JSON list of ``{role, content}`` or ``{from, value}``
+    messages), or rows in any file ``mask`` reads (JSON Lines, a JSON array of rows, Parquet, Arrow IPC, compressed
+    JSON). The chat goes through the shape policy of ``options`` (a ``MaskOptions``; default its defaults), and
+    ``notes`` say what the policy changed. A row ``mask`` would refuse raises ValueError naming the file and row.
+    """
+    from .chat.shapes import normalise_shapes, read_tools, takes_content_parts
+    from .chat.tokenizer import load_tokenizer
+    from .options import MaskOptions
+
+    options = options or MaskOptions()
+    name = escaped(os.fspath(path))
+    where = f"{name}, row {row}"
+    value = _one_json_value(path)
+    if isinstance(value, list) and value and all(isinstance(m, Mapping) and ("role" in m or "from" in m) for m in value):
+        value = {("conversations" if "from" in value[0] else options.messages_column): value}
+    if isinstance(value, Mapping):
+        if row:
+            raise ValueError(f"{name} holds one chat; it has no row {row}")
+        where = name
+        conversation, tools = _chat_in_row(dict(value), options, where)
+    else:
+        conversation, tools, where = _chat_in_file(path, row, options)
+    try:
+        tools = read_tools(tools) if tools is not None else None
+    except ValueError as exc:
+        raise ValueError(f"{where}: column 'tools' {exc}") from None
+    ct = load_tokenizer(tokenizer)
+    shaped = normalise_shapes([conversation], options, takes_parts=takes_content_parts(ct))
+    if shaped.invalid:
+        raise ValueError(f"{where}: {shaped.invalid[0][1]}")
+    if shaped.dropped:
+        _, reason, message = shaped.dropped[0]
+        raise ValueError(f"{where}: lossmask mask drops this row as {reason}: {message}")
+    notes = tuple(f"{shape}: {SHAPE_NOTES.get(shape, 'changed as lossmask mask changes it (docs/inputs.md)')}"
+                  for shape, n in shaped.shapes.items() if n)
+    return {"messages": shaped.conversations[0], "tools": tools}, notes
+
+
+SHAPE_NOTES = {
+    "sharegpt_messages_read": "ShareGPT's {from, value} messages read through the role map, as lossmask mask reads them",
+    "leading_assistant_dropped": "the chat opened with an assistant message before any user message; it was removed, "
+                                 "so it does not train (--leading-assistant keep keeps it)",
+    "roles_merged": "consecutive messages of one role were joined with a blank line (--consecutive-roles keep)",
+    "empty_messages_dropped": "messages with no text were removed (--empty-messages keep)",
+    "content_parts_joined": "content given as text parts was joined into one string",
+}
+
+
+def _one_json_value(path: str | os.PathLike) -> Any:
+    """The file's content when it is one JSON document (a chat, or a JSON array); None for anything else (JSON
+    Lines, Parquet, compressed files), which the job's own reader reads."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _chat_in_row(values: dict, options: Any, where: str) -> tuple[Any, Any]:
+    """``(messages, tools)`` of one row given as Python values, by the row kinds ``lossmask mask`` reads."""
+    names = list(values)
+    column = options.chat_column(names)
+    if column in values:
+        if not values[column]:
+            raise ValueError(f"{where}: column {column!r} is {'null' if values[column] is None else 'empty'}")
+        return values[column], values.get("tools")
+    prompt, completion = values.get(options.prompt_column), values.get(options.completion_column)
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return prompt + completion, values.get("tools")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        raise ValueError(f"{where} holds prompt and completion as text, which lossmask mask tokenises without the chat "
+                         "template; show renders chats: give them as lists of messages")
+    if options.input_ids_column in values:
+        raise ValueError(f"{where} holds token ids ({options.input_ids_column!r}); show renders chats: give a row with "
+                         f"{options.messages_column!r}, 'conversations' or prompt + completion messages")
+    raise ValueError(f"{where} has {sorted(names)}: a chat is {options.messages_column!r} (messages), 'conversations' "
+                     "(ShareGPT's {from, value}) or prompt + completion (lists of messages), with 'tools' if any")
+
+
+def _chat_in_file(path: str | os.PathLike, row: int, options: Any) -> tuple[Any, Any, str]:
+    """``(messages, tools, where)`` of row ``row`` of a data file, read by the job's own reader."""
+    from .chat.encode_batch import json_values, messages_from_arrow
+    from .jobs.inputs import open_inputs
+
+    files = open_inputs(os.fspath(path))
+    try:
+        seen = 0
+        for batch in files.batches(max(1, min(row + 1, 1024))):
+            if row < seen + batch.num_rows:
+                local = row - seen
+                where = f"row {row}" + (f" ({files.where(row)})" if files.where(row) else f" of {escaped(os.fspath(path))}")
+                values = {}
+                for name in batch.schema.names:
+                    column = batch.column(name).slice(local, 1)
+                    if name in (options.chat_column(batch.schema.names), options.prompt_column,
+                                options.completion_column) and not _is_text(column.type):
+                        values[name] = messages_from_arrow(column)[0]
+                    else:
+                        values[name] = json_values(column)[0]
+                conversation, tools = _chat_in_row(values, options, where)
+                return conversation, tools, where
+            seen += batch.num_rows
+    finally:
+        files.close()
+    raise ValueError(f"{escaped(os.fspath(path))} has {seen} rows (counted from 0); it has no row {row}")
+
+
+def _is_text(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+
+
 # -- the commands -----------------------------------------------------------------------------------
 
 
@@ -346,21 +467,19 @@ def _resolve_quietly(ct: Any, model_name: str | None) -> Resolution:
 
 
 def run_show(tokenizer: Any, conversation_path: str | os.PathLike | None = None, *, html_path: str | os.PathLike | None = None,
-             model_name: str | None = None, out: TextIO | None = None, colour: bool | None = None) -> int:
-    """``lossmask show``: print the labelled conversation, or write it as an HTML page."""
+             model_name: str | None = None, out: TextIO | None = None, colour: bool | None = None, row: int = 0,
+             options: Any = None) -> int:
+    """``lossmask show``: print the labelled conversation (row ``row`` of ``conversation_path``, read as
+    ``read_chat`` reads it; default: the built-in sample), or write it as an HTML page."""
     from .chat.tokenizer import load_tokenizer
 
     out = out or sys.stdout
     ct = load_tokenizer(tokenizer)
-    conversation = None
+    conversation, notes = None, ()
     if conversation_path is not None:
-        with open(conversation_path, encoding="utf-8") as fh:
-            try:
-                conversation = json.load(fh)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{os.fspath(conversation_path)} is not JSON ({exc}); pass a list of messages "
-                                 "or {\"messages\": [...], \"tools\": [...]}") from None
+        conversation, notes = read_chat(ct, conversation_path, row=row, options=options)
     shown = label_conversation(ct, conversation, resolution=_resolve_quietly(ct, model_name))
+    shown = replace(shown, notes=shown.notes + notes)
     if html_path is not None:
         write_html(shown, html_path, ct)
         print(f"wrote {os.fspath(html_path)}: {len(shown.ids)} tokens, {shown.n_trained} trained, markers {shown.resolution.source}",
