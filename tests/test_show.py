@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
 import re
 from functools import lru_cache
 from html.parser import HTMLParser
@@ -338,3 +340,50 @@ def test_show_refuses_what_it_cannot_render_naming_the_file_and_row(tmp_path, ca
     (tmp_path / "mixed.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"conversations": SHAREGPT}))
     assert main(["show", tok, str(tmp_path / "mixed.jsonl"), "--row", "1"]) == 1  # as mask: the messages column wins
     assert f"row 1 ({tmp_path / 'mixed.jsonl'}, line 2): column 'messages' is null" in capsys.readouterr().err
+
+
+# -- lossmask show --html: whitespace stays visible ---------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _page_with_markers(*texts: str) -> str:
+    """A page whose response markers have ``texts`` (the chat: one trained token)."""
+    from lossmask.show import Shown
+
+    markers = Markers(response=[[k + 1] for k in range(len(texts))])
+    shown = Shown("tok", "a  b", np.array([7]), ("a  b",), np.array([True]), Resolution(markers, "user", (), "test"),
+                  {"response": [([k + 1], text) for k, text in enumerate(texts)]})
+    return to_html(shown)
+
+
+def test_html_keeps_and_marks_every_space_so_whitespace_variants_look_different():
+    page = _page_with_markers("assistant\n \n", "assistant\n   \n", "x\ty")
+    cells = re.findall(r'<code class="mk">(.*?)</code>', page.split("Markers:", 1)[1])
+    assert cells[:2] == ["&#x27;assistant\\n" + '<span class="ws s"> </span>' * n + "\\n&#x27;" for n in (1, 3)]
+    assert cells[2] == "&#x27;x\\ty&#x27;"  # repr writes the tab as \t
+    assert "code.mk, .t { white-space: pre; }" in page and '.ws.s::before { content: "\\00b7"; }' in page
+    chat = page.split('<div class="chat">', 1)[1]
+    assert '>a<span class="ws s"> </span><span class="ws s"> </span>b</span>' in chat  # two spaces inside a token
+
+
+def _screenshot(page: str, folder, name: str, width: int = 900, height: int = 420) -> bytes:
+    import subprocess
+
+    html_path, png_path = folder / f"{name}.html", folder / f"{name}.png"
+    html_path.write_text(page, encoding="utf-8")
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--window-size={width},{height}", f"--screenshot={png_path}", html_path.as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    return png_path.read_bytes()
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="headless Chromium (/usr/bin/chromium) is not installed")
+def test_a_browser_draws_markers_that_differ_only_in_spaces_apart(tmp_path):
+    """Rendered by headless Chromium, two pages whose markers differ only in a run of spaces are two different
+    pictures, and a page drawn twice is the same picture (the difference is the whitespace, nothing else)."""
+    one = _screenshot(_page_with_markers("assistant\n \n"), tmp_path, "one-space")
+    again = _screenshot(_page_with_markers("assistant\n \n"), tmp_path, "one-space-again")
+    three = _screenshot(_page_with_markers("assistant\n   \n"), tmp_path, "three-spaces")
+    assert hashlib.sha256(one).hexdigest() == hashlib.sha256(again).hexdigest()
+    assert hashlib.sha256(one).hexdigest() != hashlib.sha256(three).hexdigest()
