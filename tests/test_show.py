@@ -265,6 +265,11 @@ def test_cli_show_prints_long_rows_by_message_within_show_tokens(tmp_path, capsy
                  "--show-tokens", "0"]) == 0
     whole = capsys.readouterr().out.split("\nfirst row of", 1)[1]
     assert "…" not in whole and whole.count("[ word] [3] [9] [9] [<|im_end|>]") == 2
+    assert main(["mask", str(source), str(tmp_path / "other.parquet"), "--tokenizer", tok, "--show", "1",
+                 "--show-tokens", "-5"]) == 1
+    assert capsys.readouterr().err == ("lossmask mask: error: --show-tokens -5: give a number of tokens, 0 or more (0 "
+                                       "prints whole rows)\n")
+    assert not (tmp_path / "other.parquet").exists()
 
 
 # -- lossmask show reads what lossmask mask reads -------------------------------------------------------------
@@ -333,6 +338,8 @@ def test_show_refuses_what_it_cannot_render_naming_the_file_and_row(tmp_path, ca
     (tmp_path / "rows.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": CHAT}) + "\n")
     assert main(["show", tok, str(tmp_path / "rows.jsonl"), "--row", "3"]) == 1
     assert "rows.jsonl has 2 rows (counted from 0); it has no row 3" in capsys.readouterr().err
+    assert main(["show", tok, str(tmp_path / "rows.jsonl"), "--row", "-1"]) == 1
+    assert "rows.jsonl: row -1: rows are counted from 0" in capsys.readouterr().err
     assert main(["show", tok, str(tmp_path / "opens.json"), "--row", "1"]) == 1
     assert "opens.json holds one chat; it has no row 1" in capsys.readouterr().err
     assert main(["show", tok, str(tmp_path / "speaker.json"), "--role-map", "wizard=user"]) == 0  # read, trains nothing

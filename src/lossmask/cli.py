@@ -49,6 +49,10 @@ def _mask(args: argparse.Namespace) -> int:
 def _mask_job(args: argparse.Namespace) -> int:
     from .jobs.stopping import JobStopped
 
+    if args.show_tokens < 0:  # checked before the job, which --show follows
+        print(f"lossmask mask: error: --show-tokens {args.show_tokens}: give a number of tokens, 0 or more (0 prints "
+              "whole rows)", file=sys.stderr)
+        return 1
     try:
         from .options import MaskOptions
         from .jobs.stream import mask_files, preview_rows

@@ -369,6 +369,8 @@ def read_chat(tokenizer: Any, path: str | os.PathLike, *, row: int = 0, options:
 
     options = options or MaskOptions()
     name = escaped(os.fspath(path))
+    if row < 0:
+        raise ValueError(f"{name}: row {row}: rows are counted from 0 (--row 0 is the first)")
     where = f"{name}, row {row}"
     value = _one_json_value(path)
     if isinstance(value, list) and value and all(isinstance(m, Mapping) and ("role" in m or "from" in m) for m in value):
