@@ -5,9 +5,10 @@ several turns, a tool call and its result where the template supports tools) wit
 own chat template, chooses markers with the policy (``resolve_markers``), labels the tokens with
 ``make_labels`` and returns a ``Shown``. ``format_text`` prints it (trained text between ``[`` and
 ``]``, or coloured on a terminal), ``to_html`` makes a self-contained page (inline CSS, one box per
-token, trained tokens highlighted, a legend with the markers and where they came from).
-``describe_markers`` lists markers as ids and decoded text. ``run_show`` and ``run_detect`` are
-the ``lossmask show`` and ``lossmask detect`` commands.
+token, trained tokens highlighted, each space marked, a legend with the markers and where they came from).
+``describe_markers`` lists markers as ids and decoded text. ``read_chat`` reads one chat, or a row of any
+file ``lossmask mask`` reads, as the job reads it. ``run_show`` and ``run_detect`` are the ``lossmask show``
+and ``lossmask detect`` commands.
 
 Nothing here runs on a hot path: it is per-token Python over one conversation, for people to read.
 """
