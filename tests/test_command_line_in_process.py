@@ -25,14 +25,15 @@ def test_calling_the_command_line_leaves_the_process_as_it_was(tmp_path, monkeyp
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
                                                {"role": "assistant", "content": "Hello."}]}) + "\n")
-    formatwarning, xfsz = warnings.formatwarning, signal.getsignal(signal.SIGXFSZ)
+    formatwarning = warnings.formatwarning
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGXFSZ, signal.SIGTERM, signal.SIGINT)}
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
             pytest.warns(UserWarning, match="'wizard'"):
         # a warning lossmask gives (a weight for a role no template writes) goes through the CLI's format
         assert main(["mask", str(source), str(tmp_path / "out.parquet"), "--tokenizer", str(tokenizer_path("chatml")),
                      "--no-progress", "--weights-by-role", "wizard=1"]) == 0
     assert warnings.formatwarning is formatwarning
-    assert signal.getsignal(signal.SIGXFSZ) == xfsz
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     assert ADVICE not in os.environ
     later = warnings.formatwarning("from another library", UserWarning, "/elsewhere/library.py", 7)
     assert not later.startswith("lossmask") and "library.py:7: UserWarning: from another library" in later
