@@ -394,3 +394,15 @@ def test_a_browser_draws_markers_that_differ_only_in_spaces_apart(tmp_path):
     three = _screenshot(_page_with_markers("assistant\n   \n"), tmp_path, "three-spaces")
     assert hashlib.sha256(one).hexdigest() == hashlib.sha256(again).hexdigest()
     assert hashlib.sha256(one).hexdigest() != hashlib.sha256(three).hexdigest()
+
+
+def test_show_applies_the_shape_options_of_mask(tmp_path, capsys):
+    tok = str(tokenizer_path("qwen2.5"))
+    chat = tmp_path / "opens.json"
+    chat.write_text(json.dumps({"conversations": [{"from": "gpt", "value": "Welcome back."}, *SHAREGPT]}))
+    assert main(["show", tok, str(chat)]) == 0
+    out = capsys.readouterr().out
+    assert "note: leading_assistant_dropped:" in out and "Welcome back." not in out
+    assert main(["show", tok, str(chat), "--leading-assistant", "keep"]) == 0
+    out = capsys.readouterr().out
+    assert "leading_assistant_dropped" not in out and "[Welcome back.<|im_end|>]" in out

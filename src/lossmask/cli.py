@@ -64,9 +64,7 @@ def _mask_job(args: argparse.Namespace) -> int:
             truncation=args.truncation,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
             last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
-            special_tokens_in_content=args.special_tokens_in_content, consecutive_roles=args.consecutive_roles,
-            leading_assistant=args.leading_assistant, empty_messages=args.empty_messages, role_map=args.role_map,
-            drop_system_message=args.drop_system_message,
+            special_tokens_in_content=args.special_tokens_in_content, **_shape_options(args),
             check_roles=args.check_roles, roles_to_train=args.roles_to_train, weights_by_role=args.weights_by_role,
             weight_field=None if args.weight_field == "none" else args.weight_field,
             detail_field=None if args.detail_field == "none" else args.detail_field,
@@ -169,6 +167,34 @@ def _fail_cleanly_on_signals():
         signal.signal(signal.SIGXFSZ, before)
 
 
+def _add_shape_arguments(parser: argparse.ArgumentParser, title: str):
+    """The conversation-shape options, the same for ``mask`` and ``show`` (which reads a chat as the job would)."""
+    shapes = parser.add_argument_group(title)
+    shapes.add_argument("--consecutive-roles", choices=("merge", "keep"), default="merge",
+                        help="two or more user (or assistant, or system) messages in a row: join them with a blank "
+                             "line (default) or keep them apart")
+    shapes.add_argument("--leading-assistant", choices=("drop", "keep"), default="drop",
+                        help="messages before the first user message, other than system (a chat that opens with an "
+                             "assistant message): drop them (default, as FastChat and LLaMA-Factory do) or keep them")
+    shapes.add_argument("--empty-messages", choices=("drop", "keep"), default="drop",
+                        help="user, assistant or system messages with no text: drop them (default) or keep them. A row "
+                             "left with no user message followed by an assistant message is dropped as no_exchange")
+    shapes.add_argument("--drop-system-message", action="store_true",
+                        help="remove every system message before rendering (as axolotl's and LLaMA-Factory's option); "
+                             "a template's default system prompt is still written")
+    shapes.add_argument("--role-map", metavar="FROM=ROLE,...",
+                        help="ShareGPT input (a 'conversations' column of {from, value}): speaker names to roles, over "
+                             "the default human=user, gpt/chatgpt/bing/bard=assistant, system=system, "
+                             "function_call=assistant, observation/tool=tool")
+    return shapes
+
+
+def _shape_options(args: argparse.Namespace) -> dict:
+    return dict(consecutive_roles=args.consecutive_roles, leading_assistant=args.leading_assistant,
+                empty_messages=args.empty_messages, drop_system_message=args.drop_system_message,
+                role_map=args.role_map)
+
+
 def _add_mask_command(commands) -> None:
     from .jobs.display import SHOW_TOKENS
 
@@ -207,23 +233,7 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--special-tokens-in-content", choices=("text", "keep", "drop", "error"), default="text",
                       help="special-token strings inside message text: encode as ordinary text (default), keep as "
                            "control tokens, drop the row, or stop with an error naming it")
-    shapes = mask.add_argument_group("conversation shapes (docs/inputs.md; every change is counted in the report)")
-    shapes.add_argument("--consecutive-roles", choices=("merge", "keep"), default="merge",
-                        help="two or more user (or assistant, or system) messages in a row: join them with a blank "
-                             "line (default) or keep them apart")
-    shapes.add_argument("--leading-assistant", choices=("drop", "keep"), default="drop",
-                        help="messages before the first user message, other than system (a chat that opens with an "
-                             "assistant message): drop them (default, as FastChat and LLaMA-Factory do) or keep them")
-    shapes.add_argument("--empty-messages", choices=("drop", "keep"), default="drop",
-                        help="user, assistant or system messages with no text: drop them (default) or keep them. A row "
-                             "left with no user message followed by an assistant message is dropped as no_exchange")
-    shapes.add_argument("--drop-system-message", action="store_true",
-                        help="remove every system message before rendering (as axolotl's and LLaMA-Factory's option); "
-                             "a template's default system prompt is still written")
-    shapes.add_argument("--role-map", metavar="FROM=ROLE,...",
-                        help="ShareGPT input (a 'conversations' column of {from, value}): speaker names to roles, over "
-                             "the default human=user, gpt/chatgpt/bing/bard=assistant, system=system, "
-                             "function_call=assistant, observation/tool=tool")
+    shapes = _add_shape_arguments(mask, "conversation shapes (docs/inputs.md; every change is counted in the report)")
     shapes.add_argument("--check-roles", choices=("unusual", "all"), default="unusual",
                         help="rows checked for user, system or tool text that trains and assistant text that does not "
                              "(labelled from their rendering, else dropped as template_breaks_roles): every row of "
@@ -292,7 +302,7 @@ def _show(args: argparse.Namespace) -> int:
         check_tokenizer_path(args.tokenizer)
         from .options import MaskOptions
 
-        options = MaskOptions(role_map=args.role_map)
+        options = MaskOptions(**_shape_options(args))
         return run_show(args.tokenizer, args.conversation, html_path=args.html, model_name=args.model_name,
                         row=args.row, options=options)
     except (ValueError, TypeError, OSError, ImportError) as exc:
@@ -326,8 +336,7 @@ def _add_show_commands(commands) -> None:
                            "bare list of messages), or any input `lossmask mask` reads (JSON Lines, a JSON array, "
                            "Parquet, Arrow IPC, compressed); default: the built-in sample")
     show.add_argument("--row", type=int, default=0, metavar="N", help="the row of CHAT to show (from 0; default 0)")
-    show.add_argument("--role-map", metavar="FROM=ROLE,...",
-                      help="ShareGPT speaker names to roles, over the default human=user, gpt=assistant... (as mask's)")
+    _add_shape_arguments(show, "conversation shapes, as lossmask mask applies them (docs/inputs.md)")
     show.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML page instead of printing")
     show.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
     show.set_defaults(run=_show)
