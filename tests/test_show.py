@@ -324,8 +324,7 @@ def test_show_reads_every_chat_form_that_mask_reads(tmp_path, capsys):
 def test_show_refuses_what_it_cannot_render_naming_the_file_and_row(tmp_path, capsys):
     tok = str(tokenizer_path("qwen2.5"))
     cases = {
-        "text.json": ({"prompt": "Capital of France?", "completion": " Paris."}, "holds prompt and completion as text"),
-        "ids.json": ({"input_ids": [1, 2, 3]}, "holds token ids ('input_ids')"),
+        "other.json": ({"text": "Capital of France?"}, "has ['text']: a row is 'messages' (messages)"),
         "opens.json": ({"conversations": [{"from": "gpt", "value": "Welcome."}]},
                        "lossmask mask drops this row as no_exchange"),
         "speaker.json": ({"conversations": [{"from": "wizard", "value": "Hi"}]}, "'wizard', a speaker the role map"),
@@ -406,3 +405,23 @@ def test_show_applies_the_shape_options_of_mask(tmp_path, capsys):
     assert main(["show", tok, str(chat), "--leading-assistant", "keep"]) == 0
     out = capsys.readouterr().out
     assert "leading_assistant_dropped" not in out and "[Welcome back.<|im_end|>]" in out
+
+
+def test_show_labels_token_ids_and_text_pairs_as_the_job_does(tmp_path, capsys):
+    from lossmask.chat.tokenizer import load_tokenizer
+
+    tok = str(tokenizer_path("qwen2.5"))
+    ct = load_tokenizer(tok)
+    ids = ct.encode_with_offsets(ct.render(CHAT))[0].tolist()
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + json.dumps({"input_ids": ids}) + "\n")
+    assert main(["show", tok, str(tmp_path / "ids.jsonl"), "--row", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "note: a row of token ids, labelled by lossmask mask itself" in out
+    assert out.endswith("<|im_start|>assistant\n[Paris.<|im_end|>]\n\n")
+    (tmp_path / "text.json").write_text(json.dumps({"prompt": "Capital of France?", "completion": " Paris."}))
+    assert main(["show", tok, str(tmp_path / "text.json"), "--html", str(tmp_path / "text.html")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert main(["show", tok, str(tmp_path / "text.json")]) == 0
+    out = capsys.readouterr().out
+    assert "prompt and completion text (no chat template)" in out
+    assert "\nCapital of France?[ Paris." in out and "]" == out.rstrip()[-1]  # the completion and its EOS train

@@ -332,9 +332,9 @@ def _add_show_commands(commands) -> None:
     show.add_argument("tokenizer", metavar="TOKENIZER", help="tokenizer folder (tokenizer.json + tokenizer_config.json)")
     show.add_argument("conversation", metavar="CHAT", nargs="?",
                       help="a JSON file with one chat ({\"messages\": [...], \"tools\": [...]}, ShareGPT's "
-                           "{\"conversations\": [{\"from\", \"value\"}, ...]}, prompt + completion messages, or a "
-                           "bare list of messages), or any input `lossmask mask` reads (JSON Lines, a JSON array, "
-                           "Parquet, Arrow IPC, compressed); default: the built-in sample")
+                           "{\"conversations\": [{\"from\", \"value\"}, ...]}, prompt + completion, or a bare list "
+                           "of messages), or any input `lossmask mask` reads (JSON Lines, a JSON array, Parquet, Arrow "
+                           "IPC, compressed; token ids too); default: the built-in sample")
     show.add_argument("--row", type=int, default=0, metavar="N", help="the row of CHAT to show (from 0; default 0)")
     _add_shape_arguments(show, "conversation shapes, as lossmask mask applies them (docs/inputs.md)")
     show.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML page instead of printing")

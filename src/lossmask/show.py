@@ -6,9 +6,10 @@ own chat template, chooses markers with the policy (``resolve_markers``), labels
 ``make_labels`` and returns a ``Shown``. ``format_text`` prints it (trained text between ``[`` and
 ``]``, or coloured on a terminal), ``to_html`` makes a self-contained page (inline CSS, one box per
 token, trained tokens highlighted, each space marked, a legend with the markers and where they came from).
-``describe_markers`` lists markers as ids and decoded text. ``read_chat`` reads one chat, or a row of any
-file ``lossmask mask`` reads, as the job reads it. ``run_show`` and ``run_detect`` are the ``lossmask show``
-and ``lossmask detect`` commands.
+``describe_markers`` lists markers as ids and decoded text. ``read_row`` reads one chat, or a row of any
+file ``lossmask mask`` reads; ``read_chat`` makes a chat row what the job renders, and ``label_row`` labels a
+row of token ids or prompt/completion text by the job itself. ``run_show`` and ``run_detect`` are the
+``lossmask show`` and ``lossmask detect`` commands.
 
 Nothing here runs on a hot path: it is per-token Python over one conversation, for people to read.
 """
@@ -355,36 +356,66 @@ def write_html(shown: Shown, path: str | os.PathLike, tokenizer: Any = None) -> 
 # -- reading a chat as lossmask mask reads it ------------------------------------------------------------
 
 
-def read_chat(tokenizer: Any, path: str | os.PathLike, *, row: int = 0, options: Any = None) -> tuple[dict, tuple[str, ...]]:
-    """Row ``row`` of ``path`` as ``lossmask mask`` would render it: ``({"messages", "tools"}, notes)``.
+def read_row(path: str | os.PathLike, *, row: int = 0, options: Any = None) -> tuple[dict, str]:
+    """Row ``row`` of ``path`` as Python values, and where it is (``file, line N``), as ``lossmask mask`` reads it.
 
     ``path`` holds one chat (a JSON object with ``messages``, ShareGPT's ``conversations`` or ``prompt`` +
-    ``completion`` as messages, and perhaps ``tools``; or a JSON list of ``{role, content}`` or ``{from, value}``
-    messages), or rows in any file ``mask`` reads (JSON Lines, a JSON array of rows, Parquet, Arrow IPC, compressed
-    JSON). The chat goes through the shape policy of ``options`` (a ``MaskOptions``; default its defaults), and
-    ``notes`` say what the policy changed. A row ``mask`` would refuse raises ValueError naming the file and row.
+    ``completion``, and perhaps ``tools``; or a JSON list of ``{role, content}`` or ``{from, value}`` messages), or
+    rows in any file ``mask`` reads (JSON Lines, a JSON array of rows, Parquet, Arrow IPC, compressed JSON).
     """
-    from .chat.shapes import normalise_shapes, read_tools, takes_content_parts
-    from .chat.tokenizer import load_tokenizer
     from .options import MaskOptions
 
     options = options or MaskOptions()
     name = escaped(os.fspath(path))
     if row < 0:
         raise ValueError(f"{name}: row {row}: rows are counted from 0 (--row 0 is the first)")
-    where = f"{name}, row {row}"
     value = _one_json_value(path)
     if isinstance(value, list) and value and all(isinstance(m, Mapping) and ("role" in m or "from" in m) for m in value):
         value = {("conversations" if "from" in value[0] else options.messages_column): value}
     if isinstance(value, Mapping):
         if row:
             raise ValueError(f"{name} holds one chat; it has no row {row}")
-        where = name
-        conversation, tools = _chat_in_row(dict(value), options, where)
+        return dict(value), name
+    return _row_in_file(path, row, options)
+
+
+def row_kind(values: Mapping[str, Any], options: Any, where: str) -> str:
+    """``"chat"`` (messages, ShareGPT conversations, prompt + completion messages), ``"text"`` (prompt + completion
+    as text) or ``"ids"`` (token ids), in the order ``lossmask mask`` looks for them; else ValueError."""
+    if options.input_ids_column in values:
+        return "ids"
+    if options.chat_column(list(values)) in values:
+        return "chat"
+    prompt, completion = values.get(options.prompt_column), values.get(options.completion_column)
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return "chat"
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return "text"
+    raise ValueError(f"{where} has {sorted(values)}: a row is {options.messages_column!r} (messages), 'conversations' "
+                     f"(ShareGPT's {{from, value}}), prompt + completion (messages or text), or "
+                     f"{options.input_ids_column!r} (token ids)")
+
+
+def read_chat(tokenizer: Any, values: Mapping[str, Any], where: str, *, options: Any = None) -> tuple[dict, tuple[str, ...]]:
+    """A chat row (``row_kind`` ``"chat"``) as ``lossmask mask`` would render it: ``({"messages", "tools"}, notes)``.
+
+    The chat goes through the shape policy of ``options`` (a ``MaskOptions``; default its defaults), and ``notes``
+    say what the policy changed. A row ``mask`` would refuse raises ValueError naming the file and row.
+    """
+    from .chat.shapes import normalise_shapes, read_tools, takes_content_parts
+    from .chat.tokenizer import load_tokenizer
+    from .options import MaskOptions
+
+    options = options or MaskOptions()
+    column = options.chat_column(list(values))
+    if column in values:
+        conversation = values[column]
+        if not conversation:
+            raise ValueError(f"{where}: column {column!r} is {'null' if conversation is None else 'empty'}")
     else:
-        conversation, tools, where = _chat_in_file(path, row, options)
+        conversation = values[options.prompt_column] + values[options.completion_column]
     try:
-        tools = read_tools(tools) if tools is not None else None
+        tools = read_tools(values["tools"]) if values.get("tools") is not None else None
     except ValueError as exc:
         raise ValueError(f"{where}: column 'tools' {exc}") from None
     ct = load_tokenizer(tokenizer)
@@ -397,6 +428,37 @@ def read_chat(tokenizer: Any, path: str | os.PathLike, *, row: int = 0, options:
     notes = tuple(f"{shape}: {SHAPE_NOTES.get(shape, 'changed as lossmask mask changes it (docs/inputs.md)')}"
                   for shape, n in shaped.shapes.items() if n)
     return {"messages": shaped.conversations[0], "tools": tools}, notes
+
+
+def label_row(tokenizer: Any, values: Mapping[str, Any], *, resolution: Resolution, options: Any = None,
+              model_name: str | None = None) -> Shown:
+    """A row of token ids or of prompt + completion text, labelled by the job itself (``mask_files`` on this one
+    row, rows that train nothing kept), each token shown as its own decoded text."""
+    import tempfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .chat.tokenizer import load_tokenizer
+    from .jobs.stream import mask_files
+    from .options import MaskOptions
+
+    ct = load_tokenizer(tokenizer)
+    options = replace(options or MaskOptions(), keep_dropped=True, max_drop_fraction=1.0)
+    with tempfile.TemporaryDirectory(prefix="lossmask-show-") as folder:
+        source, labelled = os.path.join(folder, "row.parquet"), os.path.join(folder, "labelled.parquet")
+        pq.write_table(pa.Table.from_pylist([dict(values)]), source)
+        with warnings.catch_warnings():  # the policy's messages are printed with the page or text, once
+            warnings.simplefilter("ignore")
+            mask_files(source, labelled, tokenizer=ct, markers=resolution.markers, model_name=model_name,
+                       options=options, progress=False)
+        out = pq.read_table(labelled, columns=[options.input_ids_column, options.labels_column]).to_pylist()[0]
+    ids = np.asarray(out[options.input_ids_column], dtype=np.int64)
+    trained = np.asarray(out[options.labels_column], dtype=np.int64) != options.ignore_index
+    pieces = tuple(ct.decode([int(t)]) for t in ids)
+    kind = "token ids" if options.input_ids_column in values else "prompt and completion text (no chat template)"
+    return Shown(ct.name, "".join(pieces), ids, pieces, trained, resolution, describe_markers(ct, resolution.markers),
+                 (f"a row of {kind}, labelled by lossmask mask itself; each token is shown as its own text",))
 
 
 SHAPE_NOTES = {
@@ -419,29 +481,8 @@ def _one_json_value(path: str | os.PathLike) -> Any:
         return None
 
 
-def _chat_in_row(values: dict, options: Any, where: str) -> tuple[Any, Any]:
-    """``(messages, tools)`` of one row given as Python values, by the row kinds ``lossmask mask`` reads."""
-    names = list(values)
-    column = options.chat_column(names)
-    if column in values:
-        if not values[column]:
-            raise ValueError(f"{where}: column {column!r} is {'null' if values[column] is None else 'empty'}")
-        return values[column], values.get("tools")
-    prompt, completion = values.get(options.prompt_column), values.get(options.completion_column)
-    if isinstance(prompt, list) and isinstance(completion, list):
-        return prompt + completion, values.get("tools")
-    if isinstance(prompt, str) and isinstance(completion, str):
-        raise ValueError(f"{where} holds prompt and completion as text, which lossmask mask tokenises without the chat "
-                         "template; show renders chats: give them as lists of messages")
-    if options.input_ids_column in values:
-        raise ValueError(f"{where} holds token ids ({options.input_ids_column!r}); show renders chats: give a row with "
-                         f"{options.messages_column!r}, 'conversations' or prompt + completion messages")
-    raise ValueError(f"{where} has {sorted(names)}: a chat is {options.messages_column!r} (messages), 'conversations' "
-                     "(ShareGPT's {from, value}) or prompt + completion (lists of messages), with 'tools' if any")
-
-
-def _chat_in_file(path: str | os.PathLike, row: int, options: Any) -> tuple[Any, Any, str]:
-    """``(messages, tools, where)`` of row ``row`` of a data file, read by the job's own reader."""
+def _row_in_file(path: str | os.PathLike, row: int, options: Any) -> tuple[dict, str]:
+    """``(values, where)`` of row ``row`` of a data file, read by the job's own reader."""
     from .chat.encode_batch import json_values, messages_from_arrow
     from .jobs.inputs import open_inputs
 
@@ -450,18 +491,15 @@ def _chat_in_file(path: str | os.PathLike, row: int, options: Any) -> tuple[Any,
         seen = 0
         for batch in files.batches(max(1, min(row + 1, 1024))):
             if row < seen + batch.num_rows:
-                local = row - seen
-                where = f"row {row}" + (f" ({files.where(row)})" if files.where(row) else f" of {escaped(os.fspath(path))}")
+                local, names = row - seen, batch.schema.names
+                chat_columns = (options.chat_column(names), options.prompt_column, options.completion_column)
                 values = {}
-                for name in batch.schema.names:
+                for name in names:
                     column = batch.column(name).slice(local, 1)
-                    if name in (options.chat_column(batch.schema.names), options.prompt_column,
-                                options.completion_column) and not _is_text(column.type):
-                        values[name] = messages_from_arrow(column)[0]
-                    else:
-                        values[name] = json_values(column)[0]
-                conversation, tools = _chat_in_row(values, options, where)
-                return conversation, tools, where
+                    chat = name in chat_columns and not _is_text(column.type)
+                    values[name] = (messages_from_arrow if chat else json_values)(column)[0]
+                where = files.where(row)
+                return values, f"row {row} ({where})" if where else f"row {row} of {escaped(os.fspath(path))}"
             seen += batch.num_rows
     finally:
         files.close()
@@ -488,16 +526,22 @@ def run_show(tokenizer: Any, conversation_path: str | os.PathLike | None = None,
              model_name: str | None = None, out: TextIO | None = None, colour: bool | None = None, row: int = 0,
              options: Any = None) -> int:
     """``lossmask show``: print the labelled conversation (row ``row`` of ``conversation_path``, read as
-    ``read_chat`` reads it; default: the built-in sample), or write it as an HTML page."""
+    ``lossmask mask`` reads it: ``read_row``; default: the built-in sample), or write it as an HTML page."""
     from .chat.tokenizer import load_tokenizer
+    from .options import MaskOptions
 
     out = out or sys.stdout
     ct = load_tokenizer(tokenizer)
-    conversation, notes = None, ()
-    if conversation_path is not None:
-        conversation, notes = read_chat(ct, conversation_path, row=row, options=options)
-    shown = label_conversation(ct, conversation, resolution=_resolve_quietly(ct, model_name))
-    shown = replace(shown, notes=shown.notes + notes)
+    resolution = _resolve_quietly(ct, model_name)
+    if conversation_path is None:
+        shown = label_conversation(ct, resolution=resolution)
+    else:
+        values, where = read_row(conversation_path, row=row, options=options)
+        if row_kind(values, options or MaskOptions(), where) == "chat":
+            conversation, notes = read_chat(ct, values, where, options=options)
+            shown = replace(label_conversation(ct, conversation, resolution=resolution), notes=notes)
+        else:
+            shown = label_row(ct, values, resolution=resolution, options=options, model_name=model_name)
     if html_path is not None:
         write_html(shown, html_path, ct)
         print(f"wrote {os.fspath(html_path)}: {len(shown.ids)} tokens, {shown.n_trained} trained, markers {shown.resolution.source}",
