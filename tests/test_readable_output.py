@@ -204,3 +204,26 @@ def test_trl_max_length_that_cut_the_assistant_turns_is_named(deepseek, tmp_path
     text = str(info.value)
     assert "8 of 8 dropped rows reach max_length=40 (the trainer's args.max_length" in text
     assert "derived from another tokenizer" not in text
+
+
+def test_dropped_leading_assistant_messages_are_explained_once_with_the_option_that_keeps_them(tmp_path):
+    chats = [[{"role": "assistant", "content": "Welcome back."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello."}],
+             [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]]
+    data = _jsonl(tmp_path / "in.jsonl", chats)
+    tok = str(tokenizer_path("qwen2.5"))
+    summary = lossmask.mask_files(data, tmp_path / "out.parquet", tokenizer=tok).summary()
+    said = [line for line in summary.splitlines() if "opened with an assistant message" in line]
+    assert said == ["  leading_assistant_dropped: 1 of 2 rows (50.0%) opened with an assistant message before any user "
+                    "message, and that message was removed, so it does not train; --leading-assistant keep "
+                    "(leading_assistant=\"keep\") keeps it where the template renders a chat that opens so"]
+    # the option named keeps the message, and it trains where the template renders it
+    kept = lossmask.mask_files(data, tmp_path / "kept.parquet", tokenizer=tok,
+                               options=lossmask.MaskOptions(leading_assistant="keep"))
+    assert "leading_assistant_dropped" not in kept.summary()
+    import pyarrow.parquet as pq
+    from lossmask.chat.tokenizer import load_tokenizer
+
+    row = pq.read_table(tmp_path / "kept.parquet").slice(0, 1).to_pylist()[0]
+    trained = load_tokenizer(tok).decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != -100])
+    assert "Welcome back." in trained

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
+import re
 from functools import lru_cache
 from html.parser import HTMLParser
 
@@ -156,7 +159,7 @@ def test_cli_show_bad_inputs_name_the_problem(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     assert main(["show", path, str(bad)]) == 1
-    assert "is not JSON" in capsys.readouterr().err
+    assert f"{bad}, line 1: not valid JSON" in capsys.readouterr().err
     assert main(["show", str(tmp_path / "missing-tokenizer")]) == 1
     assert "missing-tokenizer: the folder does not exist" in capsys.readouterr().err  # not "Repo id must be ..."
 
@@ -182,3 +185,243 @@ def test_show_sample_passes_json_string_arguments_where_the_template_needs_them(
     out = capsys.readouterr().out
     assert "JSON strings" in out
     assert "<｜tool▁outputs▁end｜>[It is -3 °C and snowing." in out
+
+
+# -- lossmask mask --show: long rows -----------------------------------------------------------------------
+
+def _row(lengths, trained_every_other=True):
+    """Token texts t0, t1, ... over messages of ``lengths``, every second message trained; and the starts."""
+    texts, trained, starts = [], [], []
+    for m, n in enumerate(lengths):
+        starts.append(len(texts))
+        texts += [f"t{len(texts) + k}" for k in range(n)]
+        trained += [m % 2 == 1] * n
+    return texts, trained, starts
+
+
+def test_a_short_row_prints_whole_one_line_per_message():
+    from lossmask.jobs.display import preview_lines
+
+    texts, trained, starts = _row([3, 2, 4])
+    lines, left_out = preview_lines(texts, trained, starts, max_tokens=200)
+    assert left_out == 0 and lines == ["t0 t1 t2", "[t3] [t4]", "t5 t6 t7 t8"]
+
+
+def test_a_long_row_shows_each_message_head_and_tail_and_counts_what_was_left_out():
+    from lossmask.jobs.display import preview_lines
+
+    texts, trained, starts = _row([300, 500, 5, 400])
+    lines, left_out = preview_lines(texts, trained, starts, max_tokens=200)
+    assert len(lines) == 4  # every message boundary is a line start
+    shown = sum(line.count("t") for line in lines) - sum(line.count("tokens") for line in lines)
+    assert shown + left_out == len(texts) and 190 <= shown <= 210
+    for line, (a, b) in zip(lines, zip(starts, starts[1:] + [len(texts)])):
+        first, last = (f"[t{a}]", f"[t{b - 1}]") if trained[a] else (f"t{a}", f"t{b - 1}")
+        assert line.startswith(first + " ") and line.endswith(" " + last)  # where each message starts and ends
+    assert lines[2] == "t800 t801 t802 t803 t804"  # a short message is never cut
+    assert re.fullmatch(r"t0 .* t\d+ … (\d+) tokens … t\d+ .* t299", lines[0])
+    notes = [int(n.replace(",", "")) for n in re.findall(r"… ([\d,]+) tokens …", "\n".join(lines))]
+    assert sum(notes) == left_out
+
+
+def test_a_row_of_many_messages_keeps_the_first_and_last_and_counts_those_between():
+    from lossmask.jobs.display import preview_lines
+
+    texts, trained, starts = _row([30] * 100)
+    lines, left_out = preview_lines(texts, trained, starts, max_tokens=80)
+    assert lines[0].startswith("t0 ") and lines[-1].endswith(" [t2999]")
+    between = [line for line in lines if "messages" in line]
+    assert between == ["… 90 messages (2,700 tokens) …"] and len(lines) == 11
+    assert left_out == 2700 + 10 * (30 - 8)
+
+
+def test_message_starts_are_the_headers_and_the_ends_of_replies():
+    from lossmask.jobs.display import message_starts
+
+    # system, user (header 7 8), assistant (header 7 9, reply trained), "\n", user (no header: after the reply)
+    ids = [1, 2, 7, 8, 3, 7, 9, 4, 5, 10, 6, 3]
+    trained = [False] * 7 + [True, True, False, False, False]
+    texts = ["s", "s", "<h>", "u", "x", "<h>", "a", "r", "<e>", "\n", "y", "z"]
+    assert message_starts(ids, trained, [[7, 8], [7, 9]], texts) == [0, 2, 5, 10]
+    assert message_starts(ids, trained, [[7, 8], [7, 9]]) == [0, 2, 5, 9]
+    assert message_starts(ids, trained) == [0, 7, 9]  # no markers: where the labels switch
+
+
+def test_cli_show_prints_long_rows_by_message_within_show_tokens(tmp_path, capsys):
+    long_text = " ".join(f"word{k}" for k in range(400))
+    chat = [{"role": "user", "content": "Tell me a long story."}, {"role": "assistant", "content": long_text},
+            {"role": "user", "content": "Again, please."}, {"role": "assistant", "content": long_text}]
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"messages": chat}) + "\n")
+    out = tmp_path / "out.parquet"
+    tok = str(tokenizer_path("qwen2.5"))
+    assert main(["mask", str(source), str(out), "--tokenizer", tok, "--no-progress", "--show", "1"]) == 0
+    shown = capsys.readouterr().out.split("\nfirst row of", 1)[1].splitlines()[1:]
+    assert re.fullmatch(r"row 0 \([\d,]+ of [\d,]+ tokens trained; [\d,]+ of them left out where … stands\):", shown[0])
+    assert [line.split(" ", 4)[2:4] for line in shown[1:]] == [
+        ["<|im_start|>", "system"], ["<|im_start|>", "assistant"], ["<|im_start|>", "user"], ["<|im_start|>", "assistant"]]
+    assert sum(line.count(" tokens …") for line in shown) == 2 and all(len(line) < 1500 for line in shown)
+    assert main(["mask", str(source), str(out), "--tokenizer", tok, "--no-progress", "--show", "1",
+                 "--show-tokens", "0"]) == 0
+    whole = capsys.readouterr().out.split("\nfirst row of", 1)[1]
+    assert "…" not in whole and whole.count("[ word] [3] [9] [9] [<|im_end|>]") == 2
+    assert main(["mask", str(source), str(tmp_path / "other.parquet"), "--tokenizer", tok, "--show", "1",
+                 "--show-tokens", "-5"]) == 1
+    assert capsys.readouterr().err == ("lossmask mask: error: --show-tokens -5: give a number of tokens, 0 or more (0 "
+                                       "prints whole rows)\n")
+    assert not (tmp_path / "other.parquet").exists()
+
+
+# -- lossmask show reads what lossmask mask reads -------------------------------------------------------------
+
+CHAT = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]
+SHAREGPT = [{"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris."}]
+
+
+def _chat_forms(folder):
+    """The same chat in each form lossmask mask reads, as ``(file, extra arguments)``."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    other = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    forms = {
+        "messages.json": json.dumps({"messages": CHAT}),
+        "list.json": json.dumps(CHAT),
+        "sharegpt.json": json.dumps({"id": "x", "conversations": SHAREGPT}, indent=1),
+        "sharegpt-list.json": json.dumps(SHAREGPT),
+        "pairs.json": json.dumps({"prompt": CHAT[:1], "completion": CHAT[1:]}),
+        "rows.jsonl": json.dumps(other) + "\n" + json.dumps({"messages": CHAT}) + "\n",
+        "rows-array.json": json.dumps([other, {"messages": CHAT}]),
+    }
+    out = []
+    for name, text in forms.items():
+        (folder / name).write_text(text, encoding="utf-8")
+        out.append((folder / name, ["--row", "1"] if name.startswith("rows") else []))
+    with gzip.open(folder / "rows.jsonl.gz", "wt", encoding="utf-8") as fh:
+        fh.write(forms["rows.jsonl"])
+    out.append((folder / "rows.jsonl.gz", ["--row", "1"]))
+    pq.write_table(pa.Table.from_pylist([{"conversations": SHAREGPT}, {"conversations": SHAREGPT}]),
+                   folder / "rows.parquet")
+    out.append((folder / "rows.parquet", ["--row", "1"]))
+    return out
+
+
+def test_show_reads_every_chat_form_that_mask_reads(tmp_path, capsys):
+    tok = str(tokenizer_path("qwen2.5"))
+    bodies = {}
+    for path, extra in _chat_forms(tmp_path):
+        assert main(["show", tok, str(path), *extra]) == 0, (path, capsys.readouterr().err)
+        out = capsys.readouterr().out
+        bodies[path.name] = out.split("trained text is between [ and ]\n", 1)[1]
+        if "sharegpt" in path.name or path.suffix == ".parquet":
+            assert "note: sharegpt_messages_read" in out
+    assert len(set(bodies.values())) == 1, bodies
+    assert "<|im_start|>assistant\n[Paris.<|im_end|>]" in bodies["messages.json"]
+
+
+def test_show_refuses_what_it_cannot_render_naming_the_file_and_row(tmp_path, capsys):
+    tok = str(tokenizer_path("qwen2.5"))
+    cases = {
+        "other.json": ({"text": "Capital of France?"}, "has ['text']: a row is 'messages' (messages)"),
+        "opens.json": ({"conversations": [{"from": "gpt", "value": "Welcome."}]},
+                       "lossmask mask drops this row as no_exchange"),
+        "speaker.json": ({"conversations": [{"from": "wizard", "value": "Hi"}]}, "'wizard', a speaker the role map"),
+    }
+    for name, (row, said) in cases.items():
+        (tmp_path / name).write_text(json.dumps(row))
+        assert main(["show", tok, str(tmp_path / name)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"lossmask show: error: {tmp_path / name}") and said in err and err.count("\n") == 1, err
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": CHAT}) + "\n")
+    assert main(["show", tok, str(tmp_path / "rows.jsonl"), "--row", "3"]) == 1
+    assert "rows.jsonl has 2 rows (counted from 0); it has no row 3" in capsys.readouterr().err
+    assert main(["show", tok, str(tmp_path / "rows.jsonl"), "--row", "-1"]) == 1
+    assert "rows.jsonl: row -1: rows are counted from 0" in capsys.readouterr().err
+    assert main(["show", tok, str(tmp_path / "opens.json"), "--row", "1"]) == 1
+    assert "opens.json holds one chat; it has no row 1" in capsys.readouterr().err
+    assert main(["show", tok, str(tmp_path / "speaker.json"), "--role-map", "wizard=user"]) == 0  # read, trains nothing
+    assert "0 of " in capsys.readouterr().out
+    (tmp_path / "mixed.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"conversations": SHAREGPT}))
+    assert main(["show", tok, str(tmp_path / "mixed.jsonl"), "--row", "1"]) == 1  # as mask: the messages column wins
+    assert f"row 1 ({tmp_path / 'mixed.jsonl'}, line 2): column 'messages' is null" in capsys.readouterr().err
+
+
+# -- lossmask show --html: whitespace stays visible ---------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _page_with_markers(*texts: str) -> str:
+    """A page whose response markers have ``texts`` (the chat: one trained token)."""
+    from lossmask.show import Shown
+
+    markers = Markers(response=[[k + 1] for k in range(len(texts))])
+    shown = Shown("tok", "a  b", np.array([7]), ("a  b",), np.array([True]), Resolution(markers, "user", (), "test"),
+                  {"response": [([k + 1], text) for k, text in enumerate(texts)]})
+    return to_html(shown)
+
+
+def test_html_keeps_and_marks_every_space_so_whitespace_variants_look_different():
+    page = _page_with_markers("assistant\n \n", "assistant\n   \n", "x\ty")
+    cells = re.findall(r'<code class="mk">(.*?)</code>', page.split("Markers:", 1)[1])
+    assert cells[:2] == ["&#x27;assistant\\n" + '<span class="ws s"> </span>' * n + "\\n&#x27;" for n in (1, 3)]
+    assert cells[2] == "&#x27;x\\ty&#x27;"  # repr writes the tab as \t
+    assert "code.mk, .t { white-space: pre; }" in page and '.ws.s::before { content: "\\00b7"; }' in page
+    chat = page.split('<div class="chat">', 1)[1]
+    assert '>a<span class="ws s"> </span><span class="ws s"> </span>b</span>' in chat  # two spaces inside a token
+
+
+def _screenshot(page: str, folder, name: str, width: int = 900, height: int = 420) -> bytes:
+    import subprocess
+
+    html_path, png_path = folder / f"{name}.html", folder / f"{name}.png"
+    html_path.write_text(page, encoding="utf-8")
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--window-size={width},{height}", f"--screenshot={png_path}", html_path.as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    return png_path.read_bytes()
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="headless Chromium (/usr/bin/chromium) is not installed")
+def test_a_browser_draws_markers_that_differ_only_in_spaces_apart(tmp_path):
+    """Rendered by headless Chromium, two pages whose markers differ only in a run of spaces are two different
+    pictures, and a page drawn twice is the same picture (the difference is the whitespace, nothing else)."""
+    one = _screenshot(_page_with_markers("assistant\n \n"), tmp_path, "one-space")
+    again = _screenshot(_page_with_markers("assistant\n \n"), tmp_path, "one-space-again")
+    three = _screenshot(_page_with_markers("assistant\n   \n"), tmp_path, "three-spaces")
+    assert hashlib.sha256(one).hexdigest() == hashlib.sha256(again).hexdigest()
+    assert hashlib.sha256(one).hexdigest() != hashlib.sha256(three).hexdigest()
+
+
+def test_show_applies_the_shape_options_of_mask(tmp_path, capsys):
+    tok = str(tokenizer_path("qwen2.5"))
+    chat = tmp_path / "opens.json"
+    chat.write_text(json.dumps({"conversations": [{"from": "gpt", "value": "Welcome back."}, *SHAREGPT]}))
+    assert main(["show", tok, str(chat)]) == 0
+    out = capsys.readouterr().out
+    assert "note: leading_assistant_dropped:" in out and "Welcome back." not in out
+    assert main(["show", tok, str(chat), "--leading-assistant", "keep"]) == 0
+    out = capsys.readouterr().out
+    assert "leading_assistant_dropped" not in out and "[Welcome back.<|im_end|>]" in out
+
+
+def test_show_labels_token_ids_and_text_pairs_as_the_job_does(tmp_path, capsys):
+    from lossmask.chat.tokenizer import load_tokenizer
+
+    tok = str(tokenizer_path("qwen2.5"))
+    ct = load_tokenizer(tok)
+    ids = ct.encode_with_offsets(ct.render(CHAT))[0].tolist()
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + json.dumps({"input_ids": ids}) + "\n")
+    assert main(["show", tok, str(tmp_path / "ids.jsonl"), "--row", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "note: a row of token ids, labelled by lossmask mask itself" in out
+    assert out.endswith("<|im_start|>assistant\n[Paris.<|im_end|>]\n\n")
+    (tmp_path / "text.json").write_text(json.dumps({"prompt": "Capital of France?", "completion": " Paris."}))
+    assert main(["show", tok, str(tmp_path / "text.json"), "--html", str(tmp_path / "text.html")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert main(["show", tok, str(tmp_path / "text.json")]) == 0
+    out = capsys.readouterr().out
+    assert "prompt and completion text (no chat template)" in out
+    assert "\nCapital of France?[ Paris." in out and "]" == out.rstrip()[-1]  # the completion and its EOS train

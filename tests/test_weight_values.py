@@ -41,16 +41,18 @@ def run_cli(folder, rows, *flags):
     with open(source, "w") as fh:
         fh.writelines(json.dumps({"messages": messages}) + "\n" for messages in rows)
     err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), \
-            warnings.catch_warnings(record=True) as caught:
+
+    def show(message, category, filename, lineno, file=None, line=None):  # Python's own, on stderr as the CLI would
+        if issubclass(category, UserWarning) and "fastokens" not in str(message):
+            err.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), warnings.catch_warnings():
         warnings.simplefilter("default")
+        warnings.showwarning = show
         code = main(["mask", source, output, "--tokenizer", str(tokenizer_path("chatml")), "--report", report,
                      "--no-progress", "--max-drop-fraction", "1", *flags])
-    # the warnings as the command line prints them on stderr (pytest records them instead)
-    said = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught
-                   if issubclass(w.category, UserWarning) and "fastokens" not in str(w.message))
     on_disk = json.loads(open(report).read()) if code == 0 else None
-    return code, said + err.getvalue(), on_disk, output
+    return code, err.getvalue(), on_disk, output
 
 
 # -- weights float32 cannot hold -------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
+from contextlib import contextmanager
 
 
 def _example(args: argparse.Namespace) -> int:
@@ -39,15 +41,18 @@ def _image_options(args: argparse.Namespace) -> dict:
 def _mask(args: argparse.Namespace) -> int:
     from .jobs.stopping import stop_on_signals
 
-    _fail_cleanly_on_signals()
-    _warnings_on_one_line()
-    with stop_on_signals():  # SIGTERM and Ctrl-C end the job between kernel calls, with one line
+    with _fail_cleanly_on_signals(), _warnings_on_one_line(), stop_on_signals():
+        # SIGTERM and Ctrl-C end the job between kernel calls, with one line
         return _mask_job(args)
 
 
 def _mask_job(args: argparse.Namespace) -> int:
     from .jobs.stopping import JobStopped
 
+    if args.show_tokens < 0:  # checked before the job, which --show follows
+        print(f"lossmask mask: error: --show-tokens {args.show_tokens}: give a number of tokens, 0 or more (0 prints "
+              "whole rows)", file=sys.stderr)
+        return 1
     try:
         from .options import MaskOptions
         from .jobs.stream import mask_files, preview_rows
@@ -59,9 +64,7 @@ def _mask_job(args: argparse.Namespace) -> int:
             truncation=args.truncation,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
             last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
-            special_tokens_in_content=args.special_tokens_in_content, consecutive_roles=args.consecutive_roles,
-            leading_assistant=args.leading_assistant, empty_messages=args.empty_messages, role_map=args.role_map,
-            drop_system_message=args.drop_system_message,
+            special_tokens_in_content=args.special_tokens_in_content, **_shape_options(args),
             check_roles=args.check_roles, roles_to_train=args.roles_to_train, weights_by_role=args.weights_by_role,
             weight_field=None if args.weight_field == "none" else args.weight_field,
             detail_field=None if args.detail_field == "none" else args.detail_field,
@@ -92,20 +95,41 @@ def _mask_job(args: argparse.Namespace) -> int:
             tokenizer = load_chat_tokenizer(args.tokenizer, chat_template=args.chat_template) if args.tokenizer else None
             colour = sys.stdout.isatty()
             legend = "trained tokens highlighted" if colour else "trained tokens in [brackets]"
-            print(f"\nfirst {args.show} rows of {args.output} ({legend}):")
+            rows = "first row" if args.show == 1 else f"first {args.show} rows"
+            print(f"\n{rows} of {args.output}, a line per message ({legend}):")
             print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
-                               labels_column=args.labels_column, colour=colour))
+                               labels_column=args.labels_column, colour=colour, markers=report.markers,
+                               max_tokens=args.show_tokens))
     except JobStopped as stop:
         print(f"lossmask mask: stopped by {stop.name} after {_escaped(args.output)} was written", file=sys.stderr)
         return 128 + stop.signum
     return 0
 
 
-def _warnings_on_one_line() -> None:
-    """Each warning a job gives is one line on stderr (``lossmask mask: warning: ...``), as its errors are."""
-    import warnings
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
-    warnings.formatwarning = lambda message, *_, **__: f"lossmask mask: warning: {_escaped(message)}\n"
+
+def format_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning of lossmask's as ``lossmask mask`` prints it: one line, ``lossmask mask: warning: ...``."""
+    return f"lossmask mask: warning: {_escaped(message)}\n"
+
+
+@contextmanager
+def _warnings_on_one_line():
+    """While the job runs, each warning lossmask gives is one line on stderr (``format_warning``), as its errors are;
+    other libraries' warnings keep the format they had, and that format is put back when the job ends."""
+    before = warnings.formatwarning
+
+    def formatted(message, category, filename, lineno, line=None):
+        if os.path.abspath(filename).startswith(_PACKAGE):
+            return format_warning(message, category, filename, lineno, line)
+        return before(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatted
+    try:
+        yield
+    finally:
+        warnings.formatwarning = before
 
 
 def _escaped(text: str) -> str:
@@ -125,17 +149,55 @@ def _error_text(exc: BaseException) -> str:
     return "\n".join(map(_escaped, lines))
 
 
-def _fail_cleanly_on_signals() -> None:
-    """Beyond the file size limit a write fails with an error (EFBIG) instead of SIGXFSZ killing the process with its
-    partial files in place. (SIGTERM and SIGINT: ``jobs.stopping.stop_on_signals``.)"""
+@contextmanager
+def _fail_cleanly_on_signals():
+    """While the job runs, a write beyond the file size limit fails with an error (EFBIG) instead of SIGXFSZ killing
+    the process with its partial files in place; the handler before is put back after. (SIGTERM and SIGINT:
+    ``jobs.stopping.stop_on_signals``.)"""
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGXFSZ"):
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGXFSZ"):
+        yield
+        return
+    before = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGXFSZ, before)
+
+
+def _add_shape_arguments(parser: argparse.ArgumentParser, title: str):
+    """The conversation-shape options, the same for ``mask`` and ``show`` (which reads a chat as the job would)."""
+    shapes = parser.add_argument_group(title)
+    shapes.add_argument("--consecutive-roles", choices=("merge", "keep"), default="merge",
+                        help="two or more user (or assistant, or system) messages in a row: join them with a blank "
+                             "line (default) or keep them apart")
+    shapes.add_argument("--leading-assistant", choices=("drop", "keep"), default="drop",
+                        help="messages before the first user message, other than system (a chat that opens with an "
+                             "assistant message): drop them (default, as FastChat and LLaMA-Factory do) or keep them")
+    shapes.add_argument("--empty-messages", choices=("drop", "keep"), default="drop",
+                        help="user, assistant or system messages with no text: drop them (default) or keep them. A row "
+                             "left with no user message followed by an assistant message is dropped as no_exchange")
+    shapes.add_argument("--drop-system-message", action="store_true",
+                        help="remove every system message before rendering (as axolotl's and LLaMA-Factory's option); "
+                             "a template's default system prompt is still written")
+    shapes.add_argument("--role-map", metavar="FROM=ROLE,...",
+                        help="ShareGPT input (a 'conversations' column of {from, value}): speaker names to roles, over "
+                             "the default human=user, gpt/chatgpt/bing/bard=assistant, system=system, "
+                             "function_call=assistant, observation/tool=tool")
+    return shapes
+
+
+def _shape_options(args: argparse.Namespace) -> dict:
+    return dict(consecutive_roles=args.consecutive_roles, leading_assistant=args.leading_assistant,
+                empty_messages=args.empty_messages, drop_system_message=args.drop_system_message,
+                role_map=args.role_map)
 
 
 def _add_mask_command(commands) -> None:
+    from .jobs.display import SHOW_TOKENS
+
     mask = commands.add_parser(
         "mask", help="label a dataset file by file, batch by batch, and write Parquet with labels",
         description="Label INPUT (Parquet file, folder or glob; Arrow IPC; JSONL) and write OUTPUT (Parquet), "
@@ -171,23 +233,7 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--special-tokens-in-content", choices=("text", "keep", "drop", "error"), default="text",
                       help="special-token strings inside message text: encode as ordinary text (default), keep as "
                            "control tokens, drop the row, or stop with an error naming it")
-    shapes = mask.add_argument_group("conversation shapes (docs/inputs.md; every change is counted in the report)")
-    shapes.add_argument("--consecutive-roles", choices=("merge", "keep"), default="merge",
-                        help="two or more user (or assistant, or system) messages in a row: join them with a blank "
-                             "line (default) or keep them apart")
-    shapes.add_argument("--leading-assistant", choices=("drop", "keep"), default="drop",
-                        help="messages before the first user message, other than system (a chat that opens with an "
-                             "assistant message): drop them (default, as FastChat and LLaMA-Factory do) or keep them")
-    shapes.add_argument("--empty-messages", choices=("drop", "keep"), default="drop",
-                        help="user, assistant or system messages with no text: drop them (default) or keep them. A row "
-                             "left with no user message followed by an assistant message is dropped as no_exchange")
-    shapes.add_argument("--drop-system-message", action="store_true",
-                        help="remove every system message before rendering (as axolotl's and LLaMA-Factory's option); "
-                             "a template's default system prompt is still written")
-    shapes.add_argument("--role-map", metavar="FROM=ROLE,...",
-                        help="ShareGPT input (a 'conversations' column of {from, value}): speaker names to roles, over "
-                             "the default human=user, gpt/chatgpt/bing/bard=assistant, system=system, "
-                             "function_call=assistant, observation/tool=tool")
+    shapes = _add_shape_arguments(mask, "conversation shapes (docs/inputs.md; every change is counted in the report)")
     shapes.add_argument("--check-roles", choices=("unusual", "all"), default="unusual",
                         help="rows checked for user, system or tool text that trains and assistant text that does not "
                              "(labelled from their rendering, else dropped as template_breaks_roles): every row of "
@@ -240,7 +286,11 @@ def _add_mask_command(commands) -> None:
                            "where cores and rows pay for them (one process on 2 cores)")
     mask.add_argument("--report", metavar="FILE.json", help="write the report as JSON")
     mask.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
-    mask.add_argument("--show", type=int, default=0, metavar="N", help="print the first N output rows, trained tokens marked")
+    mask.add_argument("--show", type=int, default=0, metavar="N",
+                      help="print the first N output rows, a line per message, trained tokens marked")
+    mask.add_argument("--show-tokens", type=int, default=SHOW_TOKENS, metavar="N",
+                      help="--show prints about N tokens of a row (default %(default)s): past that, each message's "
+                           "head and tail, with the count of what was left out; 0 prints whole rows")
     mask.set_defaults(run=_mask)
 
 
@@ -250,8 +300,12 @@ def _show(args: argparse.Namespace) -> int:
 
     try:
         check_tokenizer_path(args.tokenizer)
-        return run_show(args.tokenizer, args.conversation, html_path=args.html, model_name=args.model_name)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+        from .options import MaskOptions
+
+        options = MaskOptions(**_shape_options(args))
+        return run_show(args.tokenizer, args.conversation, html_path=args.html, model_name=args.model_name,
+                        row=args.row, options=options)
+    except (ValueError, TypeError, OSError, ImportError) as exc:
         print(f"lossmask show: error: {_error_text(exc)}", file=sys.stderr)
         return 1
 
@@ -271,12 +325,18 @@ def _detect(args: argparse.Namespace) -> int:
 def _add_show_commands(commands) -> None:
     show = commands.add_parser(
         "show", help="render a conversation and show which tokens train (terminal or HTML page)",
-        description="Render CONVERSATION.json (a list of messages, or {\"messages\": [...], \"tools\": [...]}; default: a "
-        "built-in sample with a system prompt, several turns and a tool call) with the tokenizer's chat template, "
+        description="Render a chat (CHAT: one chat as JSON, or a row of a data file; default: a built-in sample with a "
+        "system prompt, several turns and a tool call) with the tokenizer's chat template, as `lossmask mask` would, "
         "choose markers as training would (detection, then the template table), and show the trained tokens.",
     )
     show.add_argument("tokenizer", metavar="TOKENIZER", help="tokenizer folder (tokenizer.json + tokenizer_config.json)")
-    show.add_argument("conversation", metavar="CONVERSATION.json", nargs="?", help="default: the built-in sample")
+    show.add_argument("conversation", metavar="CHAT", nargs="?",
+                      help="a JSON file with one chat ({\"messages\": [...], \"tools\": [...]}, ShareGPT's "
+                           "{\"conversations\": [{\"from\", \"value\"}, ...]}, prompt + completion, or a bare list "
+                           "of messages), or any input `lossmask mask` reads (JSON Lines, a JSON array, Parquet, Arrow "
+                           "IPC, compressed; token ids too); default: the built-in sample")
+    show.add_argument("--row", type=int, default=0, metavar="N", help="the row of CHAT to show (from 0; default 0)")
+    _add_shape_arguments(show, "conversation shapes, as lossmask mask applies them (docs/inputs.md)")
     show.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML page instead of printing")
     show.add_argument("--model-name", metavar="NAME", help="model name, for the template table when detection fails")
     show.set_defaults(run=_show)
@@ -311,9 +371,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``) and return its exit status. Called from Python (a
+    test, a notebook), it leaves the process as it found it: warning format, signal handlers, environment."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    # transformers' advice on import ("PyTorch was not found ...") concerns its models, which no command but lora uses
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    with _quiet_transformers_advice():
+        return _run(argv)
+
+
+@contextmanager
+def _quiet_transformers_advice():
+    """transformers' advice on import ("PyTorch was not found ...") concerns its models, which no command but lora
+    uses: silenced for the run, unless the caller set it; the environment is as it was afterwards."""
+    name = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["lora"]:  # mlx-lm's own parser reads the rest (lossmask.lora)
         from .lora import main as lora_main
 

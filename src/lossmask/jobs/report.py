@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..chat.shapes import LEADING_ASSISTANT_DROPPED
 from ..engine.outcomes import DROP_REASONS, INVALID, REJECTED_REASONS, SHAPE_REASONS, WEIGHTS_ZERO, Outcome
 from ..engine.patterns import Markers
 from ..engine.tally import Tally
@@ -192,6 +193,7 @@ class MaskReport:
         if self.shapes:
             changed = ", ".join(f"{shape} {n:,}" for shape, n in self.shapes.items())
             lines.append(f"conversation shapes changed before rendering (rows): {changed}; see docs/inputs.md")
+            lines.extend(_shape_sentences(self.shapes, self.rows_in))
         if self.labelled_from_rendering:
             lines.append(
                 f"labelled_from_rendering: {self.labelled_from_rendering:,} rows whose turns the markers cannot tell "
@@ -246,6 +248,17 @@ class MaskReport:
             lines.append("  (a small job: loading, marker detection and the first call of the compiled kernel dominate; "
                          "the throughput figures in docs/benchmarks.md are measured on a million rows)")
         return lines
+
+
+def _shape_sentences(shapes: dict[str, int], rows_in: int) -> list[str]:
+    """What a shape change that costs trained text means for the data, in one plain sentence each."""
+    rows = shapes.get(LEADING_ASSISTANT_DROPPED, 0)
+    if not rows:
+        return []
+    share = f" ({rows / rows_in:.1%})" if rows_in else ""
+    return [f"  {LEADING_ASSISTANT_DROPPED}: {rows:,} of {rows_in:,} rows{share} opened with an assistant message before "
+            "any user message, and that message was removed, so it does not train; --leading-assistant keep "
+            "(leading_assistant=\"keep\") keeps it where the template renders a chat that opens so"]
 
 
 def marker_texts(markers: dict[str, list[list[int]]], decode: Callable[[int], str]) -> dict[str, list[str]]:

@@ -22,6 +22,7 @@ from typing import Any, Callable, NamedTuple
 import pyarrow as pa
 
 from ..engine import one_thread
+from .display import SHOW_TOKENS
 from .inputs import InputFiles, open_inputs
 from ..chat.turn_spans import FromRendering
 from ..engine.patterns import Markers
@@ -648,22 +649,33 @@ def check_tokenizer_path(tokenizer: Any, *, loaded: bool | None = None) -> None:
 
 
 def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, input_ids_column: str = "input_ids",
-                 labels_column: str = "labels", ignore_index: int = -100, colour: bool = False) -> str:
-    """The first ``rows`` rows of a masked Parquet file as token text, trained tokens highlighted."""
+                 labels_column: str = "labels", ignore_index: int = -100, colour: bool = False,
+                 markers: Markers | dict | None = None, max_tokens: int = SHOW_TOKENS) -> str:
+    """The first ``rows`` rows of a masked Parquet file as token text, trained tokens highlighted, a line per
+    message (where ``markers``' instruction and response patterns begin, and where each trained run ends). A row
+    longer than ``max_tokens`` (0: no limit) shows each message's head and tail, the count of what was left out
+    where ``…`` stands (``display.preview_lines``)."""
     import pyarrow.parquet as pq
 
-    from .display import render_tokens
+    from .display import message_starts, preview_lines
 
     table = pq.ParquetFile(path).iter_batches(batch_size=rows, columns=[input_ids_column, labels_column])
     batch = next(table, None)
     if batch is None:
         return "(no rows)"
+    if isinstance(markers, Markers):
+        markers = markers.to_dict()
+    headers = [p for kind in ("instruction", "response") for p in (markers or {}).get(kind) or ()]
     lines = []
     for r, (ids, labels) in enumerate(zip(batch.column(0).to_pylist()[:rows], batch.column(1).to_pylist()[:rows])):
         texts = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in ids]
-        texts = [repr(t)[1:-1] for t in texts]
         trained = [label != ignore_index for label in labels]
-        lines.append(f"row {r} ({sum(trained)} of {len(ids)} tokens trained):\n  " + render_tokens(texts, trained, colour=colour))
+        starts = message_starts(ids, trained, headers, texts if tokenizer is not None else None)
+        texts = [repr(t)[1:-1] for t in texts]
+        body, left_out = preview_lines(texts, trained, starts, max_tokens=max_tokens, colour=colour)
+        cut = f"; {left_out:,} of them left out where … stands" if left_out else ""
+        lines.append(f"row {r} ({sum(trained):,} of {len(ids):,} tokens trained{cut}):")
+        lines.extend("  " + line for line in body)
     return "\n".join(lines)
 
 
