@@ -275,7 +275,10 @@ def render_chats(tok, chats: list) -> tuple[list[str | None], list[tuple[int, st
 
 
 def _encode_text_pairs(tok, prompts, completions, options, *, first_row: int) -> EncodedBatch:
-    """Plain-text prompt/completion: prompt ids, completion ids, then EOS unless the completion ends with it."""
+    """Plain-text prompt/completion, as TRL and the tokenizer's own ``__call__`` tokenise it: what the tokenizer's
+    post-processor puts before a text (its BOS; ``ChatTokenizer.text_affixes``), unless the prompt's ids already
+    begin with it, then the prompt ids, the completion ids, the EOS unless the completion ends with it, and what the
+    post-processor puts after a text, unless the row already ends with it. Nothing is ever doubled."""
     p_text, c_text = prompts.to_pylist(), completions.to_pylist()
     valid = np.array([p is not None and c is not None for p, c in zip(p_text, c_text)], dtype=bool)
     errors = [
@@ -288,35 +291,58 @@ def _encode_text_pairs(tok, prompts, completions, options, *, first_row: int) ->
     keep = np.flatnonzero(valid)
     p_ids = _encode_plain(tok, [p_text[r] for r in keep], as_text[keep])
     c_ids = _encode_plain(tok, [c_text[r] for r in keep], as_text[keep])
+    before, after = tok.text_affixes
+    p_offsets, c_offsets = p_ids.offsets.to_numpy(), c_ids.offsets.to_numpy()
+    p_vals, c_vals = p_ids.values.to_numpy(), c_ids.values.to_numpy()
+    bos = ~_ends_with(p_vals, p_offsets, before, at_start=True)
     eos = tok.eos_token_id
-    p_len = np.diff(p_ids.offsets.to_numpy()).astype(np.int64)
-    c_len = np.diff(c_ids.offsets.to_numpy()).astype(np.int64)
-    c_vals = c_ids.values.to_numpy()
-    c_ends = c_ids.offsets.to_numpy()[1:]
-    needs_eos = np.zeros(len(keep), dtype=np.int64)
-    if eos is not None:
-        last = np.where(c_len > 0, c_vals[np.maximum(c_ends - 1, 0)] if c_vals.size else -1, -1)
-        needs_eos = (last != eos).astype(np.int64)
-    lengths = p_len + c_len + needs_eos
-    offsets = np.zeros(len(keep) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.empty(int(offsets[-1]), dtype=np.int32)
-    starts = offsets[:-1]
-    # scatter prompt, completion and EOS into place, by position, with no loop over rows
-    within = np.arange(values.size, dtype=np.int64) - np.repeat(starts, lengths)
-    row_of = np.repeat(np.arange(len(keep)), lengths)
-    in_prompt = within < p_len[row_of]
-    in_completion = ~in_prompt & (within < (p_len + c_len)[row_of])
-    values[in_prompt] = p_ids.values.to_numpy()
-    values[in_completion] = c_vals
-    if eos is not None:
-        values[~in_prompt & ~in_completion] = eos
+    needs_eos = ~_ends_with(c_vals, c_offsets, (eos,)) if eos is not None else np.zeros(len(keep), dtype=bool)
+    # the row's last ids so far are the EOS where one is appended, else the completion's own
+    tail = (after == (eos,)) & needs_eos if after else np.zeros(len(keep), dtype=bool)
+    suffix = ~_ends_with(c_vals, c_offsets, after) & ~tail
+    offsets, values = _join_rows([
+        _repeated(before, bos), (np.diff(p_offsets), p_vals), (np.diff(c_offsets), c_vals),
+        _repeated((eos,) if eos is not None else (), needs_eos), _repeated(after, suffix),
+    ])
     arr = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
-    prompt_lengths = p_len
+    prompt_lengths = np.diff(p_offsets).astype(np.int64) + bos * len(before)
     if options.max_length is not None:
         arr = _truncate(arr, options.max_length)
     return EncodedBatch(_as_list32(arr), valid, errors, prompt_lengths=prompt_lengths, dropped=dropped,
                         special_rows=special_rows, special_example=special_example)
+
+
+def _ends_with(values: np.ndarray, offsets: np.ndarray, ids: tuple[int, ...], *, at_start: bool = False) -> np.ndarray:
+    """Per row of ``(offsets, values)``: do its ids end with ``ids`` (begin with them, ``at_start``)? False for
+    every row when ``ids`` is empty."""
+    lengths = np.diff(offsets)
+    found = (lengths >= len(ids)) & bool(ids)
+    for k, token in enumerate(ids):
+        where = offsets[:-1] + k if at_start else offsets[1:] - len(ids) + k
+        found &= values[np.clip(where, 0, max(values.size - 1, 0))] == token if values.size else False
+    return found
+
+
+def _repeated(ids: tuple[int, ...], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` in each row where ``rows`` is True, nothing in the others: a ragged part for ``_join_rows``."""
+    lengths = rows.astype(np.int64) * len(ids)
+    return lengths, np.tile(np.asarray(ids, dtype=np.int64), int(rows.sum()))
+
+
+def _join_rows(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged parts ``(lengths, values)`` of the same rows, joined row by row in order: ``(offsets, values)`` of
+    int32 ids, placed by position with no loop over rows."""
+    lengths = np.stack([np.asarray(n, dtype=np.int64) for n, _ in parts])
+    offsets = np.zeros(lengths.shape[1] + 1, dtype=np.int64)
+    np.cumsum(lengths.sum(axis=0), out=offsets[1:])
+    out = np.empty(int(offsets[-1]), dtype=np.int32)
+    start = offsets[:-1].copy()
+    for n, (_, values) in zip(lengths, parts):
+        if values.size:
+            within = np.arange(values.size, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+            out[np.repeat(start, n) + within] = values
+        start += n
+    return offsets, out
 
 
 def _special_text_pairs(tok, p_text, c_text, valid, options, first_row):
