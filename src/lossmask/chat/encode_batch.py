@@ -74,6 +74,8 @@ class RenderedBatch:
     dropped: list[tuple[int, str, str]] = field(default_factory=list)  # (row, reason, message): no_exchange
     shapes: dict[str, int] = field(default_factory=dict)  # rows the shape policy changed, per shape
     check: list[bool] | None = None  # per text: check the role invariant on it (shapes.normalise_shapes)
+    # per text: the message index before which assistant turns weigh 0 (a conversational prompt's own turns), or None
+    trained_from: list[int | None] | None = None
 
 
 def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0,
@@ -107,11 +109,10 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         where = column
         columns = [column]
     else:
-        prompts = table.column(options.prompt_column)
-        completions = table.column(options.completion_column)
+        completions = messages_from_arrow(table.column(options.completion_column))
         conversations = [
             None if p is None or c is None else p + c
-            for p, c in zip(messages_from_arrow(prompts), messages_from_arrow(completions))
+            for p, c in zip(messages_from_arrow(table.column(options.prompt_column)), completions)
         ]
         where = f"{options.prompt_column}+{options.completion_column}"
         columns = [options.prompt_column, options.completion_column]
@@ -121,10 +122,14 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     errors: list[tuple[int, str]] = []
     # the conversation-shape policy (shapes.py), before the template sees a row
     shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(tok))
+    # conversational prompt/completion: how many of each row's last assistant turns are its completion's (the rest,
+    # the prompt's own, weigh 0), unless the prompt's turns are asked to train too
+    turns = completion_turns(completions, options, takes_content_parts(tok)) \
+        if kind != "messages" and not options.train_prompt_turns else None
     errors += [(first_row + r, f"column {where!r}: {message}") for r, message in shaped.invalid]
     dropped = [(first_row + r, reason, message) for r, reason, message in shaped.dropped]
     refused = {r for r, _ in shaped.invalid} | {r for r, _, _ in shaped.dropped}
-    chats, rows, check = [], [], []
+    chats, rows, check, completion = [], [], [], []
     for r, messages in enumerate(shaped.conversations):
         if r in refused:
             continue
@@ -139,6 +144,7 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         chats.append(messages if not row_tools else {"messages": messages, "tools": row_tools})
         rows.append(r)
         check.append(shaped.unusual[r])
+        completion.append(turns[r] if turns is not None else None)
     convert = time.perf_counter()
     texts, failures = tok.direct_render.render(chats) if plain else render_chats(tok, chats)
     texts = list(texts)
@@ -154,6 +160,10 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     texts = [text for text in texts if text is not None]
     chats = [_messages_of(chat) for chat, good in zip(chats, ok) if good]
     check = [c for c, good in zip(check, ok) if good]
+    trained_from = [first_trained(chat, n) for chat, n in zip(chats, (n for n, good in zip(completion, ok) if good))] \
+        if turns is not None else None
+    if trained_from is not None and all(k is None for k in trained_from):
+        trained_from = None
     row_numbers = (first_row + ok_rows).tolist()
     seconds = {"read_messages": convert - started, "render": rendered - convert}
     shapes = {shape: n for shape, n in shaped.shapes.items() if n}
@@ -161,12 +171,33 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         shapes[EARLIEST_TURNS_DROPPED] = shortened
     if not locate:
         return RenderedBatch(texts, chats, row_numbers, valid, errors, seconds=seconds, dropped=dropped, shapes=shapes,
-                             check=check)
+                             check=check, trained_from=trained_from)
     located = locate_rendered(tok, texts, chats, special_tokens_in_content=options.special_tokens_in_content,
-                              row_numbers=row_numbers, check=check, weigh=options)
+                              row_numbers=row_numbers, check=check, weigh=options, trained_from=trained_from)
     seconds["locate"] = time.perf_counter() - rendered
     return RenderedBatch(texts, [], row_numbers, valid, errors, seconds=seconds, located=located, dropped=dropped,
                          shapes=shapes)
+
+
+def completion_turns(completions: list, options: Any, takes_parts: bool) -> list[int]:
+    """How many assistant messages each conversational completion holds once the shape policy has read it (behind a
+    user message, as it stands in its row). A completion is its row's tail, so these are the row's last ones."""
+    opener = {"role": "user", "content": "?"}
+    shaped = normalise_shapes([None if c is None else [opener, *c] for c in completions], options,
+                              takes_parts=takes_parts)
+    return [0 if messages is None else sum(1 for m in messages[1:] if isinstance(m, dict) and m.get("role") == "assistant")
+            for messages in shaped.conversations]
+
+
+def first_trained(messages: Any, completion: int) -> int | None:
+    """The index of the first of a row's last ``completion`` assistant messages (the completion's), before which the
+    prompt's assistant turns weigh 0; None when the prompt holds none (nothing to leave out)."""
+    if not isinstance(messages, list):
+        return None
+    assistants = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
+    if len(assistants) <= completion:
+        return None
+    return assistants[-completion] if completion else len(messages)
 
 
 EARLIEST_TURNS_DROPPED = "earliest_turns_dropped"  # truncation="history": rows that lost their first exchanges
@@ -218,6 +249,7 @@ def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, 
             tok, rendered.texts, rendered.chats,
             special_tokens_in_content=options.special_tokens_in_content, max_length=options.max_length,
             row_numbers=rendered.rows, positions=positions, check=rendered.check, weigh=options,
+            trained_from=rendered.trained_from,
         )
     valid = rendered.valid
     if not encoded.keep.all():
