@@ -130,3 +130,24 @@ def test_a_prompt_without_an_assistant_turn_is_labelled_as_before():
                       tokenizer=chat_tokenizer("llama-3.1"), kind="messages")
     assert out.column("labels").to_pylist() == chat.column("labels").to_pylist()
     assert not tally.weights_by_role  # no row weighed by message: the plain path
+
+
+def test_cli_train_prompt_turns_trains_the_prompts_assistant_turn(tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+
+    from conftest import tokenizer_path
+    from lossmask.cli import main
+
+    with open(tmp_path / "in.jsonl", "w", encoding="utf-8") as out:
+        out.write(json.dumps({"prompt": HISTORY, "completion": COMPLETION}) + "\n")
+    ct = chat_tokenizer("qwen2.5")
+    trained = {}
+    for flags in ([], ["--train-prompt-turns"]):
+        assert main(["mask", str(tmp_path / "in.jsonl"), str(tmp_path / "out.parquet"), "--tokenizer",
+                     str(tokenizer_path("qwen2.5")), "--no-progress", *flags]) == 0
+        table = pq.read_table(tmp_path / "out.parquet")
+        ids, labels = table.column("input_ids").to_pylist()[0], table.column("labels").to_pylist()[0]
+        trained[bool(flags)] = ct.decode([i for i, label in zip(ids, labels) if label != -100])
+    assert trained == {False: "It is 8.<|im_end|>", True: "It is 4.<|im_end|>It is 8.<|im_end|>"}
