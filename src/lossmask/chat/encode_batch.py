@@ -326,18 +326,18 @@ def _encode_text_pairs(tok, prompts, completions, options, *, first_row: int) ->
     before, after = tok.text_affixes
     p_offsets, c_offsets = p_ids.offsets.to_numpy(), c_ids.offsets.to_numpy()
     p_vals, c_vals = p_ids.values.to_numpy(), c_ids.values.to_numpy()
-    bos = ~_ends_with(p_vals, p_offsets, before, at_start=True)
+    add_before = ~_ends_with(p_vals, p_offsets, before, at_start=True)
     eos = tok.eos_token_id
     needs_eos = ~_ends_with(c_vals, c_offsets, (eos,)) if eos is not None else np.zeros(len(keep), dtype=bool)
     # the row's last ids so far are the EOS where one is appended, else the completion's own
     tail = (after == (eos,)) & needs_eos if after else np.zeros(len(keep), dtype=bool)
-    suffix = ~_ends_with(c_vals, c_offsets, after) & ~tail
+    add_after = ~_ends_with(c_vals, c_offsets, after) & ~tail
     offsets, values = _join_rows([
-        _repeated(before, bos), (np.diff(p_offsets), p_vals), (np.diff(c_offsets), c_vals),
-        _repeated((eos,) if eos is not None else (), needs_eos), _repeated(after, suffix),
+        _repeated(before, add_before), (np.diff(p_offsets), p_vals), (np.diff(c_offsets), c_vals),
+        _repeated((eos,) if eos is not None else (), needs_eos), _repeated(after, add_after),
     ])
     arr = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
-    prompt_lengths = np.diff(p_offsets).astype(np.int64) + bos * len(before)
+    prompt_lengths = np.diff(p_offsets).astype(np.int64) + add_before * len(before)
     if options.max_length is not None:
         arr = _truncate(arr, options.max_length)
     return EncodedBatch(_as_list32(arr), valid, errors, prompt_lengths=prompt_lengths, dropped=dropped,
