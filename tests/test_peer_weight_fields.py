@@ -98,6 +98,18 @@ def test_ms_swift_loss_false_switches_off_whatever_the_scale():
     assert weighted_text("chatml", out) == [("Second answer<|im_end|>", 1.0)]
 
 
+def test_ms_swift_stop_token_takes_its_turns_weight_here():
+    # docs/weights.md, ms-swift: ms-swift weighs the stop token 1 whatever loss_scale says, and trains the last one
+    # after loss: false; lossmask gives it the turn's weight, and train_on_eos="last" trains that last one at 1
+    out, _ = label("chatml", [turns("Hi there", "Hi", fields={1: {"loss_scale": 0.5}})])
+    assert weighted_text("chatml", out) == [("Hi<|im_end|>", 0.5)]
+    rows = [turns("Hi there", "A", "And then?", "B", fields={3: {"loss": False}})]
+    out, _ = label("chatml", rows)
+    assert weighted_text("chatml", out) == [("A<|im_end|>", 1.0)]
+    out, _ = label("chatml", rows, train_on_eos="last")
+    assert weighted_text("chatml", out) == [("A", 1.0), ("<|im_end|>", 1.0)]
+
+
 def test_a_boolean_field_alone_still_trains_at_one():
     rows = [turns("Hi there", "Alpha beta", "And then?", "Second answer", fields={1: {"loss": True}})]
     out, _ = label("chatml", rows, weights_by_role={"assistant": 0.5})

@@ -339,9 +339,9 @@ def test_sft_trainer_with_the_mixin_and_gradient_accumulation(tmp_path, tok):
     assert sum(s[1] for s in seen) == pytest.approx(everything, rel=1e-6)
 
 
-def _one_step(tmp_path, tok, rows, markers, *, batch, accumulation, per_sequence, mixin):
+def _one_step(tmp_path, tok, rows, markers, *, batch, accumulation, per_sequence, mixin, switched=False):
     """One optimiser step of SFTTrainer (SGD) over ``rows``: the losses each micro-batch returned, and the weights
-    after the step."""
+    after the step. ``switched``: the loss is attached with the other ``per_sequence`` and switched afterwards."""
     from datasets import Dataset
     from trl import SFTTrainer
 
@@ -363,10 +363,11 @@ def _one_step(tmp_path, tok, rows, markers, *, batch, accumulation, per_sequence
         trainer = Trainer(model=model, args=_sft_args(tmp_path, **extra), train_dataset=Dataset.from_list(rows),
                           processing_class=tok, data_collator=collator)
     else:
-        loss = Recording(per_sequence=per_sequence)
+        loss = Recording(per_sequence=per_sequence != switched)
         trainer = SFTTrainer(model=model, args=_sft_args(tmp_path, **extra), train_dataset=Dataset.from_list(rows),
                              processing_class=tok, data_collator=collator, compute_loss_func=loss)
         loss.attach(trainer)
+        loss.per_sequence = per_sequence
     trainer.train()
     return (losses if mixin else loss.losses), [p.detach().clone() for p in model.parameters()]
 
@@ -385,6 +386,20 @@ def test_gradient_accumulation_equals_one_batch_of_the_same_rows(tmp_path, tok, 
     halves, after_halves = _one_step(tmp_path / "halves", tok, rows, markers, batch=2, accumulation=2,
                                      per_sequence=per_sequence, mixin=mixin)
     assert len(whole) == 1 and len(halves) == 2
+    assert sum(halves) == pytest.approx(whole[0], rel=1e-5)
+    for a, b in zip(after_whole, after_halves):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["per_token", "per_sequence"])
+def test_per_sequence_switched_after_attach_takes_effect(tmp_path, tok, per_sequence):
+    """A loss attached (as train_on_responses_only installs it) and then switched to the other mean divides each
+    micro-batch by the accumulated batch's weight of the mean it now computes: the step is that of one batch."""
+    rows, markers = _labelled_chats(tok, 4)
+    whole, after_whole = _one_step(tmp_path / "whole", tok, rows, markers, batch=4, accumulation=1,
+                                   per_sequence=per_sequence, mixin=False)
+    halves, after_halves = _one_step(tmp_path / "halves", tok, rows, markers, batch=2, accumulation=2,
+                                     per_sequence=per_sequence, mixin=False, switched=True)
     assert sum(halves) == pytest.approx(whole[0], rel=1e-5)
     for a, b in zip(after_whole, after_halves):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

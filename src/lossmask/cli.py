@@ -63,7 +63,8 @@ def _mask_job(args: argparse.Namespace) -> int:
             labels_column=args.labels_column, completion_mask=args.completion_mask, max_length=args.max_length,
             truncation=args.truncation,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
-            last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
+            last_turn_only=args.last_turn_only, train_prompt_turns=args.train_prompt_turns,
+            batch_size=args.batch_size, label_dtype=args.label_dtype,
             special_tokens_in_content=args.special_tokens_in_content, **_shape_options(args),
             check_roles=args.check_roles, roles_to_train=args.roles_to_train, weights_by_role=args.weights_by_role,
             weight_field=None if args.weight_field == "none" else args.weight_field,
@@ -276,6 +277,9 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--max-drop-fraction", type=float, default=0.30, metavar="F",
                       help="abort, writing nothing, when more than F of the rows train nothing (default %(default)s)")
     mask.add_argument("--last-turn-only", action="store_true", help="train only the last assistant turn of each row")
+    mask.add_argument("--train-prompt-turns", action="store_true",
+                      help="conversational prompt/completion rows: train the assistant turns inside the prompt too "
+                           "(default: only the completion trains, as TRL's completion_only_loss does)")
     mask.add_argument("--batch-size", type=int, default=16_384, metavar="ROWS", help="rows per batch (bounds memory; default %(default)s)")
     mask.add_argument("--label-dtype", choices=("int64", "int32"), default="int64",
                       help="labels as int64 (the Hugging Face convention) or int32 (smaller files, faster writes)")

@@ -453,8 +453,9 @@ def _window_total(trainer: Any, batches: Sequence[Any], device: Any, *, per_sequ
     return total
 
 
-def _watch_windows(trainer: Any, keep: Any, *, per_sequence: bool = False, ignore_index: int = -100) -> None:
-    """Wrap ``trainer.get_batch_samples`` so that each accumulated batch's ``_window_total`` goes to ``keep``."""
+def _watch_windows(trainer: Any, keep: Any) -> None:
+    """Wrap ``trainer.get_batch_samples`` so that each accumulated batch's micro-batches go to ``keep(trainer,
+    batches, device)`` as they are fetched (it works out their ``_window_total`` with the settings of that moment)."""
     fetch = getattr(trainer, "get_batch_samples", None)
     if not callable(fetch):
         return
@@ -462,7 +463,7 @@ def _watch_windows(trainer: Any, keep: Any, *, per_sequence: bool = False, ignor
 
     def get_batch_samples(epoch_iterator, num_batches, device):
         batches, num_items = fetch(epoch_iterator, num_batches, device)
-        keep(_window_total(trainer, batches, device, per_sequence=per_sequence, ignore_index=ignore_index))
+        keep(trainer, batches, device)
         return batches, num_items
 
     get_batch_samples._lossmask_fetch = fetch
@@ -530,12 +531,14 @@ class WeightedLoss:
         model._lossmask_weighted_loss_hook = model.register_forward_pre_hook(self._take_batch, with_kwargs=True)
         if model is not trainer_or_model:
             keep_weight_columns(trainer_or_model)
-            _watch_windows(trainer_or_model, self._keep_window, per_sequence=self.per_sequence,
-                          ignore_index=self.ignore_index)
+            _watch_windows(trainer_or_model, self._keep_window)
         return self
 
-    def _keep_window(self, total):
-        self._window = total
+    def _keep_window(self, trainer, batches, device):
+        # read per_sequence and ignore_index now, not at attach: a loss switched after it was installed (by
+        # train_on_responses_only) divides by the window its own mean needs
+        self._window = _window_total(trainer, batches, device, per_sequence=self.per_sequence,
+                                     ignore_index=self.ignore_index)
 
     def _take_batch(self, module, args, kwargs):
         self._batch = {"loss_weights": kwargs.pop(WEIGHTS_COLUMN, None), "input_ids": kwargs.get("input_ids"),

@@ -70,6 +70,9 @@ class MaskOptions:
     # until it fits, as LLaMA-Factory's mask_history does; the last exchange is cut at the end only when alone too long)
     truncation: str = "end"
     last_turn_only: bool = False
+    # conversational prompt/completion rows: the completion trains, as TRL's completion_only_loss does; True also trains
+    # the assistant turns inside the prompt (docs/inputs.md, "Prompt/completion rows")
+    train_prompt_turns: bool = False
     ignore_index: int = -100
     label_dtype: str = "int64"
     backend: str | None = None

@@ -76,6 +76,8 @@ class RenderedBatch:
     dropped: list[tuple[int, str, str]] = field(default_factory=list)  # (row, reason, message): no_exchange
     shapes: dict[str, int] = field(default_factory=dict)  # rows the shape policy changed, per shape
     check: list[bool] | None = None  # per text: check the role invariant on it (shapes.normalise_shapes)
+    # per text: the message index before which assistant turns weigh 0 (a conversational prompt's own turns), or None
+    trained_from: list[int | None] | None = None
 
 
 def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0,
@@ -109,11 +111,10 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         where = column
         columns = [column]
     else:
-        prompts = table.column(options.prompt_column)
-        completions = table.column(options.completion_column)
+        completions = messages_from_arrow(table.column(options.completion_column))
         conversations = [
             None if p is None or c is None else p + c
-            for p, c in zip(messages_from_arrow(prompts), messages_from_arrow(completions))
+            for p, c in zip(messages_from_arrow(table.column(options.prompt_column)), completions)
         ]
         where = f"{options.prompt_column}+{options.completion_column}"
         columns = [options.prompt_column, options.completion_column]
@@ -123,10 +124,14 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     errors: list[tuple[int, str]] = []
     # the conversation-shape policy (shapes.py), before the template sees a row
     shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(tok))
+    # conversational prompt/completion: how many of each row's last assistant turns are its completion's (the rest,
+    # the prompt's own, weigh 0), unless the prompt's turns are asked to train too
+    turns = completion_turns(completions, options, takes_content_parts(tok)) \
+        if kind != "messages" and not options.train_prompt_turns else None
     errors += [(first_row + r, f"column {where!r}: {message}") for r, message in shaped.invalid]
     dropped = [(first_row + r, reason, message) for r, reason, message in shaped.dropped]
     refused = {r for r, _ in shaped.invalid} | {r for r, _, _ in shaped.dropped}
-    chats, rows, check = [], [], []
+    chats, rows, check, completion = [], [], [], []
     for r, messages in enumerate(shaped.conversations):
         if r in refused:
             continue
@@ -141,6 +146,7 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         chats.append(messages if not row_tools else {"messages": messages, "tools": row_tools})
         rows.append(r)
         check.append(shaped.unusual[r])
+        completion.append(turns[r] if turns is not None else None)
     convert = time.perf_counter()
     texts, failures = tok.direct_render.render(chats) if plain else render_chats(tok, chats)
     texts = list(texts)
@@ -156,6 +162,10 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     texts = [text for text in texts if text is not None]
     chats = [_messages_of(chat) for chat, good in zip(chats, ok) if good]
     check = [c for c, good in zip(check, ok) if good]
+    trained_from = [first_trained(chat, n) for chat, n in zip(chats, (n for n, good in zip(completion, ok) if good))] \
+        if turns is not None else None
+    if trained_from is not None and all(k is None for k in trained_from):
+        trained_from = None
     row_numbers = (first_row + ok_rows).tolist()
     seconds = {"read_messages": convert - started, "render": rendered - convert}
     shapes = {shape: n for shape, n in shaped.shapes.items() if n}
@@ -163,12 +173,33 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
         shapes[EARLIEST_TURNS_DROPPED] = shortened
     if not locate:
         return RenderedBatch(texts, chats, row_numbers, valid, errors, seconds=seconds, dropped=dropped, shapes=shapes,
-                             check=check)
+                             check=check, trained_from=trained_from)
     located = locate_rendered(tok, texts, chats, special_tokens_in_content=options.special_tokens_in_content,
-                              row_numbers=row_numbers, check=check, weigh=options)
+                              row_numbers=row_numbers, check=check, weigh=options, trained_from=trained_from)
     seconds["locate"] = time.perf_counter() - rendered
     return RenderedBatch(texts, [], row_numbers, valid, errors, seconds=seconds, located=located, dropped=dropped,
                          shapes=shapes)
+
+
+def completion_turns(completions: list, options: Any, takes_parts: bool) -> list[int]:
+    """How many assistant messages each conversational completion holds once the shape policy has read it (behind a
+    user message, as it stands in its row). A completion is its row's tail, so these are the row's last ones."""
+    opener = {"role": "user", "content": "?"}
+    shaped = normalise_shapes([None if c is None else [opener, *c] for c in completions], options,
+                              takes_parts=takes_parts)
+    return [0 if messages is None else sum(1 for m in messages[1:] if isinstance(m, dict) and m.get("role") == "assistant")
+            for messages in shaped.conversations]
+
+
+def first_trained(messages: Any, completion: int) -> int | None:
+    """The index of the first of a row's last ``completion`` assistant messages (the completion's), before which the
+    prompt's assistant turns weigh 0; None when the prompt holds none (nothing to leave out)."""
+    if not isinstance(messages, list):
+        return None
+    assistants = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
+    if len(assistants) <= completion:
+        return None
+    return assistants[-completion] if completion else len(messages)
 
 
 EARLIEST_TURNS_DROPPED = "earliest_turns_dropped"  # truncation="history": rows that lost their first exchanges
@@ -220,6 +251,7 @@ def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, 
             tok, rendered.texts, rendered.chats,
             special_tokens_in_content=options.special_tokens_in_content, max_length=options.max_length,
             row_numbers=rendered.rows, positions=positions, check=rendered.check, weigh=options,
+            trained_from=rendered.trained_from,
         )
     valid = rendered.valid
     if not encoded.keep.all():
@@ -281,7 +313,10 @@ def render_chats(tok, chats: list) -> tuple[list[str | None], list[tuple[int, st
 
 
 def _encode_text_pairs(tok, prompts, completions, options, *, first_row: int) -> EncodedBatch:
-    """Plain-text prompt/completion: prompt ids, completion ids, then EOS unless the completion ends with it."""
+    """Plain-text prompt/completion, as TRL and the tokenizer's own ``__call__`` tokenise it: what the tokenizer's
+    post-processor puts before a text (its BOS; ``ChatTokenizer.text_affixes``), unless the prompt's ids already
+    begin with it, then the prompt ids, the completion ids, the EOS unless the completion ends with it, and what the
+    post-processor puts after a text, unless the row already ends with it. Nothing is ever doubled."""
     p_text, c_text = prompts.to_pylist(), completions.to_pylist()
     valid = np.array([p is not None and c is not None for p, c in zip(p_text, c_text)], dtype=bool)
     errors = [
@@ -294,35 +329,58 @@ def _encode_text_pairs(tok, prompts, completions, options, *, first_row: int) ->
     keep = np.flatnonzero(valid)
     p_ids = _encode_plain(tok, [p_text[r] for r in keep], as_text[keep])
     c_ids = _encode_plain(tok, [c_text[r] for r in keep], as_text[keep])
+    before, after = tok.text_affixes
+    p_offsets, c_offsets = p_ids.offsets.to_numpy(), c_ids.offsets.to_numpy()
+    p_vals, c_vals = p_ids.values.to_numpy(), c_ids.values.to_numpy()
+    add_before = ~_ends_with(p_vals, p_offsets, before, at_start=True)
     eos = tok.eos_token_id
-    p_len = np.diff(p_ids.offsets.to_numpy()).astype(np.int64)
-    c_len = np.diff(c_ids.offsets.to_numpy()).astype(np.int64)
-    c_vals = c_ids.values.to_numpy()
-    c_ends = c_ids.offsets.to_numpy()[1:]
-    needs_eos = np.zeros(len(keep), dtype=np.int64)
-    if eos is not None:
-        last = np.where(c_len > 0, c_vals[np.maximum(c_ends - 1, 0)] if c_vals.size else -1, -1)
-        needs_eos = (last != eos).astype(np.int64)
-    lengths = p_len + c_len + needs_eos
-    offsets = np.zeros(len(keep) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.empty(int(offsets[-1]), dtype=np.int32)
-    starts = offsets[:-1]
-    # scatter prompt, completion and EOS into place, by position, with no loop over rows
-    within = np.arange(values.size, dtype=np.int64) - np.repeat(starts, lengths)
-    row_of = np.repeat(np.arange(len(keep)), lengths)
-    in_prompt = within < p_len[row_of]
-    in_completion = ~in_prompt & (within < (p_len + c_len)[row_of])
-    values[in_prompt] = p_ids.values.to_numpy()
-    values[in_completion] = c_vals
-    if eos is not None:
-        values[~in_prompt & ~in_completion] = eos
+    needs_eos = ~_ends_with(c_vals, c_offsets, (eos,)) if eos is not None else np.zeros(len(keep), dtype=bool)
+    # the row's last ids so far are the EOS where one is appended, else the completion's own
+    tail = (after == (eos,)) & needs_eos if after else np.zeros(len(keep), dtype=bool)
+    add_after = ~_ends_with(c_vals, c_offsets, after) & ~tail
+    offsets, values = _join_rows([
+        _repeated(before, add_before), (np.diff(p_offsets), p_vals), (np.diff(c_offsets), c_vals),
+        _repeated((eos,) if eos is not None else (), needs_eos), _repeated(after, add_after),
+    ])
     arr = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
-    prompt_lengths = p_len
+    prompt_lengths = np.diff(p_offsets).astype(np.int64) + add_before * len(before)
     if options.max_length is not None:
         arr = _truncate(arr, options.max_length)
     return EncodedBatch(_as_list32(arr), valid, errors, prompt_lengths=prompt_lengths, dropped=dropped,
                         special_rows=special_rows, special_example=special_example)
+
+
+def _ends_with(values: np.ndarray, offsets: np.ndarray, ids: tuple[int, ...], *, at_start: bool = False) -> np.ndarray:
+    """Per row of ``(offsets, values)``: do its ids end with ``ids`` (begin with them, ``at_start``)? False for
+    every row when ``ids`` is empty."""
+    lengths = np.diff(offsets)
+    found = (lengths >= len(ids)) & bool(ids)
+    for k, token in enumerate(ids):
+        where = offsets[:-1] + k if at_start else offsets[1:] - len(ids) + k
+        found &= values[np.clip(where, 0, max(values.size - 1, 0))] == token if values.size else False
+    return found
+
+
+def _repeated(ids: tuple[int, ...], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` in each row where ``rows`` is True, nothing in the others: a ragged part for ``_join_rows``."""
+    lengths = rows.astype(np.int64) * len(ids)
+    return lengths, np.tile(np.asarray(ids, dtype=np.int64), int(rows.sum()))
+
+
+def _join_rows(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged parts ``(lengths, values)`` of the same rows, joined row by row in order: ``(offsets, values)`` of
+    int32 ids, placed by position with no loop over rows."""
+    lengths = np.stack([np.asarray(n, dtype=np.int64) for n, _ in parts])
+    offsets = np.zeros(lengths.shape[1] + 1, dtype=np.int64)
+    np.cumsum(lengths.sum(axis=0), out=offsets[1:])
+    out = np.empty(int(offsets[-1]), dtype=np.int32)
+    start = offsets[:-1].copy()
+    for n, (_, values) in zip(lengths, parts):
+        if values.size:
+            within = np.arange(values.size, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+            out[np.repeat(start, n) + within] = values
+        start += n
+    return offsets, out
 
 
 def _special_text_pairs(tok, p_text, c_text, valid, options, first_row):

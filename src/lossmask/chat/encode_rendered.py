@@ -123,6 +123,7 @@ def encode_rendered(
     positions: "bool | re.Pattern" = True,
     check: Sequence[bool] | None = None,
     weigh: Any = None,
+    trained_from: Sequence[int | None] | None = None,
 ) -> EncodedRows:
     """Locate, check and tokenise rendered rows; ``row_numbers`` name the rows in messages (default: 0, 1, ...).
 
@@ -131,7 +132,7 @@ def encode_rendered(
     marker it could match (``text_can_match``); the other rows' tokens are never inside a match.
     """
     located = locate_rendered(ct, texts, conversations, special_tokens_in_content=special_tokens_in_content,
-                              row_numbers=row_numbers, check=check, weigh=weigh)
+                              row_numbers=row_numbers, check=check, weigh=weigh, trained_from=trained_from)
     return encode_located(ct, located, max_length=max_length, positions=positions)
 
 
@@ -144,11 +145,13 @@ def locate_rendered(
     row_numbers: Sequence[int] | None = None,
     check: Sequence[bool] | None = None,
     weigh: Any = None,
+    trained_from: Sequence[int | None] | None = None,
 ) -> LocatedRows:
     """Steps 1 and 2: where each row's message text lies, rows dropped, the special-token policy applied.
 
     ``check``: a bool per row, the rows whose message text is kept by role for the invariant (step 5).
-    ``weigh``: the job's ``MaskOptions``, to read each row's weights (``chat.weights.plan_row``); None: no weights."""
+    ``weigh``: the job's ``MaskOptions``, to read each row's weights (``chat.weights.plan_row``); None: no weights.
+    ``trained_from``: per row, the message index before which assistant turns weigh 0 (None: none; ``plan_row``)."""
     check_policy(special_tokens_in_content)
     tokens = ct.content_tokens
     n = len(texts)
@@ -194,7 +197,8 @@ def locate_rendered(
             roles.append(_role_spans(messages, located, _textless_turns(ct, text, messages, located))
                          if check is not None and check[r] else None)
             if plans is not None:
-                plan = plan_row(text, messages, located, reader, names[r])
+                plan = plan_row(text, messages, located, reader, names[r],
+                                trained_from[r] if trained_from is not None else None)
                 if plan is not None and plan.exact:
                     exact_plans.add(plan)
                     exact.append(len(plans))

@@ -176,6 +176,20 @@ class ChatTokenizer:
     def bos_token_id(self) -> int | None:
         return self.tokenizer.bos_token_id
 
+    @cached_property
+    def text_affixes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The ids the tokenizer's own ``__call__`` puts before and after a plain text (its post-processor, as
+        ``add_bos_token`` set it: Gemma's ``<bos>``, Llama-3's and SmolLM3's ``<|begin_of_text|>``), found once by
+        encoding a probe with and without special tokens. Chat rows never take them (the template writes its own);
+        plain-text prompt/completion rows do, as TRL tokenises them."""
+        probe = "a"
+        bare = list(self.tokenizer(probe, add_special_tokens=False)["input_ids"])
+        full = list(self.tokenizer(probe, add_special_tokens=True)["input_ids"])
+        for at in range(len(full) - len(bare) + 1):
+            if full[at:at + len(bare)] == bare:
+                return tuple(full[:at]), tuple(full[at + len(bare):])
+        return (), ()  # a post-processor that rewrites the text's own ids: nothing to add around it
+
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids])
 

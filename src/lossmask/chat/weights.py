@@ -102,17 +102,23 @@ class WeightReader:
         return known
 
 
-def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row: int = 0) -> RowPlan | None:
+def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row: int = 0,
+             trained_from: int | None = None) -> RowPlan | None:
     """The weights of one rendered row (None: every assistant turn weighs 1 and nothing else applies).
-    ``options``: the job's ``MaskOptions``, or its ``WeightReader`` (made once per batch)."""
+    ``options``: the job's ``MaskOptions``, or its ``WeightReader`` (made once per batch). ``trained_from``: the
+    assistant messages before this index weigh 0 whatever else they say (a conversational prompt's own turns: only
+    the completion trains); None where none is to be left out."""
     reader = WeightReader.of(options)
     fields, detail_key = reader.fields, reader.detail_key
     has_reasoning = not REASONING_KINDS.isdisjoint(located.kinds)
     carries = _carries(messages, reader.keys, detail_key)  # "fields", True (spans or parts too) or False
-    if reader.plain_roles and not has_reasoning and not reader.mask_empty_think and not carries:
+    if reader.plain_roles and not has_reasoning and not reader.mask_empty_think and not carries and trained_from is None:
         return None
     shared, by_role, roles = reader.by_roles(_roles(messages))
     weights = _with_fields(messages, by_role, roles, reader, row) if carries else by_role
+    if trained_from is not None:  # a new list: the row is no longer the one its roles alone describe
+        weights = [0.0 if index < trained_from and role == "assistant" else weight
+                   for index, (weight, role) in enumerate(zip(weights, roles))]
     characters = has_reasoning or reader.mask_empty_think or carries is True  # something to place within a message
     if weights is by_role and not characters:  # roles alone (no field changed a weight): most rows of a role option
         return shared if shared is not None else RowPlan(reader.assistant_weight, True, by_role, roles,

@@ -9,8 +9,10 @@ A batch comes in as a ``pyarrow.RecordBatch`` or ``Table`` with one of three inp
   and tokenised in one batch call; rows the template rejects are dropped as ``invalid``, rows where it
   dropped or rewrote a message as ``content_dropped`` (``chat/encode_rendered.py``). Message text is data: its
   special-token strings are text (``special_tokens_in_content``) and no marker matches inside it;
-- ``prompt`` / ``completion``: conversational (lists of messages, joined into one chat) or plain strings
-  (tokenised as prompt then completion plus EOS; the completion trains, the prompt does not, by position).
+- ``prompt`` / ``completion``: conversational (lists of messages, joined into one chat; the prompt's own assistant
+  turns weigh 0 unless ``train_prompt_turns``) or plain strings (tokenised as the tokenizer's BOS, prompt, then
+  completion plus EOS; the completion trains, the prompt does not, by position). Only the completion trains, as
+  in TRL.
 
 The batch goes out with its columns in their order, ``input_ids`` added when it was tokenised here,
 then ``labels`` (and ``completion_mask`` on request, and ``loss_weights`` where weights apply: docs/weights.md);
