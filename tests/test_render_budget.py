@@ -134,17 +134,22 @@ def test_a_row_that_runs_away_is_invalid_naming_the_bound_on_every_job_path(name
         load_dataset(folder, ct)
 
 
-def test_a_template_over_the_budget_on_the_setup_probe_is_refused_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("head, why", [
+    ("{% for i in range(messages | length + 9999) %}{% for j in range(messages | length + 9999) %}{% endfor %}"
+     "{% endfor %}", "goes over the render budget on a two-message chat (render over 1,048,576 loop turns"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "does what the sandbox refuses on a two-message chat"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "loops 10,000,000,000 times whatever the chat"),
+], ids=["budget", "sandbox", "endless"])
+def test_a_template_refused_at_set_up_is_one_line_naming_the_template_file(head, why, tmp_path, capsys):
     from lossmask.cli import main
 
-    template = ("{% for i in range(messages | length + 9999) %}{% for j in range(messages | length + 9999) %}"
-                "{% endfor %}{% endfor %}") + chat_tokenizer("qwen2.5").template_for()
-    (tmp_path / "setup.jinja").write_text(template)
+    (tmp_path / "bad.jinja").write_text(head + chat_tokenizer("qwen2.5").template_for())
     path, _ = _rows(tmp_path, boom="hello")
     capsys.readouterr()
     code = main(["mask", str(path), str(tmp_path / "out.parquet"), "--tokenizer", str(tokenizer_path("qwen2.5")),
-                 "--chat-template", str(tmp_path / "setup.jinja"), "--no-progress"])
+                 "--chat-template", str(tmp_path / "bad.jinja"), "--no-progress"])
     err = capsys.readouterr().err
-    assert code == 1 and err.count("\n") == 1, err
-    assert "goes over the render budget on a two-message chat" in err and "MAX_RENDER_STEPS" in err
-    assert sorted(os.listdir(tmp_path)) == ["chats.jsonl", "setup.jinja"]
+    assert code == 1 and err.count("\n") == 1, err  # no full-sequence warning ahead of it
+    assert err.startswith(f"lossmask mask: error: {tmp_path / 'bad.jinja'}: ") and why in err, err
+    assert sorted(os.listdir(tmp_path)) == ["bad.jinja", "chats.jsonl"]

@@ -149,7 +149,7 @@ def _listed(items: Any) -> Any:
     if isinstance(items, (str, list, tuple, dict)):
         return items
     drawn = []
-    for item in _ticks(items):
+    for item in _ticked(items):
         drawn.append(item)
     return drawn
 
@@ -235,9 +235,19 @@ _PLAIN_FILTERS = frozenset({"trim", "length", "count", "first", "last", "default
                             "float", "abs", "round", "items", "wordcount", "string", "reverse", "capitalize"})
 
 
-def _ticks(iterable: Any):
-    """A loop's items, counted as steps and with the clock checked every 256 turns (also when the loop writes
-    nothing)."""
+def _ticks(iterable: Any) -> Any:
+    """A loop's items, counted as steps (also when the loop writes nothing): a sized collection all at once, before
+    the loop starts (then looped over as it is, at no cost per turn); anything else turn by turn, the clock checked
+    every 256 turns."""
+    try:
+        turns = len(iterable)
+    except TypeError:
+        return _ticked(iterable)
+    _over_time(turns)
+    return iterable
+
+
+def _ticked(iterable: Any):
     for k, item in enumerate(iterable):
         if not k & 255:
             _over_time(256)
@@ -323,7 +333,7 @@ def _environment_class(checked: bool):
         def _parse(self, source, name, filename):
             tree = super()._parse(source, name, filename)
             for loop in tree.find_all(nodes.For):  # every loop turn ticks the clock
-                loop.iter = nodes.Call(nodes.Name("__lossmask_ticks", "load"), [loop.iter], [], None, None)
+                loop.iter = nodes.Filter(loop.iter, "lossmask_ticks", [], [], None, None)  # a plain call
             return tree
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
@@ -384,7 +394,7 @@ def compile_template(template: str, *, checked: bool) -> Any:
     env.filters.update({name: f if name in _PLAIN_FILTERS and not checked else _bounded_filter(f, name)
                         for name, f in reference.filters.items()})
     env.globals.update(reference.globals)
-    env.globals["__lossmask_ticks"] = _ticks
+    env.filters["lossmask_ticks"] = _ticks
     return env.from_string(template)
 
 
