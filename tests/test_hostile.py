@@ -500,3 +500,83 @@ def test_message_structs_that_differ_across_files_are_united(deepseek, tmp_path)
     out = pq.read_table(tmp_path / "out.parquet")
     assert report.rows_out == 2 and out.column("messages").to_pylist()[1][0]["name"] == "bob"
     assert out.column("messages").to_pylist()[0][0]["name"] is None
+
+
+# -- JSON text nested deep inside a value ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [300, 10_000])
+def test_json_text_nested_deep_inside_a_value_is_invalid_naming_file_and_line(depth, tmp_path):
+    from conftest import chat_tokenizer
+    from lossmask.chat.json_text import MAX_JSON_DEPTH, loads_nested
+
+    deep = "[" * depth + "]" * depth
+    with pytest.raises(ValueError, match=rf"JSON text nested .*over {MAX_JSON_DEPTH} levels"):
+        loads_nested(deep)
+    assert loads_nested("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH)  # the limit itself is read
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rows = {  # where lossmask decodes JSON text itself
+        "arguments": {"messages": [{"role": "user", "content": "call"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": deep}}]}, {"role": "tool", "content": "1"},
+            {"role": "assistant", "content": "done"}]},
+        "function_call": {"conversations": [{"from": "human", "value": "call"}, {"from": "function_call", "value": deep},
+                                            {"from": "observation", "value": "1"}, {"from": "gpt", "value": "done"}]},
+        "tools": {"messages": plain, "tools": deep},
+    }
+    for name, row in rows.items():
+        good = ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+                if name == "function_call" else {"messages": plain})
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(row if k == 2 else good) + "\n" for k in range(4)))
+        report = mask_files(path, tmp_path / "out.parquet", tokenizer=chat_tokenizer("qwen2.5"), max_drop_fraction=1.0)
+        assert (report.rows_in, report.rows_out) == (4, 3), name
+        (example,) = report.invalid_examples
+        assert f"{name}.jsonl, line 3" in example and "MAX_JSON_DEPTH" in example, example
+
+
+def test_a_closed_stdout_after_the_job_committed_exits_0_quietly(tmp_path):
+    """``lossmask mask ... | true``: the reader is gone when the summary is printed; the output is committed, the
+    exit status is 0 and nothing is written to stderr (no traceback), as Unix tools end on a closed pipe."""
+    write_input(tmp_path / "in.parquet", [CHAT] * 10)
+    MARKERS.to_json(tmp_path / "m.json")
+    job = subprocess.Popen([sys.executable, "-m", "lossmask", "mask", str(tmp_path / "in.parquet"),
+                            str(tmp_path / "out.parquet"), "--markers", str(tmp_path / "m.json"), "--no-progress",
+                            "--show", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job.stdout.close()  # the reader goes away before the job prints anything
+    err = job.stderr.read()
+    assert job.wait(timeout=120) == 0 and err == "", err
+    assert pq.read_table(tmp_path / "out.parquet").num_rows == 10
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet", "m.json", "out.parquet"]
+
+
+# -- text from data and templates printed as one escaped line ------------------------------------------
+
+
+def test_roles_speakers_and_template_errors_print_as_one_escaped_line(tmp_path):
+    from conftest import chat_tokenizer
+    from lossmask.chat.tokenizer import ChatTokenizer
+    from lossmask.jobs.display import MAX_LINE
+
+    evil = "\x1b]0;pwned\x07\x1b[2J\nFORGED line"  # sets the window title, clears the screen, forges a line
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    base = chat_tokenizer("qwen2.5")
+    chatml = ("{% for m in messages if m.role in ('user', 'assistant') %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+              "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    loud = ("{% if messages[0].content.startswith('E') %}{{ raise_exception(messages[0].content) }}{% endif %}"
+            + base.template_for())
+    cases = [  # (template, the odd row)
+        (chatml, {"messages": [plain[0], {"role": evil, "content": "dropped by the template"}, plain[1]]}),
+        (base.template_for(), {"conversations": [{"from": evil, "value": "x"}, {"from": "human", "value": "hi"},
+                                                 {"from": "gpt", "value": "yo"}]}),
+        (loud, {"messages": [{"role": "user", "content": "E" + "error line\n" * 900}, plain[1]]}),
+    ]
+    for k, (template, odd) in enumerate(cases):
+        good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]} \
+            if "conversations" in odd else {"messages": plain}
+        path = tmp_path / f"rows{k}.jsonl"
+        path.write_text("".join(json.dumps(odd if r == 1 else good) + "\n" for r in range(4)))
+        ct = ChatTokenizer(base.tokenizer, chat_template=template, name=f"t{k}")
+        report = mask_files(path, tmp_path / "out.parquet", tokenizer=ct, max_drop_fraction=1.0)
+        (example,) = report.invalid_examples + report.dropped_examples
+        assert example.isprintable() and len(example) < MAX_LINE + 200, example[:300]
+        assert "\x1b" not in report.summary() and "\nFORGED" not in report.summary()

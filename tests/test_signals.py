@@ -105,3 +105,25 @@ def test_a_signal_that_lands_inside_the_kernel_is_raised_once_the_kernel_call_en
         timer.join()
     assert held_at_signal == [1] and stopped.value.signum == signum
     assert len(calls) >= 2 and set(calls) == {ROWS}  # every call inside the block ran to its end
+
+
+def test_sighup_stops_the_job_as_sigterm_does_and_leaves_nothing(big_input):
+    """Closing the terminal sends SIGHUP: the job ends as under SIGTERM, with no partial output and no lock."""
+    job, err = _stop_job(big_input, [signal.SIGHUP], 0.1)
+    out = big_input / "out.parquet"
+    assert job.returncode == 128 + signal.SIGHUP, err
+    assert err == f"lossmask mask: stopped by SIGHUP; the partial output was removed, and {out} is as it was before the job\n"
+    assert sorted(os.listdir(big_input)) == ["in.parquet", "m.json"]
+
+
+def test_a_job_started_with_sighup_ignored_keeps_it_ignored():
+    """``nohup lossmask mask ...``: the job was started to outlive its terminal, and does."""
+    from lossmask.jobs import stopping
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stopping.stop_on_signals():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == stopping._on_signal
+    finally:
+        signal.signal(signal.SIGHUP, before)

@@ -42,7 +42,7 @@ def _mask(args: argparse.Namespace) -> int:
     from .jobs.stopping import stop_on_signals
 
     with _fail_cleanly_on_signals(), _warnings_on_one_line(), stop_on_signals():
-        # SIGTERM and Ctrl-C end the job between kernel calls, with one line
+        # SIGTERM, Ctrl-C and SIGHUP end the job between kernel calls, with one line
         return _mask_job(args)
 
 
@@ -84,9 +84,8 @@ def _mask_job(args: argparse.Namespace) -> int:
         print(f"lossmask mask: error: {_error_text(exc)}", file=sys.stderr)
         return 1
     except JobStopped as stop:  # mask_files removed its partial files (and its lock) on the way out
-        print(f"lossmask mask: stopped by {stop.name}; the partial output was removed, and {_escaped(args.output)} is as "
-              "it was "
-              "before the job", file=sys.stderr)
+        _say(f"lossmask mask: stopped by {stop.name}; the partial output was removed, and {_escaped(args.output)} is as "
+             "it was before the job")
         return 128 + stop.signum
     try:
         print(report.summary())
@@ -102,9 +101,17 @@ def _mask_job(args: argparse.Namespace) -> int:
                                labels_column=args.labels_column, colour=colour, markers=report.markers,
                                max_tokens=args.show_tokens))
     except JobStopped as stop:
-        print(f"lossmask mask: stopped by {stop.name} after {_escaped(args.output)} was written", file=sys.stderr)
+        _say(f"lossmask mask: stopped by {stop.name} after {_escaped(args.output)} was written")
         return 128 + stop.signum
     return 0
+
+
+def _say(line: str) -> None:
+    """One line on stderr, where a closed terminal (SIGHUP) may no longer take it: the exit status says it then."""
+    try:
+        print(line, file=sys.stderr)
+    except OSError:
+        pass
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -409,4 +416,18 @@ def _run(argv: list[str]) -> int:
         print("lossmask: error: a command is missing: example, mask, show, detect or lora (`lossmask -h` says what "
               "each does)", file=sys.stderr)
         return 2
-    return args.run(args)
+    try:
+        code = args.run(args)
+        sys.stdout.flush()  # here, where a closed pipe can be told apart, not at the interpreter's exit
+    except BrokenPipeError:  # `lossmask mask ... | head`: the reader went away; whatever was committed stays
+        _quiet_stdout()
+        return 0
+    return code
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of a closed pipe says nothing."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor (stdout replaced in-process)
+        pass

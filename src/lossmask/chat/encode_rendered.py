@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from ..engine.outcomes import CONTENT_DROPPED, SPECIAL_TOKENS
+from ..engine.outcomes import CONTENT_DROPPED, INVALID, SPECIAL_TOKENS
 from ..engine.weights import ExactPlans
 from ..options import SPECIAL_TOKENS_IN_CONTENT
 from .gc_pause import paused_collection
@@ -168,7 +168,12 @@ def locate_rendered(
     special_rows, special_example = 0, None
     with paused_collection():  # per-row Python over every message: see gc_pause
         for r, (text, messages) in enumerate(zip(texts, conversations)):
-            located = locate_messages(text, messages, system_optional=tokens.drops_system)
+            try:
+                located = locate_messages(text, messages, system_optional=tokens.drops_system)
+            except ValueError as exc:  # a tool call's arguments: JSON text nested too deep (json_text)
+                keep[r] = False
+                dropped.append((names[r], INVALID, f"a tool call's arguments: {exc}"))
+                continue
             if located.missing is not None:
                 index, role, what = located.missing
                 keep[r] = False

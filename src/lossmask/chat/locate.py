@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ..options import WEIGHT_FIELDS
+from .json_text import loads_nested
 
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -249,8 +250,8 @@ class _Arguments(str):
         value = arguments
         if isinstance(arguments, str):
             try:
-                value = json.loads(arguments)
-            except ValueError:
+                value = loads_nested(arguments)
+            except json.JSONDecodeError:
                 value = None
         first = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         self = super().__new__(cls, first)

@@ -16,17 +16,17 @@ back to it, with a warning naming the first differing row. Rows the template rej
 by ``ChatTokenizer.render``, so their error message is the one users see anywhere else.
 
 **Bounds.** A chat template is code from the Hub, and one row must not hang a job or fill memory (a
-nested loop of 10^10 turns, ``'x' * 10**9``). The template is read once (``template_bounds``): one whose
-work the chat's size bounds, as every real template is, is compiled in a copy of transformers' sandbox
-as it is, its rendered text held to ``MAX_RENDER_CHARS``, at the speed of transformers' own render. Any
-other is compiled in a copy of that sandbox (same filters, globals and extensions) that also keeps
-count: every loop turn and every call is a step (``MAX_RENDER_STEPS`` per row) and ticks a clock
-(``MAX_RENDER_SECONDS``), also in loops that write nothing; every string or list that a ``*``, ``+``, ``%``,
-``~``, call or filter builds, and the rendered text itself, is held to ``MAX_RENDER_CHARS``; an integer
-argument above that size is refused before the call allocates (``'x'.ljust(10**9)``), and so is a power
-whose result would be that large. A row over a bound raises ``RenderLimitError`` naming the limit, and
-the job counts it ``invalid`` with that reason. All of it runs in this process, in the rendering thread:
-no thread or process is killed.
+nested loop of 10^10 turns, ``'x' * 10**9``, a join of a join). Every template is compiled in a copy of
+transformers' sandbox (same filters, globals and extensions) that renders each row under one budget
+(``_Budget``): every loop turn and call is a step (``MAX_RENDER_STEPS``), the clock is read every 256 steps
+(``MAX_RENDER_SECONDS``), also in loops that write nothing; whatever ``+``, ``~``, ``*``, ``%``, a call, a
+filter, a macro or a block would build is charged before it builds (``join``, ``replace``, widths, ``lipsum``
+by what they would make), no value over ``MAX_RENDER_CHARS`` and no more than ``MAX_RENDER_BUILT`` for the
+row in all; the rendered text is measured before it is joined. A row over a bound raises
+``RenderLimitError`` naming the limit, and the job counts it ``invalid`` with that reason. All of it runs in
+this process, in the rendering thread: no thread or process is killed. ``template_bounds`` reads the template
+once to pick the cheaper of two budgeted sandboxes (``checked``: every filter wrapped, ``//`` checked too); it
+is a choice of speed, not the bound.
 
 The bounds hold on every path, not only the direct one: ``bounded_rendering()`` makes transformers compile
 chat templates into this sandbox for the calls made inside it (a context variable, so other threads and
@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import re
 import time
 import warnings
 from typing import Any, Sequence
@@ -48,9 +49,11 @@ from typing import Any, Sequence
 import pyarrow as pa
 
 PROOF_ROWS = 64
-MAX_RENDER_SECONDS = 10.0  # wall time to render one row (checked at every loop turn and call)
+MAX_RENDER_SECONDS = 5.0  # wall time to render one row (checked every 256 loop turns and calls)
 MAX_RENDER_CHARS = 64 * 2**20  # characters of one rendered row, and items of any string or list built on the way
-MAX_RENDER_STEPS = 2**20  # loop turns and calls of one row in the bounded sandbox (a fraction of a second)
+MAX_RENDER_BUILT = 4 * MAX_RENDER_CHARS  # characters (or items) that growing operations build in one row, all told
+MAX_RENDER_STEPS = 2**20  # loop turns and calls of one row (a fraction of a second)
+_LIMIT = f"{MAX_RENDER_CHARS // 2**20} MiB of characters (MAX_RENDER_CHARS)"
 
 
 class ChatTemplateError(ValueError):
@@ -58,62 +61,238 @@ class ChatTemplateError(ValueError):
 
 
 class RenderLimitError(ChatTemplateError):
-    """Rendering one row went over ``MAX_RENDER_SECONDS`` or ``MAX_RENDER_CHARS``."""
+    """Rendering one row went over ``MAX_RENDER_SECONDS``, ``MAX_RENDER_STEPS``, ``MAX_RENDER_CHARS`` or
+    ``MAX_RENDER_BUILT``."""
 
 
-_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("lossmask_render_deadline", default=float("inf"))
-_STEPS: contextvars.ContextVar[list | None] = contextvars.ContextVar("lossmask_render_steps", default=None)
+class _Budget:
+    """What one row's render has spent: steps (loop turns and calls), characters built, and when its time ends."""
+
+    __slots__ = ("steps", "built", "deadline", "clock_at")
+
+    def __init__(self) -> None:
+        self.steps, self.built, self.clock_at = 0, 0, 256
+        self.deadline = time.monotonic() + MAX_RENDER_SECONDS
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("lossmask_render_budget", default=None)
 
 
 def _over_time(steps: int = 1) -> None:
-    """Count ``steps`` loop turns or calls of the row being rendered; raise past the bounds on steps and time."""
-    count = _STEPS.get()  # [steps so far] of the row that render_bounded renders
-    if count is not None:
-        count[0] += steps
-    if count is not None and count[0] > MAX_RENDER_STEPS:
+    """Count ``steps`` loop turns or calls of the row being rendered; raise past the bounds on steps and time (the
+    clock is read every 256 steps)."""
+    budget = _BUDGET.get()
+    if budget is None:
+        return
+    budget.steps += steps
+    if budget.steps < budget.clock_at:
+        return
+    budget.clock_at = budget.steps + 256
+    if budget.steps > MAX_RENDER_STEPS:
         raise RenderLimitError(f"render over {MAX_RENDER_STEPS:,} loop turns and calls (MAX_RENDER_STEPS): the chat "
                                "template loops too long for one row")
-    if time.monotonic() > _DEADLINE.get():
+    if time.monotonic() > budget.deadline:
         raise RenderLimitError(f"render time over {MAX_RENDER_SECONDS:g} seconds (MAX_RENDER_SECONDS): the chat "
                                "template loops too long for one row")
 
 
+def _charge(size: int, what: str = "a value the chat template builds") -> None:
+    """Charge ``size`` characters (or items) that an operation is about to build, before it builds them: refused over
+    ``MAX_RENDER_CHARS`` for the value, or when the row's values built so far pass ``MAX_RENDER_BUILT``."""
+    if size > MAX_RENDER_CHARS:
+        raise RenderLimitError(f"{what} holds {size:,} items, over {_LIMIT}")
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.built += size
+        if budget.built > MAX_RENDER_BUILT:
+            raise RenderLimitError(f"the values the chat template builds for one row hold over {MAX_RENDER_BUILT:,} "
+                                   "characters in all (MAX_RENDER_BUILT)")
+
+
 def _sized(value: Any) -> Any:
-    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_RENDER_CHARS:
-        raise RenderLimitError(f"a value the chat template built holds {len(value)} items, over "
-                               f"{MAX_RENDER_CHARS // 2**20} MiB of characters (MAX_RENDER_CHARS)")
+    """``value``, its size charged (a string, list or dict an operation has built)."""
+    if isinstance(value, (str, list, tuple, dict)):
+        _charge(_weight(value))
     return value
+
+
+def _weight(value: Any) -> int:
+    """What a string or a collection costs against the bounds: a character each, 8 for an item (a pointer)."""
+    return len(value) if isinstance(value, str) else 8 * len(value)
 
 
 def _refuse_huge(args: Sequence[Any]) -> None:
     for arg in args:
         if type(arg) is int and arg > MAX_RENDER_CHARS:
-            raise RenderLimitError(f"the chat template passes {arg} to a call, over {MAX_RENDER_CHARS // 2**20} MiB "
-                                   "of characters (MAX_RENDER_CHARS)")
+            raise RenderLimitError(f"the chat template passes {arg} to a call, over {_LIMIT}")
 
 
-def _bounded_filter(function):
+def _text_size(items: Any) -> int:
+    return sum(len(item) for item in items if isinstance(item, str))
+
+
+def _joined_size(separator: str, items: Sequence[Any]) -> int:
+    return len(separator) * max(len(items) - 1, 0) + _text_size(items)
+
+
+def _replaced_size(text: str, old: Any, new: Any, count: Any) -> int:
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return len(text)
+    found = len(text) + 1 if not old else text.count(old)
+    if type(count) is int and count >= 0:
+        found = min(found, count)
+    return len(text) + found * max(len(new) - len(old), 0)
+
+
+def _listed(items: Any) -> Any:
+    """``items`` as a sequence whose size is known before a join (a generator is drawn out, a step per item)."""
+    if isinstance(items, (str, list, tuple, dict)):
+        return items
+    drawn = []
+    for item in _ticked(items):
+        drawn.append(item)
+    return drawn
+
+
+def _call_size(function: Any, args: tuple, kwargs: dict) -> tuple[tuple, int | None]:
+    """The size of what calling ``function`` would build, when a builtin that grows its output is called (``join``,
+    ``replace``, ``ljust``..., ``format``, ``lipsum``), and the arguments to call it with (a generator drawn out)."""
+    owner = getattr(getattr(function, "__wrapped__", function), "__self__", None)  # the sandbox wraps str.format
+    if isinstance(owner, str):
+        name = getattr(function, "__name__", "")
+        if name == "join" and args:
+            items = _listed(args[0])
+            return (items, *args[1:]), _joined_size(owner, items)
+        if name == "replace" and len(args) >= 2:
+            return args, _replaced_size(owner, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("count"))
+        if name in ("ljust", "rjust", "center", "zfill") and args and type(args[0]) is int:
+            return args, max(len(owner), args[0])
+        if name == "expandtabs":
+            size = args[0] if args else kwargs.get("tabsize", 8)
+            return args, len(owner) + owner.count("\t") * (size if type(size) is int else 8)
+        if name in ("format", "format_map"):
+            if _FORMAT_WIDE.search(owner):
+                raise RenderLimitError(f"the chat template formats with a width of 10,000 or more or one taken from "
+                                       f"its arguments, toward {_LIMIT}")
+            values = [*args, *kwargs.values()] + (list(args[0].values()) if name == "format_map" and args
+                                                  and isinstance(args[0], dict) else [])
+            widest = max((len(v) for v in values if isinstance(v, str)), default=64)
+            return args, len(owner) + owner.count("{") * widest
+        return args, None
+    if getattr(function, "__name__", None) == "generate_lorem_ipsum":  # jinja's lipsum()
+        n = args[0] if args else kwargs.get("n", 5)
+        most = args[3] if len(args) > 3 else kwargs.get("max", 100)
+        if type(n) is int and type(most) is int:
+            return args, max(n, 0) * max(most, 1) * 16  # a word and its space are at most 16 characters
+    return args, None
+
+
+# a width or precision of 10,000 or more, or one taken from the arguments, in a str.format or a % format string
+_FORMAT_WIDE = re.compile(r"\{[^{}]*:[^{}]*?(?:\d{5,}|\{)")
+_PERCENT_WIDE = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\d{5,}|\*|\d*\.(?:\d{5,}|\*))")
+
+
+def _budgeted_arguments(function: Any, args: tuple, kwargs: dict) -> tuple:
+    """A call of the template: a step, an integer argument over ``MAX_RENDER_CHARS`` refused, what a builtin that
+    grows its output would build charged; the arguments to call it with."""
+    _over_time()
+    _refuse_huge(args)
+    if kwargs:
+        _refuse_huge(list(kwargs.values()))
+    args, size = _call_size(function, args, kwargs)
+    if size is not None:
+        _charge(size, f"the text {getattr(function, '__name__', 'a call')}() would build")
+    return args
+
+
+def _bounded_filter(function, name: str):
+    """A filter of the template, held to the budget: ``join`` and ``replace`` charged before they build, a width or
+    count over ``MAX_RENDER_CHARS`` refused, what it returns charged."""
     @functools.wraps(function)  # keeps jinja's pass_context / pass_eval_context marks
     def bounded(*args, **kwargs):
         _refuse_huge(args[1:])
         _refuse_huge(list(kwargs.values()))
+        value = args[1] if name in _CONTEXT_FILTERS and len(args) > 1 else args[0]
+        if name == "join":
+            items = _listed(value)
+            args = (args[0], items, *args[2:])
+            separator = args[2] if len(args) > 2 else kwargs.get("d", "")
+            if isinstance(separator, str) and len(args) < 4 and "attribute" not in kwargs:
+                _charge(_joined_size(separator, items), "the text join would build")
+        elif name == "replace" and isinstance(value, str) and len(args) >= 4:
+            _charge(_replaced_size(value, args[2], args[3], args[4] if len(args) > 4 else kwargs.get("count")),
+                    "the text replace would build")
         return _sized(function(*args, **kwargs))
     return bounded
 
 
-def _ticks(iterable: Any):
-    """A loop's items, counted as steps and with the clock checked every 256 turns (also when the loop writes
-    nothing)."""
+_CONTEXT_FILTERS = frozenset({"join", "replace", "map", "select", "reject", "selectattr", "rejectattr", "sum",
+                              "unique", "min", "max", "sort", "groupby", "attr", "xmlattr", "urlize", "indent",
+                              "wordwrap", "truncate", "dictsort", "random", "tojson", "format"})
+# filters that build nothing larger than what they are given, and that real templates use on every message: left as
+# they are on the fast path (every other filter is held to the budget there too)
+_PLAIN_FILTERS = frozenset({"trim", "length", "count", "first", "last", "default", "d", "safe", "lower", "int",
+                            "float", "abs", "round", "items", "wordcount", "string", "reverse", "capitalize"})
+
+
+def _ticks(iterable: Any) -> Any:
+    """A loop's items, counted as steps (also when the loop writes nothing): a sized collection all at once, before
+    the loop starts (then looped over as it is, at no cost per turn); anything else turn by turn, the clock checked
+    every 256 turns."""
+    try:
+        turns = len(iterable)
+    except TypeError:
+        return _ticked(iterable)
+    _over_time(turns)
+    return iterable
+
+
+def _ticked(iterable: Any):
     for k, item in enumerate(iterable):
         if not k & 255:
             _over_time(256)
         yield item
 
 
-@functools.lru_cache(maxsize=1)
-def _bounded_environment_class():
+_SMALL_BUILD = 4096  # a string or list of at most this size, built by + or ~, is not charged (a cheap path)
+
+
+def _charged_join(join: Any, parts: tuple) -> Any:
+    """``~``: the parts' size charged before they are joined (when it is not small)."""
+    size = _text_size(parts)
+    if size > _SMALL_BUILD:
+        _charge(size, "the text ~ would build")
+    return join(parts)
+
+
+def _plus(operands: tuple) -> Any:
+    """A chain ``a + b + c ...``: strings joined at once, their size charged before (when it is not small); other
+    values added one by one, each string or list charged before it is built."""
+    if len(set(map(type, operands))) == 1 and type(operands[0]) is str:
+        size = sum(map(len, operands))
+        if size > _SMALL_BUILD:
+            _charge(size, "the text + would build")
+        return "".join(operands)
+    total = operands[0]
+    for operand in operands[1:]:
+        if isinstance(total, (str, list, tuple)) and isinstance(operand, (str, list, tuple)):
+            _charge(_weight(total) + _weight(operand), "the value + would build")
+        total = total + operand
+    return total
+
+
+def _charged_concat(parts: Any) -> str:
+    """The text a macro, a block ``{% set %}``, a filter block or a call block wrote, charged before it is joined
+    (jinja joins every such buffer with ``environment.concat``)."""
+    parts = list(parts)
+    _charge(sum(map(len, parts)), "the text a block of the chat template writes")
+    return "".join(parts)
+
+
+@functools.lru_cache(maxsize=2)
+def _environment_class(checked: bool):
     from jinja2 import Template, nodes
-    from jinja2.compiler import CodeGenerator
+    from jinja2.compiler import CodeGenerator, optimizeconst
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class BoundedTemplate(Template):
@@ -121,76 +300,74 @@ def _bounded_environment_class():
             return render_bounded(self, **dict(*args, **kwargs))
 
     class Generator(CodeGenerator):
-        def visit_Concat(self, node, frame):  # '~' joins strings without a binop: held to the size too
-            self.write("environment.sized(")
-            super().visit_Concat(node, frame)
-            self.write(")")
+        @optimizeconst
+        def visit_Add(self, node, frame):  # a chain of '+' through one call: charged when it builds much
+            operands = [node.right]
+            while isinstance(node.left, nodes.Add):
+                node = node.left
+                operands.append(node.right)
+            operands.append(node.left)
+            self.write("environment.plus((")
+            for operand in reversed(operands):
+                self.visit(operand, frame)
+                self.write(", ")
+            self.write("))")
 
-    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        def visit_Concat(self, node, frame):  # '~' joins strings without a binop: charged before it joins
+            self.write("environment.charged_join(str_join if not context.eval_ctx.autoescape else markup_join, (")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class BudgetedSandbox(ImmutableSandboxedEnvironment):
+        """transformers' sandbox, held to the row's budget: every loop turn and call is a step, and whatever a call,
+        filter or operator would build is charged before it builds."""
         code_generator_class = Generator
         template_class = BoundedTemplate
-        intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
-        sized = staticmethod(_sized)
+        intercepted_binops = frozenset({"*", "**", "%", "//"} if checked else {"*", "**", "%"})
+        charged_join = staticmethod(_charged_join)
+        plus = staticmethod(_plus)
+        concat = staticmethod(_charged_concat)
 
         def _parse(self, source, name, filename):
             tree = super()._parse(source, name, filename)
             for loop in tree.find_all(nodes.For):  # every loop turn ticks the clock
-                loop.iter = nodes.Call(nodes.Name("__lossmask_ticks", "load"), [loop.iter], [], None, None)
+                loop.iter = nodes.Filter(loop.iter, "lossmask_ticks", [], [], None, None)  # a plain call
             return tree
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
-            _over_time()
-            _refuse_huge(args)
-            _refuse_huge(list(kwargs.values()))
-            return _sized(super().call(__context, __obj, *args, **kwargs))
+            args = _budgeted_arguments(__obj, args, kwargs)
+            return _sized(super().call(__context, __obj, *args, **kwargs))  # the sandbox's checks, its safe format
 
         def call_binop(self, context, operator, left, right):
             if operator == "*":
                 for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and type(n) is int and len(seq) * n > MAX_RENDER_CHARS:
-                        raise RenderLimitError(f"the chat template repeats a value to {len(seq) * n} items, over "
-                                               f"{MAX_RENDER_CHARS // 2**20} MiB of characters (MAX_RENDER_CHARS)")
+                    if isinstance(seq, (str, list, tuple)) and type(n) is int:
+                        _charge(_weight(seq) * n, "the value * would build")
             if operator == "**" and type(left) is int and type(right) is int and abs(left) > 1 \
                     and right * abs(left).bit_length() > 8 * MAX_RENDER_CHARS:
-                raise RenderLimitError(f"the chat template computes {left} ** {right}, a number over "
-                                       f"{MAX_RENDER_CHARS // 2**20} MiB (MAX_RENDER_CHARS)")
+                raise RenderLimitError(f"the chat template computes {left} ** {right}, a number over {_LIMIT}")
+            if operator == "%" and isinstance(left, str) and _PERCENT_WIDE.search(left):
+                raise RenderLimitError(f"the chat template formats with a width of 10,000 or more or one taken from "
+                                       f"its arguments, toward {_LIMIT}")
             return _sized(super().call_binop(context, operator, left, right))
 
-    return BoundedSandbox
-
-
-@functools.lru_cache(maxsize=1)
-def _fast_environment_class():
-    from jinja2 import Template
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class SizedTemplate(Template):
-        unchecked = True  # render_bounded renders it with jinja's own render
-
-        def render(self, *args, **kwargs):  # what transformers calls: the rendered text held to MAX_RENDER_CHARS
-            return render_bounded(self, **dict(*args, **kwargs))
-
-    class FastSandbox(ImmutableSandboxedEnvironment):  # transformers' sandbox, as it is
-        template_class = SizedTemplate
-
-    return FastSandbox
-
-
-def _jinja_render(template: Any, variables: dict) -> str:
-    from jinja2 import Template
-
-    return Template.render(template, variables)
+    BudgetedSandbox.__name__ = "BoundedSandbox" if checked else "FastSandbox"
+    if not checked:
+        BoundedTemplate.__name__ = "SizedTemplate"
+    return BudgetedSandbox
 
 
 @functools.lru_cache(maxsize=16)
 def bounded_template(template: str) -> Any:
-    """``template`` compiled as transformers compiles it, in a sandbox that keeps the bounds above.
+    """``template`` compiled as transformers compiles it, in a sandbox that keeps the budget above.
 
     A template that ``template_bounds.runaway_reason`` finds bounded by its input's size (every real template
-    lossmask is tested on) is compiled in transformers' own sandbox instead, without the per-operation checks:
-    the same text at the unbounded renderer's speed, its size still held to ``MAX_RENDER_CHARS``. A template whose
-    loops over constant ranges alone make more than ``MAX_RENDER_STEPS`` turns is refused here, once, rather than
-    run to the bound on every row."""
+    lossmask is tested on) leaves the filters that build nothing larger than they are given unwrapped
+    (``_PLAIN_FILTERS``); any other has every filter wrapped. Both are held to the budget. A template whose loops
+    over constant ranges alone make more than ``MAX_RENDER_STEPS`` turns is refused here, once, rather than run to
+    the bound on every row."""
     from .template_bounds import constant_turns, runaway_reason
 
     reference = _reference_environment()
@@ -208,17 +385,16 @@ def _reference_environment() -> Any:
 
 
 def compile_template(template: str, *, checked: bool) -> Any:
-    """``template`` in a copy of transformers' sandbox (its filters, globals and extensions): with every operation
-    checked against the bounds (``checked``), or as transformers runs it, with only the rendered text's size held."""
+    """``template`` in a copy of transformers' sandbox (its filters, globals and extensions), held to the row's
+    budget: with every filter held to it and ``//`` checked too (``checked``), or all but the filters that build
+    nothing larger than they are given (``_PLAIN_FILTERS``)."""
     reference = _reference_environment()
-    env_class = _bounded_environment_class() if checked else _fast_environment_class()
-    env = env_class(trim_blocks=reference.trim_blocks, lstrip_blocks=reference.lstrip_blocks,
-                    extensions=[type(e) for e in reference.extensions.values()])
-    env.filters.update({name: _bounded_filter(f) for name, f in reference.filters.items()} if checked
-                       else reference.filters)
+    env = _environment_class(checked)(trim_blocks=reference.trim_blocks, lstrip_blocks=reference.lstrip_blocks,
+                                      extensions=[type(e) for e in reference.extensions.values()])
+    env.filters.update({name: f if name in _PLAIN_FILTERS and not checked else _bounded_filter(f, name)
+                        for name, f in reference.filters.items()})
     env.globals.update(reference.globals)
-    if checked:
-        env.globals["__lossmask_ticks"] = _ticks
+    env.filters["lossmask_ticks"] = _ticks
     return env.from_string(template)
 
 
@@ -256,29 +432,22 @@ def bounded_rendering():
 
 
 def render_bounded(template: Any, **variables: Any) -> str:
-    """Render a ``bounded_template`` within ``MAX_RENDER_SECONDS``, ``MAX_RENDER_STEPS`` and ``MAX_RENDER_CHARS``.
-
-    A template of the unchecked path (its work bounded by the chat's size) is rendered by jinja's own
-    ``Template.render``, its text's size checked once at the end; a checked one part by part as it is written."""
-    if getattr(template, "unchecked", False):
-        text = _jinja_render(template, variables)
-        if len(text) > MAX_RENDER_CHARS:
-            raise RenderLimitError(f"rendered text over {MAX_RENDER_CHARS // 2**20} MiB of characters "
-                                   "(MAX_RENDER_CHARS)")
-        return text
-    token, steps = _DEADLINE.set(time.monotonic() + MAX_RENDER_SECONDS), _STEPS.set([0])
+    """Render a ``bounded_template`` within the row's budget: ``MAX_RENDER_SECONDS``, ``MAX_RENDER_STEPS``,
+    ``MAX_RENDER_BUILT``, and ``MAX_RENDER_CHARS`` for the text, measured before it is joined (the parts are the
+    template's text and values already charged, held by reference)."""
+    token = _BUDGET.set(_Budget())
     try:
-        size, parts = 0, []
-        for part in template.generate(**variables):
-            size += len(part)
-            if size > MAX_RENDER_CHARS:
-                raise RenderLimitError(f"rendered text over {MAX_RENDER_CHARS // 2**20} MiB of characters "
-                                       "(MAX_RENDER_CHARS)")
-            parts.append(part)
+        context = template.new_context(variables)
+        try:
+            parts = list(template.root_render_func(context))
+        except Exception:  # noqa: BLE001 - jinja's own handling: the error's traceback points into the template
+            template.environment.handle_exception()
+        size = sum(map(len, parts))
+        if size > MAX_RENDER_CHARS:
+            raise RenderLimitError(f"rendered text of {size:,} characters, over {_LIMIT}")
         return "".join(parts)
     finally:
-        _DEADLINE.reset(token)
-        _STEPS.reset(steps)
+        _BUDGET.reset(token)
 
 
 def text_parts(messages: Sequence[Any]) -> list:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..engine.outcomes import NO_EXCHANGE
+from .json_text import loads_nested
 from .locate import PLAIN_KEYS, weighed_only
 
 ROLES_MERGED = "roles_merged"
@@ -214,8 +215,8 @@ def _tool_calls(index: int, value: Any) -> list[dict]:
     """LLaMA-Factory's ``function_call`` value, ``{"name", "arguments"}`` JSON (or a list of them for parallel
     calls), as OpenAI ``tool_calls``; the arguments are kept as given (an object, or JSON text)."""
     try:
-        calls = json.loads(value) if isinstance(value, str) else value
-    except ValueError:
+        calls = loads_nested(value) if isinstance(value, str) else value
+    except json.JSONDecodeError:
         calls = None
     calls = [calls] if isinstance(calls, dict) else calls
     if not isinstance(calls, list) or not calls or not all(
@@ -237,8 +238,8 @@ def read_tools(value: Any) -> list | None:
         if not value.strip():
             return None
         try:
-            value = json.loads(value)
-        except ValueError as exc:
+            value = loads_nested(value)
+        except json.JSONDecodeError as exc:
             raise ValueError(f"holds text that is not JSON ({exc}); write the tools as a JSON list of function "
                              "schemas") from None
     if value is None:

@@ -1,11 +1,12 @@
 """Whether a chat template's work is bounded by the size of the chat it renders: checked once per template.
 
-The bounded sandbox of ``render.py`` checks every loop turn, call and operator, because a template from
-the Hub is code and one row must not hang a job. Most templates cannot run away, though: they walk
-``messages``, ``tools`` and the parts of those, test and print. For them the checks are only cost. This
-module reads the template's parsed nodes (jinja2's AST) once and says whether the template is of that
-kind: when ``runaway_reason`` returns None, the template is rendered in transformers' own sandbox, without
-the per-operation checks (the size of the rendered text is still held to ``MAX_RENDER_CHARS``).
+Every render runs under ``render``'s budget (steps, characters built, time), which is the bound. This module
+only picks the cheaper of its two sandboxes: it reads the template's parsed nodes (jinja2's AST) once and
+says whether the template is of the kind real templates are (they walk ``messages``, ``tools`` and the parts
+of those, test and print). When ``runaway_reason`` returns None, the filters that build nothing larger than
+they are given stay unwrapped; otherwise every filter is held to the budget. A template that can run away
+may pass this reading (a self-call on a part of an argument twice, a value doubled through a temporary): the
+budget stops it all the same.
 
 A template passes when nothing in it makes much from little:
 
@@ -25,9 +26,9 @@ A template passes when nothing in it makes much from little:
   ``strftime_now``, ``dict``), ``range`` as above, or a method from ``SAFE_METHODS``; every filter is one
   of ``SAFE_FILTERS`` (or takes small constants, above).
 
-Such a template does work polynomial in the chat's size, of a degree set by its loop nesting. Any other
-template is rendered in the bounded sandbox, whose loop turns and calls are counted (``MAX_RENDER_STEPS``)
-and timed, also in loops that write nothing.
+Such a template does work polynomial in the chat's size, of a degree set by its loop nesting, unless it
+uses one of the ways round this reading named above; any other template gets the sandbox with every filter
+wrapped.
 """
 
 from __future__ import annotations

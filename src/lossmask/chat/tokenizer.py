@@ -103,6 +103,9 @@ class FlatIds:
         return arr
 
 
+_SETUP_PROBE = ({"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."})
+
+
 class ChatTokenizer:
     """Renders conversations with a tokenizer's own chat template and encodes them as training does.
 
@@ -357,13 +360,29 @@ class ChatTokenizer:
 
     def check_templates(self) -> None:
         """Raise ``render.RenderLimitError`` when one of this tokenizer's templates loops past the render bounds
-        whatever the chat (``render.bounded_template``): a job stops with that one line before it looks for markers."""
-        from .render import bounded_template
+        whatever the chat (``render.bounded_template``), or goes over the render budget on a two-message chat (the
+        set-up probe): a job stops with that one line before it looks for markers."""
+        from jinja2.sandbox import SecurityError
 
+        from .render import RenderLimitError, bounded_template
+
+        instead = "fix the template, or pass another (--chat-template FILE.jinja, chat_template=)"
         templates = [self.templates] if isinstance(self.templates, str) else list((self.templates or {}).values())
         for template in templates:
             if isinstance(template, str):
-                bounded_template(template)
+                try:
+                    bounded_template(template)
+                except RenderLimitError as exc:
+                    raise RenderLimitError(f"tokenizer {self.name!r}: {exc}") from None
+        try:
+            self.render(_SETUP_PROBE)
+        except RenderLimitError as exc:
+            raise RenderLimitError(f"the chat template of {self.name!r} goes over the render budget on a two-message "
+                                   f"chat ({exc}); {instead}") from None
+        except ChatTemplateError as exc:  # a template that needs another shape of chat: the markers' probes say so
+            if isinstance(exc.__cause__, SecurityError):
+                raise ChatTemplateError(f"the chat template of {self.name!r} does what the sandbox refuses on a "
+                                        f"two-message chat ({exc.__cause__}); {instead}") from None
 
     def encode_texts(self, texts: Sequence[str], *, max_length: int | None = None) -> pa.LargeListArray:
         """Token ids of many rendered texts in one batch call: a ``LargeList<int32>`` array."""

@@ -34,11 +34,12 @@ from ..chat.encode_media import encode_rows
 from ..chat.turn_spans import FromRendering, breaks_message, label_from_rendering, role_breaks, trained_from_rendering
 from ..engine.buffers import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
 from ..engine.labels import label_batch
-from ..engine.outcomes import CAUSES, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts, classify_drops
+from ..engine.outcomes import CAUSES, INVALID, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts, classify_drops
 from ..engine.patterns import Markers
 from ..engine.tally import Tally
 from ..options import MaskOptions
 from ..engine.weights import weigh_tokens, weight_field_types, weights_to_arrow
+from .display import one_line
 
 INPUT_KINDS = ("input_ids", "messages", "prompt_completion")
 
@@ -191,10 +192,13 @@ def mask_batch(
         started = time.perf_counter()
         if encoded is None:
             encoded = encode_rows(tokenizer, table, kind, options, first_row=first_row, markers=markers)
-        for row, message in encoded.errors:
-            tally.add_invalid(row, message)
+        for row, message in encoded.errors:  # text from data or the template: one line, escaped and cut
+            tally.add_invalid(row, one_line(message))
         for row, reason, message in encoded.dropped:
-            tally.add_rejected(row, reason, message)
+            if reason == INVALID:  # a tool call's arguments nested too deep to read (chat.json_text)
+                tally.add_invalid(row, one_line(message))
+            else:
+                tally.add_rejected(row, reason, one_line(message))
         tally.add_special(encoded.special_rows, encoded.special_example)
         tally.add_shapes(getattr(encoded, "shapes", None) or {})
         if getattr(encoded, "media_ids", ()):  # chats through a processor: their image tokens, counted apart

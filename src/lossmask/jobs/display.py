@@ -121,6 +121,16 @@ def _dim(text: str, colour: bool) -> str:
     return f"\x1b[2m{text}\x1b[0m" if colour else text
 
 
+MAX_LINE = 600  # characters of one line of data or template text in a report or a message
+
+
+def one_line(text: str, limit: int = MAX_LINE) -> str:
+    """``text`` from data or a template (a role, a speaker, a template's error), ``escaped`` and cut to ``limit``
+    characters, so that it prints as one line of bounded length."""
+    line = escaped(str(text))
+    return line if len(line) <= limit else f"{line[:limit - 40]}... ({len(line) - limit + 40:,} characters more)"
+
+
 def escaped(text: str) -> str:
     """``text`` with every character that is not printable (a newline, a tab, an escape) written the way ``repr``
     writes it, so that a file name (or any value) printed in an error or warning line keeps the line one line."""

@@ -1,4 +1,4 @@
-"""SIGTERM and Ctrl-C stop a job between kernel calls, never inside compiled code.
+"""SIGTERM, Ctrl-C and SIGHUP stop a job between kernel calls, never inside compiled code.
 
 A Python signal handler runs in the main thread at the next point where the interpreter checks for
 signals. Inside a numba dispatch (loading a cached kernel, unboxing its arguments) such a point is
@@ -17,7 +17,9 @@ import signal
 import threading
 from typing import Iterator
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT") if hasattr(signal, name))
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+# SIGHUP (the terminal closed) stops a job as SIGTERM does, unless the job was started to outlive its terminal
+# (``nohup``: the signal ignored when the process began), which it then keeps doing
 
 
 class JobStopped(BaseException):
@@ -44,7 +46,7 @@ def _on_signal(signum: int, frame) -> None:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """Within this block, SIGTERM and SIGINT raise ``JobStopped`` (between kernel calls); the handlers that were
+    """Within this block, SIGTERM, SIGINT and SIGHUP raise ``JobStopped`` (between kernel calls); the handlers that were
     there before come back at its end, unless a signal stopped the job: then further ones are ignored (``SIG_IGN``,
     which the interpreter keeps while it finalises), so that a second Ctrl-C while the process exits does not kill
     it by the signal. Outside the main thread, where signals
@@ -53,7 +55,8 @@ def stop_on_signals() -> Iterator[None]:
         yield
         return
     _STATE.update(held=0, pending=None, stopping=False)
-    before = {signum: signal.signal(signum, _on_signal) for signum in STOP_SIGNALS}
+    before = {signum: signal.signal(signum, _on_signal) for signum in STOP_SIGNALS
+              if not (signum == getattr(signal, "SIGHUP", None) and signal.getsignal(signum) == signal.SIG_IGN)}
     try:
         yield
     finally:

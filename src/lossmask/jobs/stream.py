@@ -27,7 +27,9 @@ from .inputs import InputFiles, open_inputs
 from ..chat.turn_spans import FromRendering
 from ..engine.patterns import Markers
 from ..options import SHAREGPT_COLUMN, MaskOptions
+from ..chat.render import ChatTemplateError
 from .batch_step import input_kind, mask_batch, output_schema
+from .display import escaped
 from .outputs import (OutputError, as_output_error, check_compression, check_output, check_output_format, commit,
                       output_lock, partial_name, remove_quietly, remove_stale_partials)
 from .report import MaskReport, Tally
@@ -116,7 +118,12 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
     tokenizer, bare = _job_tokenizer(tokenizer, chat_template, kind, source), tokenizer
     if tokenizer is not None and kind != "input_ids":
         tokenizer.begin_job()  # the fast tokeniser loads on a thread while markers are resolved
-        tokenizer.check_templates()  # a template that never ends stops the job here, not after a marker warning
+        try:  # a template that never ends, or breaks out of the sandbox, stops the job here, not after a warning
+            tokenizer.check_templates()
+        except ChatTemplateError as exc:
+            if isinstance(chat_template, (str, os.PathLike)) and "{" not in os.fspath(chat_template):
+                raise type(exc)(f"{escaped(os.fspath(chat_template))}: {exc}") from None  # the file given names it
+            raise
     if kind == "prompt_completion" and is_text_pairs(dataset.schema, options):
         if tokenizer is None:
             raise ValueError(f"{source}: prompt/completion text needs a tokenizer (--tokenizer DIR / tokenizer=)")
