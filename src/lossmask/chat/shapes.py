@@ -43,8 +43,11 @@ EMPTY_MESSAGES_DROPPED = "empty_messages_dropped"
 CONTENT_PARTS_JOINED = "content_parts_joined"
 SHAREGPT_READ = "sharegpt_messages_read"
 SYSTEM_DROPPED = "system_messages_dropped"
+VALUE_PARTS_READ = "v1_content_parts_read"
 SHAPES = (LEADING_ASSISTANT_DROPPED, ROLES_MERGED, EMPTY_MESSAGES_DROPPED, CONTENT_PARTS_JOINED, SHAREGPT_READ,
-          SYSTEM_DROPPED)
+          SYSTEM_DROPPED, VALUE_PARTS_READ)
+# the types of LLaMA-Factory's v1 content parts (``{"type", "value"}``) that are read as text, reasoning and tool calls
+VALUE_PART_TYPES = ("text", "reasoning", "tool_call")
 MERGE_SEPARATOR = "\n\n"
 PART_SEPARATOR = "\n"
 # where each joined part lies in the joined content, kept when a part carries more than its text (a weight):
@@ -116,7 +119,7 @@ def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts:
         for shape in changed:
             out.shapes[shape] += 1
         if dropped_any and not _has_exchange(messages):
-            done = ", ".join(sorted(changed - {SHAREGPT_READ, CONTENT_PARTS_JOINED}))
+            done = ", ".join(sorted(changed - {SHAREGPT_READ, CONTENT_PARTS_JOINED, VALUE_PARTS_READ}))
             out.dropped.append((r, NO_EXCHANGE, f"no user message followed by an assistant message is left ({done})"))
             out.conversations[r] = None
             out.unusual.append(every_row)
@@ -171,6 +174,9 @@ def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, cha
             else:
                 message = {"role": role, "content": message.get("value"), **rest}
             changed.add(SHAREGPT_READ)
+        if isinstance(message, dict) and _holds_value_parts(message.get("content")):
+            message = _value_parts_read(index, message)
+            changed.add(VALUE_PARTS_READ)
         if isinstance(message, dict) and isinstance(message.get("content"), list) and not takes_parts:
             texts = []
             for part in message["content"]:
@@ -180,7 +186,8 @@ def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, cha
                     shown = "missing" if "text" not in part else "null" if text is None else f"a {type(text).__name__}"
                     raise ValueError(
                         f"message {index} ({message.get('role')}) holds a text part whose 'text' is {shown}, not a "
-                        "string; give it a string (\"\" for no text) or remove the part"
+                        "string; give it a string (\"\" for no text) or remove the part (LLaMA-Factory's v1 parts hold "
+                        "it under 'value')"
                     )
                 if not isinstance(part, dict) or kind not in (None, "text"):
                     raise ValueError(
@@ -200,6 +207,49 @@ def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, cha
     return out
 
 
+def _holds_value_parts(content: Any) -> bool:
+    """LLaMA-Factory's v1 content: a list of parts ``{"type", "value"}`` (no part holds OpenAI's ``text``)."""
+    return (type(content) is list and any(type(part) is dict and "value" in part for part in content)
+            and not any(type(part) is dict and "text" in part for part in content))
+
+
+def _value_parts_read(index: int, message: dict) -> dict:
+    """A message of LLaMA-Factory v1 parts as the template takes it, as LLaMA-Factory's own v1 renderer reads them: the
+    ``text`` values joined (with nothing between) as its content, the ``reasoning`` values as ``reasoning_content``,
+    each ``tool_call`` value (``{"name", "arguments"}`` JSON) as one of its ``tool_calls``."""
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict] = []
+    for part in message["content"]:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        value = part.get("value") if isinstance(part, dict) else None
+        if kind not in VALUE_PART_TYPES:
+            raise ValueError(
+                f"message {index} ({message.get('role')}) holds a v1 content part of type {kind!r}; LLaMA-Factory's "
+                f"v1 parts read here are {', '.join(VALUE_PART_TYPES)} (images, videos and audio go through a "
+                "processor as image parts: docs/vision.md)"
+            )
+        if not isinstance(value, str):
+            shown = "missing" if "value" not in part else "null" if value is None else f"a {type(value).__name__}"
+            raise ValueError(
+                f"message {index} ({message.get('role')}) holds a {kind!r} part whose 'value' is {shown}, not a "
+                "string; give it a string (\"\" for no text) or remove the part"
+            )
+        if kind == "text":
+            texts.append(value)
+        elif kind == "reasoning":
+            reasoning.append(value)
+        else:
+            calls += _tool_calls(index, value, kind)
+    out = {key: item for key, item in message.items() if key != "content"}
+    out["content"] = "".join(texts)
+    if reasoning:
+        out["reasoning_content"] = "".join(reasoning)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
 def speaker_role(speaker: Any, roles: dict[str, str]) -> str | None:
     """The role of a ShareGPT speaker: the map's entry for it as written, else for it in any case (``Human``)."""
     if speaker in roles:
@@ -210,7 +260,7 @@ def speaker_role(speaker: Any, roles: dict[str, str]) -> str | None:
     return None
 
 
-def _tool_calls(index: int, value: Any) -> list[dict]:
+def _tool_calls(index: int, value: Any, kind: str = "function_call") -> list[dict]:
     """LLaMA-Factory's ``function_call`` value, ``{"name", "arguments"}`` JSON (or a list of them for parallel
     calls), as OpenAI ``tool_calls``; the arguments are kept as given (an object, or JSON text)."""
     try:
@@ -222,8 +272,8 @@ def _tool_calls(index: int, value: Any) -> list[dict]:
             isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"].strip() for c in calls):
         shown = value if not isinstance(value, str) or len(value) <= 60 else value[:57] + "..."
         raise ValueError(
-            f"message {index} is a 'function_call' whose value {shown!r} is not a tool call: LLaMA-Factory's ShareGPT "
-            'tool form writes it as JSON text {"name": ..., "arguments": {...}} (or a list of them)'
+            f"message {index} holds a {kind!r} whose value {shown!r} is not a tool call: LLaMA-Factory writes it as "
+            'JSON text {"name": ..., "arguments": {...}} (or a list of them)'
         )
     return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
             for c in calls]
