@@ -61,6 +61,7 @@ def _mask_job(args: argparse.Namespace) -> int:
             last_turn_only=args.last_turn_only, batch_size=args.batch_size, label_dtype=args.label_dtype,
             special_tokens_in_content=args.special_tokens_in_content, consecutive_roles=args.consecutive_roles,
             leading_assistant=args.leading_assistant, empty_messages=args.empty_messages, role_map=args.role_map,
+            alpaca_columns=args.alpaca_columns,
             drop_system_message=args.drop_system_message,
             check_roles=args.check_roles, roles_to_train=args.roles_to_train, weights_by_role=args.weights_by_role,
             weight_field=None if args.weight_field == "none" else args.weight_field,
@@ -188,6 +189,10 @@ def _add_mask_command(commands) -> None:
                         help="ShareGPT input (a 'conversations' column of {from, value}): speaker names to roles, over "
                              "the default human=user, gpt/chatgpt/bing/bard=assistant, system=system, "
                              "function_call=assistant, observation/tool=tool")
+    shapes.add_argument("--alpaca-columns", metavar="PART=COLUMN,...",
+                        help="Alpaca input (instruction, input, output, optional system and history; read as a chat): "
+                             "the columns of its parts, over the default instruction=instruction, input=input, "
+                             "output=output, system=system, history=history")
     shapes.add_argument("--check-roles", choices=("unusual", "all"), default="unusual",
                         help="rows checked for user, system or tool text that trains and assistant text that does not "
                              "(labelled from their rendering, else dropped as template_breaks_roles): every row of "

@@ -10,7 +10,9 @@ A batch comes in as a ``pyarrow.RecordBatch`` or ``Table`` with one of three inp
   dropped or rewrote a message as ``content_dropped`` (``chat/encode_rendered.py``). Message text is data: its
   special-token strings are text (``special_tokens_in_content``) and no marker matches inside it;
 - ``prompt`` / ``completion``: conversational (lists of messages, joined into one chat) or plain strings
-  (tokenised as prompt then completion plus EOS; the completion trains, the prompt does not, by position).
+  (tokenised as prompt then completion plus EOS; the completion trains, the prompt does not, by position);
+- Alpaca ``instruction`` / ``input`` / ``output`` (``system``, ``history``): read as a chat (``encode_batch``) and
+  rendered like ``messages``; the outputs train.
 
 The batch goes out with its columns in their order, ``input_ids`` added when it was tokenised here,
 then ``labels`` (and ``completion_mask`` on request, and ``loss_weights`` where weights apply: docs/weights.md);
@@ -38,7 +40,7 @@ from ..engine.tally import Tally
 from ..options import MaskOptions
 from ..engine.weights import weigh_tokens, weight_field_types, weights_to_arrow
 
-INPUT_KINDS = ("input_ids", "messages", "prompt_completion")
+INPUT_KINDS = ("input_ids", "messages", "prompt_completion", "alpaca")
 
 
 def input_kind(schema: pa.Schema, options: MaskOptions, *, source: str = "input") -> str:
@@ -73,13 +75,35 @@ def input_kind(schema: pa.Schema, options: MaskOptions, *, source: str = "input"
                 "or both be lists of messages"
             )
         return "prompt_completion"
+    alpaca = options.alpaca()
+    if alpaca["instruction"] in names and alpaca["output"] in names:
+        for part in ("instruction", "input", "output", "system"):
+            if alpaca[part] in names and not _text_or_json(schema.field(alpaca[part]).type):
+                raise TypeError(
+                    f"{source}: column {alpaca[part]!r} ({schema.field(alpaca[part]).type}) holds the Alpaca {part} and "
+                    "must hold strings; pass the column that does (--alpaca-columns / alpaca_columns=)"
+                )
+        return "alpaca"
     raise ValueError(
         f"{source}: no input column found: expected {options.input_ids_column!r} (token ids), "
-        f"{options.messages_column!r} (chat messages; ShareGPT's 'conversations' too) or {options.prompt_column!r} + "
-        f"{options.completion_column!r}; "
+        f"{options.messages_column!r} (chat messages; ShareGPT's 'conversations' too), {options.prompt_column!r} + "
+        f"{options.completion_column!r}, or Alpaca's {alpaca['instruction']!r} + {alpaca['output']!r}; "
         f"the columns are {schema.names}. Name yours with --input-ids-column / --messages-column / --prompt-column "
-        "(input_ids_column= ... in the API)"
+        "/ --alpaca-columns (input_ids_column= ... in the API)"
     )
+
+
+def _text_or_json(arrow_type: pa.DataType) -> bool:
+    """Strings, or a column a JSON reader left untyped (only nulls in the first rows: ``arrow.json``)."""
+    return (_text_or_chat(arrow_type) == "text" or pa.types.is_null(arrow_type)
+            or getattr(arrow_type, "extension_name", None) == "arrow.json")
+
+
+def _text_column(names: Any, kind: str, options: MaskOptions) -> str:
+    """The column that names the rows of ``kind`` in messages: the chat, the prompt, or Alpaca's instruction."""
+    if kind == "messages":
+        return options.chat_column(names)
+    return options.alpaca()["instruction"] if kind == "alpaca" else options.prompt_column
 
 
 def _text_or_chat(arrow_type: pa.DataType) -> str | None:
@@ -182,7 +206,7 @@ def mask_batch(
     else:
         if tokenizer is None and encoded is None:
             raise ValueError(
-                f"{source}: column {options.chat_column(table.column_names) if kind == 'messages' else options.prompt_column!r} "
+                f"{source}: column {_text_column(table.column_names, kind, options)!r} "
                 "needs a tokenizer to render and tokenise it; pass tokenizer= (--tokenizer DIR), or give pre-tokenised "
                 f"{options.input_ids_column!r} with markers"
             )

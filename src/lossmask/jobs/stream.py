@@ -133,7 +133,7 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
     report_partial = partial_name(report) if report is not None else None
     total_rows = dataset.count_rows()
     show = _progress_bar(progress, total=total_rows)
-    renders = kind == "messages" or (kind == "prompt_completion" and markers_source != "position")
+    renders = kind in ("messages", "alpaca") or (kind == "prompt_completion" and markers_source != "position")
     workers, batch_size = plan_workers(num_proc, total_rows, options.batch_size, renders=renders)
     if renders and workers < num_proc:
         rows = "" if total_rows is None else f" for {total_rows:,} rows"
@@ -251,7 +251,7 @@ def _warn_unread_conversations(dataset: InputFiles, options: MaskOptions) -> Non
 
 
 KIND_NAMES = {"input_ids": "token ids (input_ids)", "messages": "chat messages",
-              "prompt_completion": "prompt/completion pairs"}
+              "prompt_completion": "prompt/completion pairs", "alpaca": "Alpaca rows (instruction, input, output)"}
 
 
 def _with_message(exc: BaseException, message: str) -> BaseException:

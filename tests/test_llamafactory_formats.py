@@ -1,0 +1,109 @@
+"""The formats LLaMA-Factory users hold, read as LLaMA-Factory reads them: Alpaca rows, a dataset registered in
+``dataset_info.json``, and the rows of its ``data/`` samples.
+
+The rows are written here from LLaMA-Factory's documented behaviour (its data/README.md and converter): no
+LLaMA-Factory is installed. Each Alpaca row is checked against the same chat given as ``messages``: the tokens and
+the labels must be the same, so that Alpaca is exactly a way of writing a chat.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import chat_tokenizer
+from lossmask import MaskOptions, mask_files
+
+U = lambda text: {"role": "user", "content": text}  # noqa: E731
+A = lambda text: {"role": "assistant", "content": text}  # noqa: E731
+S = lambda text: {"role": "system", "content": text}  # noqa: E731
+
+ALPACA = [
+    {"instruction": "Name a prime.", "input": "", "output": "Seven."},
+    {"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"},
+    {"instruction": "", "input": "Only an input here.", "output": "Noted."},
+    {"instruction": "And an even one?", "input": "", "output": "Two.", "system": "You are terse.",
+     "history": [["Name a prime.", "Seven."], ["Another?", "Eleven."]]},
+]
+# the same rows as LLaMA-Factory's converter makes them: instruction and input joined with "\n" (the empty ones left
+# out), the system message first, each history pair an earlier exchange
+AS_MESSAGES = [
+    [U("Name a prime."), A("Seven.")],
+    [U("Translate to French.\nGood morning"), A("Bonjour")],
+    [U("Only an input here."), A("Noted.")],
+    [S("You are terse."), U("Name a prime."), A("Seven."), U("Another?"), A("Eleven."), U("And an even one?"),
+     A("Two.")],
+]
+
+
+def _write(path, rows, *, lines=True):
+    with open(path, "w", encoding="utf-8") as fh:
+        if lines:
+            fh.writelines(json.dumps(row) + "\n" for row in rows)
+        else:
+            json.dump(rows, fh, indent=2)
+    return path
+
+
+def _mask(tmp_path, family, rows, name="in.jsonl", **options):
+    path = _write(tmp_path / name, rows, lines=not name.endswith(".json"))
+    out = tmp_path / (name + ".parquet")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = mask_files(path, out, tokenizer=chat_tokenizer(family), max_drop_fraction=1.0, **options)
+    return report, pq.read_table(out)
+
+
+def _trained(family, table, row):
+    ids, labels = table.column("input_ids")[row].as_py(), table.column("labels")[row].as_py()
+    return chat_tokenizer(family).decode([t for t, label in zip(ids, labels) if label != -100])
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama-3.1", "mistral-v3"])
+def test_alpaca_rows_label_as_the_chat_llamafactory_makes_of_them(tmp_path, family):
+    report, table = _mask(tmp_path, family, ALPACA, name="alpaca.json")
+    assert report.rows_in == report.rows_out == 4
+    _, chats = _mask(tmp_path, family, [{"messages": m} for m in AS_MESSAGES], name="chats.jsonl")
+    assert table.column("input_ids").to_pylist() == chats.column("input_ids").to_pylist()
+    assert table.column("labels").to_pylist() == chats.column("labels").to_pylist()
+    assert table.column_names[:3] == ["instruction", "input", "output"]  # the input's columns are kept as they are
+    trained = _trained(family, table, 3)
+    assert "Seven." in trained and "Eleven." in trained and "Two." in trained  # earlier outputs train by default
+    assert "terse" not in trained and "Another?" not in trained and "Good morning" not in _trained(family, table, 1)
+
+
+def test_alpaca_with_last_turn_only_trains_the_output_alone(tmp_path):
+    _, table = _mask(tmp_path, "qwen2.5", ALPACA[3:], last_turn_only=True)
+    trained = _trained("qwen2.5", table, 0)
+    assert "Two." in trained and "Seven." not in trained and "Eleven." not in trained
+
+
+def test_alpaca_columns_of_other_names_are_read_through_alpaca_columns(tmp_path):
+    rows = [{"question": "Name a prime.", "answer": "Seven."}]
+    report, table = _mask(tmp_path, "qwen2.5", rows, alpaca_columns="instruction=question,output=answer")
+    assert report.rows_out == 1 and _trained("qwen2.5", table, 0).startswith("Seven.")
+    assert MaskOptions(alpaca_columns={"output": "answer"}) == MaskOptions(alpaca_columns="output=answer")
+    with pytest.raises(ValueError, match="the parts of an Alpaca row are instruction, input, output, system, history"):
+        MaskOptions(alpaca_columns={"response": "answer"})
+
+
+def test_alpaca_rows_without_a_string_output_or_with_a_broken_history_are_invalid_and_named(tmp_path):
+    rows = [{"instruction": "Hi.", "input": "", "output": None},
+            {"instruction": "Hi.", "input": "", "output": "Hello.", "history": [["only one"]]},
+            {"instruction": "Hi.", "input": "", "output": "Hello.", "history": []}]
+    report, _ = _mask(tmp_path, "qwen2.5", rows)
+    assert report.rows_out == 1 and report.dropped["invalid"] == 2
+    null_output, broken_history = report.invalid_examples
+    assert "line 1" in null_output and "column 'output' (the Alpaca output) is null, not a string" in null_output
+    assert "line 2" in broken_history and "column 'history' (the Alpaca history) is not a list of [instruction, " \
+                                         "output] pairs of strings" in broken_history
+
+
+def test_alpaca_named_as_prompt_and_completion_keeps_the_text_pairs_reading(tmp_path):
+    report, table = _mask(tmp_path, "qwen2.5", ALPACA[:1], prompt_column="instruction", completion_column="output")
+    tok = chat_tokenizer("qwen2.5")
+    assert report.rows_out == 1 and "<|im_start|>" not in tok.decode(table.column("input_ids")[0].as_py())
+    assert _trained("qwen2.5", table, 0).startswith("Seven.")
