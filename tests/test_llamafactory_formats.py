@@ -107,3 +107,93 @@ def test_alpaca_named_as_prompt_and_completion_keeps_the_text_pairs_reading(tmp_
     tok = chat_tokenizer("qwen2.5")
     assert report.rows_out == 1 and "<|im_start|>" not in tok.decode(table.column("input_ids")[0].as_py())
     assert _trained("qwen2.5", table, 0).startswith("Seven.")
+
+
+# -- dataset_info.json ------------------------------------------------------------------------------------------
+
+def _registered(tmp_path, entries: dict, files: dict) -> str:
+    for name, rows in files.items():
+        _write(tmp_path / name, rows, lines=name.endswith(".jsonl"))
+    info = tmp_path / "dataset_info.json"
+    info.write_text(json.dumps(entries), encoding="utf-8")
+    return str(info)
+
+
+def _mask_registered(tmp_path, info, name, family="qwen2.5", **options):
+    out = tmp_path / f"{name}.parquet"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = mask_files(None, out, tokenizer=chat_tokenizer(family), dataset_info=info, dataset=name,
+                            max_drop_fraction=1.0, **options)
+    return report, pq.read_table(out)
+
+
+def test_a_registered_alpaca_dataset_reads_only_the_columns_its_entry_names(tmp_path):
+    info = _registered(tmp_path, {
+        "plain": {"file_name": "rows.json"},  # no columns: instruction, input, output (LLaMA-Factory reads no history)
+        "full": {"file_name": "rows.json", "columns": {"prompt": "instruction", "query": "input", "response": "output",
+                                                       "system": "system", "history": "history"}},
+        "renamed": {"file_name": "qa.jsonl", "columns": {"prompt": "question", "response": "answer"}},
+    }, {"rows.json": ALPACA[3:], "qa.jsonl": [{"question": "Name a prime.", "answer": "Seven."}]})
+    report, table = _mask_registered(tmp_path, info, "plain")
+    assert report.rows_out == 1
+    plain = chat_tokenizer("qwen2.5").decode(table.column("input_ids")[0].as_py())
+    assert "And an even one?" in plain and "Eleven." not in plain and "You are terse." not in plain
+    _, table = _mask_registered(tmp_path, info, "full")
+    _, chats = _mask(tmp_path, "qwen2.5", [{"messages": AS_MESSAGES[3]}])
+    assert table.column("labels").to_pylist() == chats.column("labels").to_pylist()
+    report, table = _mask_registered(tmp_path, info, "renamed")
+    assert report.rows_out == 1 and _trained("qwen2.5", table, 0).startswith("Seven.")
+
+
+def test_a_registered_sharegpt_dataset_reads_its_tags_as_the_role_map(tmp_path):
+    conversation = [{"speaker": "asker", "text": "Name a prime."}, {"speaker": "bot", "text": "Seven."}]
+    info = _registered(tmp_path, {
+        "tagged": {"file_name": "tagged.jsonl", "formatting": "sharegpt",
+                   "columns": {"messages": "dialogue"}, "tags": {"role_tag": "from", "content_tag": "value", "user_tag": "asker",
+                                                      "assistant_tag": "bot"}},
+        "openai": {"file_name": "openai.jsonl", "formatting": "sharegpt", "columns": {"messages": "messages"},
+                   "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                            "assistant_tag": "assistant"}},
+        "keys": {"file_name": "tagged.jsonl", "formatting": "sharegpt", "columns": {"messages": "dialogue"},
+                 "tags": {"role_tag": "speaker", "content_tag": "text"}},
+    }, {"tagged.jsonl": [{"dialogue": [{"from": m["speaker"], "value": m["text"]} for m in conversation]}],
+        "openai.jsonl": [{"messages": [U("Name a prime."), A("Seven.")]}]})
+    for name in ("tagged", "openai"):
+        report, table = _mask_registered(tmp_path, info, name)
+        assert report.rows_out == 1 and _trained("qwen2.5", table, 0).startswith("Seven."), name
+    with pytest.raises(ValueError, match="messages keyed 'speaker' and 'text'.*reads ShareGPT's 'from' and 'value'"):
+        _mask_registered(tmp_path, info, "keys")
+
+
+@pytest.mark.parametrize("entry, said", [
+    ({"hf_hub_url": "org/data"}, "is loaded from hf_hub_url 'org/data'; lossmask reads local files only"),
+    ({"file_name": "x.json", "ranking": True, "formatting": "sharegpt"}, "holds preference pairs (ranking: true)"),
+    ({"file_name": "x.json", "columns": {"prompt": "text"}}, "has no response column"),
+    ({"file_name": "x.json", "formatting": "sharegpt", "columns": {"messages": "m", "audios": "audios"}},
+     "holds audio (columns.audios)"),
+    ({"file_name": "x.json", "subset": "en"}, "has 'subset', which lossmask does not read"),
+])
+def test_a_registered_dataset_lossmask_cannot_read_as_llamafactory_does_is_refused_in_one_line(tmp_path, entry, said):
+    info = _registered(tmp_path, {"it": entry}, {})
+    with pytest.raises(ValueError) as caught:
+        mask_files(None, tmp_path / "out.parquet", tokenizer=chat_tokenizer("qwen2.5"), dataset_info=info, dataset="it")
+    assert said in str(caught.value) and f"{info}, dataset 'it'" in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_cli_reads_a_registered_dataset_and_names_the_ones_it_has(tmp_path, capsys):
+    from lossmask.cli import main
+    from conftest import tokenizer_path
+
+    info = _registered(tmp_path, {"alpaca_demo": {"file_name": "rows.json"}}, {"rows.json": ALPACA[:2]})
+    out = tmp_path / "out.parquet"
+    assert main(["mask", "--dataset-info", info, "--dataset", "alpaca_demo", str(out),
+                 "--tokenizer", str(tokenizer_path("qwen2.5")), "--no-progress"]) == 0
+    assert pq.read_table(out).num_rows == 2
+    assert main(["mask", "--dataset-info", info, "--dataset", "other", str(out),
+                 "--tokenizer", str(tokenizer_path("qwen2.5")), "--no-progress"]) == 1
+    assert "no dataset 'other'; it registers alpaca_demo" in capsys.readouterr().err
+    assert main(["mask", str(tmp_path / "rows.json"), str(out), "--dataset-info", info, "--dataset", "alpaca_demo",
+                 "--tokenizer", str(tokenizer_path("qwen2.5")), "--no-progress"]) == 1
+    assert "both name the input; pass one" in capsys.readouterr().err

@@ -76,6 +76,7 @@ def _mask_job(args: argparse.Namespace) -> int:
             model_name=args.model_name, markers=args.markers, strict=args.strict, input_format=args.input_format,
             options=options, compression=args.compression, num_proc=args.num_proc,
             progress=False if args.no_progress else None, report=args.report,
+            dataset_info=args.dataset_info, dataset=args.dataset,
         )
     except (ValueError, TypeError, OSError, ImportError) as exc:  # OSError: one line naming the path and the cause
         print(f"lossmask mask: error: {_error_text(exc)}", file=sys.stderr)
@@ -142,9 +143,10 @@ def _add_mask_command(commands) -> None:
         description="Label INPUT (Parquet file, folder or glob; Arrow IPC; JSONL) and write OUTPUT (Parquet), "
         "dropping rows that train nothing (counted per reason). Markers come from --markers or from --tokenizer.",
     )
-    mask.add_argument("input", metavar="INPUT", help="Parquet file, folder or glob of them; Arrow IPC; JSONL or a JSON "
-                      "array, also gzip/zstd/bzip2 compressed; - for stdin (docs/inputs.md). Rows hold "
-                      "input_ids (token ids), messages (a chat) or prompt + completion")
+    mask.add_argument("input", metavar="INPUT", nargs="?", help="Parquet file, folder or glob of them; Arrow IPC; JSONL or "
+                      "a JSON array, also gzip/zstd/bzip2 compressed; - for stdin (docs/inputs.md). Rows hold "
+                      "input_ids (token ids), messages (a chat), prompt + completion, or Alpaca's instruction + "
+                      "output. Left out with --dataset-info")
     mask.add_argument("output", metavar="OUTPUT", help="the Parquet file to write (its folder must exist; a name such as "
                       "out.jsonl is refused): the input columns plus labels (and input_ids when tokenised here); "
                       "written only when the job succeeds, while a lock keeps other jobs off it")
@@ -158,6 +160,9 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the tokenizer's own")
     mask.add_argument("--strict", action="store_true", help="fail instead of training full sequences when no markers are found")
     mask.add_argument("--input-format", choices=("parquet", "ipc", "json"), help="default: from the file suffix, else its first bytes")
+    mask.add_argument("--dataset-info", metavar="FILE", help="LLaMA-Factory's dataset_info.json: read the dataset "
+                      "--dataset names there (its file_name, formatting, columns and tags) instead of INPUT")
+    mask.add_argument("--dataset", metavar="NAME", help="the dataset of --dataset-info to read")
     mask.add_argument("--input-ids-column", default="input_ids", metavar="NAME")
     mask.add_argument("--messages-column", default="messages", metavar="NAME")
     mask.add_argument("--prompt-column", default="prompt", metavar="NAME")

@@ -89,7 +89,7 @@ class MaskOptions:
     drop_system_message: bool = False  # system messages removed before rendering (axolotl's and LLaMA-Factory's meaning)
     # ShareGPT ``{from, value}`` messages: speaker -> role, over SHAREGPT_ROLES (a dict, or "human=user,gpt=assistant")
     role_map: Any = None
-    # Alpaca rows: part -> column, over ALPACA_COLUMNS (a dict, or "instruction=question,output=answer")
+    # Alpaca rows: part -> column (None: not read), over ALPACA_COLUMNS (a dict, or "instruction=question,output=answer")
     alpaca_columns: Any = None
     # weights (docs/weights.md): a float per token; labels train where it is > 0. Sources, applied in this order:
     # per role (roles_to_train: the roles that train, weight 1; weights_by_role: role -> weight, over it), the
@@ -298,8 +298,8 @@ def parse_alpaca_columns(columns: Any) -> tuple[tuple[str, str], ...]:
     if unknown:
         raise ValueError(f"alpaca_columns={columns!r} names {unknown}; the parts of an Alpaca row are "
                          f"{', '.join(ALPACA_COLUMNS)}")
-    if not all(isinstance(v, str) and v for v in given.values()):
-        raise ValueError(f"alpaca_columns={columns!r}: column names must be non-empty strings")
+    if not all(v is None or (isinstance(v, str) and v) for v in given.values()):
+        raise ValueError(f"alpaca_columns={columns!r}: column names must be non-empty strings (None: the part is not read)")
     merged = {**ALPACA_COLUMNS, **given}
     return tuple((part, merged[part]) for part in ALPACA_COLUMNS)
 
