@@ -197,3 +197,84 @@ def test_the_cli_reads_a_registered_dataset_and_names_the_ones_it_has(tmp_path, 
     assert main(["mask", str(tmp_path / "rows.json"), str(out), "--dataset-info", info, "--dataset", "alpaca_demo",
                  "--tokenizer", str(tokenizer_path("qwen2.5")), "--no-progress"]) == 1
     assert "both name the input; pass one" in capsys.readouterr().err
+
+
+# -- multimodal rows as LLaMA-Factory writes them: <image> placeholders beside an images column --------------------
+
+def _mllm_rows(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "a.png")
+    Image.new("RGB", (84, 56), (30, 30, 200)).save(tmp_path / "b.png")
+    return [
+        {"messages": [U("<image>Who is this?"), A("A red square."), U("And this one?<image>"), A("A blue one.")],
+         "images": ["a.png", "b.png"], "audios": []},
+        {"messages": [U("<audio>What's that sound?"), A("Glass shattering.")], "images": [], "audios": ["x.mp3"]},
+        {"messages": [U("<image><image>Two?"), A("One.")], "images": ["a.png"], "audios": []},
+    ]
+
+
+def test_image_placeholders_without_a_processor_make_the_row_invalid_never_text(tmp_path):
+    report, _ = _mask(tmp_path, "qwen2.5", _mllm_rows(tmp_path)[:2] + [{"messages": [U("Hi."), A("Hello.")],
+                                                                       "images": [], "audios": []}])
+    assert report.rows_out == 1 and report.dropped["invalid"] == 2
+    images, audio = report.invalid_examples
+    assert "holds 2 <image> placeholders with media in column(s) 'images'" in images and "processor" in images
+    assert "holds audio (column 'audios')" in audio and "never keeps an audio row as text" in audio
+
+
+def test_image_placeholders_through_a_processor_are_the_rows_images_in_order(tmp_path):
+    pytest.importorskip("PIL")
+    from conftest import vision_processor_dir
+    from lossmask.chat.media import load_processor
+
+    proc = load_processor(vision_processor_dir("qwen2-vl", tmp_path / "proc"))
+    path = _write(tmp_path / "mllm.json", _mllm_rows(tmp_path), lines=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = mask_files(path, tmp_path / "out.parquet", tokenizer=proc, max_drop_fraction=1.0)
+    assert report.rows_out == 1 and report.dropped["invalid"] == 2
+    audio, mismatch = report.invalid_examples
+    assert "holds audio" in audio and "holds 2 <image> placeholder(s) but 1 item(s) in column 'images'" in mismatch
+    table = pq.read_table(tmp_path / "out.parquet")
+    tok = chat_tokenizer("qwen2.5")
+    ids, labels = table.column("input_ids")[0].as_py(), table.column("labels")[0].as_py()
+    rendered = tok.decode(ids)
+    assert rendered.count("<|vision_start|>") == 2 and "<image>" not in rendered
+    assert rendered.index("<|vision_start|>") < rendered.index("Who is this?")  # the placeholder's place is kept
+    assert rendered.rindex("<|vision_start|>") > rendered.index("And this one?")
+    trained = tok.decode([t for t, label in zip(ids, labels) if label != -100])
+    assert "A red square." in trained and "A blue one." in trained and "<|image_pad|>" not in trained
+
+
+# -- tool-call ids, where the template requires them ------------------------------------------------------------
+
+def _call(name, call_id=None):
+    call = {"type": "function", "function": {"name": name, "arguments": {"city": "Oslo"}}}
+    return call if call_id is None else {**call, "id": call_id}
+
+
+def test_tool_calls_without_ids_get_deterministic_ids_where_the_template_requires_them(tmp_path):
+    no_ids = [U("Weather in Oslo and time there?"),
+              {"role": "assistant", "content": "", "tool_calls": [_call("get_weather"), _call("get_time")]},
+              {"role": "tool", "content": "3 degrees"}, {"role": "tool", "content": "noon"}, A("3 degrees at noon.")]
+    given = [U("Weather?"), {"role": "assistant", "content": "", "tool_calls": [_call("get_weather", "abcdefghi")]},
+             {"role": "tool", "content": "3 degrees", "tool_call_id": "abcdefghi"}, A("3 degrees.")]
+    report, table = _mask(tmp_path, "mistral-v3", [{"messages": no_ids}, {"messages": given}])
+    assert report.rows_out == 2 and report.shapes["tool_call_ids_written"] == 1
+    tok = chat_tokenizer("mistral-v3")
+    first, second = (tok.decode(table.column("input_ids")[r].as_py()) for r in (0, 1))
+    assert '"id": "000000001"' in first and '"id": "000000002"' in first
+    assert '"call_id": "000000001"' in first and '"call_id": "000000002"' in first
+    assert '"id": "abcdefghi"' in second and "000000001" not in second
+    assert "get_weather" in _trained("mistral-v3", table, 0)
+    # a template that takes calls without ids is given none
+    report, table = _mask(tmp_path, "qwen2.5", [{"messages": no_ids}], name="qwen.jsonl")
+    assert report.rows_out == 1 and "tool_call_ids_written" not in report.shapes
+    assert "000000001" not in chat_tokenizer("qwen2.5").decode(table.column("input_ids")[0].as_py())
+
+
+@pytest.mark.parametrize("family", ["mistral-v3", "qwen2.5", "llama-3.1"])
+def test_a_chat_with_no_assistant_message_counts_as_no_response_on_every_family(tmp_path, family):
+    report, _ = _mask(tmp_path, family, [{"messages": [U("Is anyone there?")]}, {"messages": [U("Hi."), A("Hello.")]}])
+    assert report.rows_out == 1 and report.dropped["no_response"] == 1 and report.dropped["empty_response"] == 0

@@ -204,3 +204,13 @@ def test_trl_max_length_that_cut_the_assistant_turns_is_named(deepseek, tmp_path
     text = str(info.value)
     assert "8 of 8 dropped rows reach max_length=40 (the trainer's args.max_length" in text
     assert "derived from another tokenizer" not in text
+
+
+def test_a_commands_warnings_print_as_one_line_without_a_source_line(monkeypatch):
+    from lossmask.jobs.display import warnings_on_one_line
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    warnings_on_one_line("lossmask lora")
+    line = warnings.formatwarning("data has no valid.jsonl: training goes on without validation", UserWarning,
+                                  "/x/mlx.py", 387, "warnings.warn(...)")
+    assert line == "lossmask lora: warning: data has no valid.jsonl: training goes on without validation\n"

@@ -105,9 +105,9 @@ def _mask_job(args: argparse.Namespace) -> int:
 
 def _warnings_on_one_line() -> None:
     """Each warning a job gives is one line on stderr (``lossmask mask: warning: ...``), as its errors are."""
-    import warnings
+    from .jobs.display import warnings_on_one_line
 
-    warnings.formatwarning = lambda message, *_, **__: f"lossmask mask: warning: {_escaped(message)}\n"
+    warnings_on_one_line("lossmask mask")
 
 
 def _escaped(text: str) -> str:

@@ -18,7 +18,8 @@ import pyarrow as pa
 from ..engine.outcomes import SPECIAL_TOKENS
 from .encode_rendered import LocatedRows, encode_located, encode_rendered, locate_rendered, text_can_match
 from .render import plain_arrow_type
-from .shapes import normalise_shapes, read_tools, takes_content_parts
+from .shapes import (PLACEHOLDERS, needs_call_ids, normalise_shapes, read_placeholders, read_tools,
+                     takes_content_parts)
 
 
 @dataclass(frozen=True)
@@ -101,13 +102,13 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     also locate their message text (``encode_rendered.locate_rendered``) and keep that instead of the messages."""
     tok = chat_tokenizer(tokenizer)
     started = time.perf_counter()
-    conversations, where, columns, unread = conversations_of(table, kind, options)
+    conversations, where, columns, unread = conversations_of(table, kind, options, processor=tok.processor is not None)
     # rows of plain JSON values render through the compiled template directly (render.py)
     plain = all(plain_arrow_type(table.schema.field(name).type) for name in columns)
     tools = json_values(table.column("tools")) if "tools" in table.column_names else None
     errors: list[tuple[int, str]] = [(first_row + r, message) for r, message in unread]
     # the conversation-shape policy (shapes.py), before the template sees a row
-    shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(tok))
+    shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(tok), call_ids=needs_call_ids(tok))
     errors += [(first_row + r, f"column {where!r}: {message}") for r, message in shaped.invalid]
     dropped = [(first_row + r, reason, message) for r, reason, message in shaped.dropped]
     refused = {r for r, _ in shaped.invalid} | {r for r, _, _ in shaped.dropped} | {r for r, _ in unread}
@@ -387,12 +388,18 @@ def render_in_worker(batch: pa.Buffer, kind: str, first_row: int) -> RenderedBat
     return render_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row, locate=True)
 
 
-def conversations_of(table: pa.Table, kind: str, options: Any) -> tuple[list, str, list[str], list[tuple[int, str]]]:
+def conversations_of(table: pa.Table, kind: str, options: Any, *,
+                     processor: bool = False) -> tuple[list, str, list[str], list[tuple[int, str]]]:
     """The chats of a batch's rows (``kind``: messages, conversational prompt/completion, or Alpaca), before the shape
-    policy: ``(conversations, what names their column in messages, the columns read, [(row, message)] unreadable)``."""
+    policy: ``(conversations, what names their column in messages, the columns read, [(row, message)] unreadable)``.
+    Chats beside media columns have their placeholders read (``shapes.read_placeholders``; ``processor``: rendered
+    through one)."""
     if kind == "messages":
         column = options.chat_column(table.column_names)
-        return messages_from_arrow(table.column(column)), column, [column], []
+        conversations = messages_from_arrow(table.column(column))
+        media = {name: json_values(table.column(name)) for name in PLACEHOLDERS if name in table.column_names}
+        unread = read_placeholders(conversations, media, processor=processor) if media else []
+        return conversations, column, [column], [(r, f"column {column!r}: {message}") for r, message in unread]
     if kind == "alpaca":
         return alpaca_conversations(table, options)
     prompts = messages_from_arrow(table.column(options.prompt_column))
@@ -501,8 +508,8 @@ def chats_of_rows(ct: Any, table: Any, kind: str, options: Any, rows: Sequence[i
     """``(messages, tools)`` of some rows of an Arrow batch, as the messages path rendered them: read from the chat
     column (or prompt + completion) and put through the shape policy (``shapes.normalise_shapes``)."""
     take = pa.array(list(rows), type=pa.int64())
-    conversations = conversations_of(table.take(take), kind, options)[0]
+    conversations = conversations_of(table.take(take), kind, options, processor=ct.processor is not None)[0]
     tools = json_values(table.column("tools").take(take)) if "tools" in table.column_names else [None] * len(take)
-    shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(ct))
+    shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(ct), call_ids=needs_call_ids(ct))
     return [(messages, tool or None) for messages, tool in zip(shaped.conversations, tools)]
 

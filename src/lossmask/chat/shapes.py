@@ -31,6 +31,7 @@ checked on those (``encode_rendered``), or on every row with ``check_roles="all"
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -44,8 +45,9 @@ CONTENT_PARTS_JOINED = "content_parts_joined"
 SHAREGPT_READ = "sharegpt_messages_read"
 SYSTEM_DROPPED = "system_messages_dropped"
 VALUE_PARTS_READ = "v1_content_parts_read"
+CALL_IDS_WRITTEN = "tool_call_ids_written"
 SHAPES = (LEADING_ASSISTANT_DROPPED, ROLES_MERGED, EMPTY_MESSAGES_DROPPED, CONTENT_PARTS_JOINED, SHAREGPT_READ,
-          SYSTEM_DROPPED, VALUE_PARTS_READ)
+          SYSTEM_DROPPED, VALUE_PARTS_READ, CALL_IDS_WRITTEN)
 # the types of LLaMA-Factory's v1 content parts (``{"type", "value"}``) that are read as text, reasoning and tool calls
 VALUE_PART_TYPES = ("text", "reasoning", "tool_call")
 MERGE_SEPARATOR = "\n\n"
@@ -72,8 +74,10 @@ class Shaped:
     unusual: list[bool] = field(default_factory=list)
 
 
-def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts: bool = True) -> Shaped:
-    """Apply the shape policy of ``options`` to each conversation (a list of messages; None or empty left as is)."""
+def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts: bool = True,
+                     call_ids: bool = False) -> Shaped:
+    """Apply the shape policy of ``options`` to each conversation (a list of messages; None or empty left as is).
+    ``call_ids``: the template requires tool-call ids (``needs_call_ids``); calls without one are given one."""
     roles = options.roles()
     every_row = options.check_roles == "all"
     out = Shaped(list(conversations), shapes={shape: 0 for shape in SHAPES})
@@ -92,6 +96,8 @@ def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts:
             out.conversations[r] = None
             out.unusual.append(every_row)
             continue
+        if call_ids and _write_call_ids(messages):
+            changed.add(CALL_IDS_WRITTEN)
         dropped_any = False
         if options.drop_system_message:
             kept = [m for m in messages if _role(m) != "system"]
@@ -119,7 +125,7 @@ def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts:
         for shape in changed:
             out.shapes[shape] += 1
         if dropped_any and not _has_exchange(messages):
-            done = ", ".join(sorted(changed - {SHAREGPT_READ, CONTENT_PARTS_JOINED, VALUE_PARTS_READ}))
+            done = ", ".join(sorted(changed - {SHAREGPT_READ, CONTENT_PARTS_JOINED, VALUE_PARTS_READ, CALL_IDS_WRITTEN}))
             out.dropped.append((r, NO_EXCHANGE, f"no user message followed by an assistant message is left ({done})"))
             out.conversations[r] = None
             out.unusual.append(every_row)
@@ -250,6 +256,58 @@ def _value_parts_read(index: int, message: dict) -> dict:
     return out
 
 
+# LLaMA-Factory's media placeholders in message text, per media column; image and video placeholders become parts
+PLACEHOLDERS = {"images": "<image>", "videos": "<video>", "audios": "<audio>"}
+_PLACEHOLDER_PARTS = {"<image>": "image", "<video>": "video"}
+_PLACEHOLDER_SPLIT = re.compile("(<image>|<video>)")
+
+
+def read_placeholders(conversations: list, media: dict[str, list], *, processor: bool) -> list[tuple[int, str]]:
+    """LLaMA-Factory's multimodal rows: ``<image>`` / ``<video>`` placeholders in message text, with the row's media
+    in the ``images`` / ``videos`` columns (``media``: column -> value per row). Through a processor, each string
+    content that holds a placeholder becomes parts (``{"type": "image"}`` ...), in order, which the processor path
+    matches with the column (``chat/encode_media.py``); ``conversations`` is changed in place. Returns
+    ``(row, message)`` for the rows that cannot be read so, which are never kept as text: a row with audio, a row with
+    placeholders and media but no processor, and a row whose placeholders and media differ in number."""
+    invalid: list[tuple[int, str]] = []
+    for r, messages in enumerate(conversations):
+        given = {column: values[r] for column, values in media.items() if values[r]}
+        if not given or not messages:
+            continue
+        if "audios" in given:
+            invalid.append((r, "holds audio (column 'audios'); lossmask reads text, images and videos, and never keeps "
+                               "an audio row as text: leave it out, or remove its audio and <audio> placeholders"))
+            continue
+        texts = [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        counts = {column: sum(text.count(PLACEHOLDERS[column]) for text in texts) for column in given}
+        if not any(counts.values()):
+            continue
+        shown = " and ".join(f"{n} {PLACEHOLDERS[c]} placeholder{'s' * (n != 1)}" for c, n in counts.items() if n)
+        if not processor:
+            invalid.append((r, f"holds {shown} with media in column(s) {', '.join(map(repr, given))}: a chat with "
+                               "images or videos is read through the model's processor (--tokenizer its folder: "
+                               "docs/vision.md); with a text tokenizer it would train as text"))
+            continue
+        wrong = [c for c in given if counts[c] != len(given[c] if isinstance(given[c], list) else [given[c]])]
+        if wrong:
+            c = wrong[0]
+            invalid.append((r, f"holds {counts[c]} {PLACEHOLDERS[c]} placeholder(s) but "
+                               f"{len(given[c]) if isinstance(given[c], list) else 1} item(s) in column {c!r}; "
+                               "give one placeholder per item, in order"))
+            continue
+        conversations[r] = [_placeholder_parts(m) for m in messages]
+    return invalid
+
+
+def _placeholder_parts(message: Any) -> Any:
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, str) or not _PLACEHOLDER_SPLIT.search(content):
+        return message
+    parts = [{"type": _PLACEHOLDER_PARTS[piece]} if piece in _PLACEHOLDER_PARTS else {"type": "text", "text": piece}
+             for piece in _PLACEHOLDER_SPLIT.split(content) if piece]
+    return {**message, "content": parts}
+
+
 def speaker_role(speaker: Any, roles: dict[str, str]) -> str | None:
     """The role of a ShareGPT speaker: the map's entry for it as written, else for it in any case (``Human``)."""
     if speaker in roles:
@@ -342,6 +400,64 @@ def _has_exchange(messages: list) -> bool:
         elif role == "assistant" and seen_user:
             return True
     return False
+
+
+CALL_ID_WIDTH = 9  # Mistral's templates take ids of exactly 9 characters
+
+
+def _write_call_ids(messages: list) -> bool:
+    """Give each tool call without an ``id`` one, and each tool result without a ``tool_call_id`` the id of the call it
+    answers (the results after an assistant message answer its calls in order; a result beyond them, the last call).
+    The ids are the call's number in the chat from 1, zero-padded to ``CALL_ID_WIDTH`` digits (``000000001``): the same
+    data always renders the same. ``messages`` is changed in place (its messages are copied first); True when an id was
+    written."""
+    written, number, pending, answered = False, 0, [], 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and isinstance(calls, list) and calls:
+            ids, copied = [], []
+            for call in calls:
+                number += 1
+                if isinstance(call, dict) and not call.get("id"):
+                    call = {**call, "id": f"{number:0{CALL_ID_WIDTH}d}"}
+                    written = True
+                copied.append(call)
+                ids.append(call.get("id") if isinstance(call, dict) else None)
+            messages[i] = {**message, "tool_calls": copied}
+            pending, answered = ids, 0
+        elif message.get("role") == "tool" and not message.get("tool_call_id") and pending:
+            messages[i] = {**message, "tool_call_id": pending[min(answered, len(pending) - 1)]}
+            answered += 1
+            written = True
+    return written
+
+
+def needs_call_ids(tok: Any) -> bool:
+    """Does the chat template refuse a tool call without an id that it renders with one (Mistral-v3, Mistral-Nemo)?"""
+    cached = getattr(tok, "_needs_call_ids", None)
+    if cached is not None:
+        return cached
+    call = {"type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}
+    probe = [{"role": "user", "content": "Qz7p1"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "tool", "content": "Qz7p2"}, {"role": "assistant", "content": "Qz7p3"}]
+    result = False
+    try:
+        tok.render(probe)
+    except Exception:  # noqa: BLE001 - a template that raises here may want ids: try with them
+        with_ids = [dict(m) for m in probe]
+        try:
+            if _write_call_ids(with_ids):
+                tok.render(with_ids)
+                result = True
+        except Exception:  # noqa: BLE001 - it refuses tool calls for another reason
+            result = False
+    try:
+        tok._needs_call_ids = result
+    except AttributeError:
+        pass
+    return result
 
 
 def takes_content_parts(tok: Any) -> bool:

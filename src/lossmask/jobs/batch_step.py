@@ -296,13 +296,24 @@ def mask_batch(
         counts = OutcomeCounts.from_rows(outcomes, trained, _lengths(input_ids))
         keep_valid = keep_valid.copy()
         keep_valid[np.flatnonzero(keep_valid)[broken]] = False
+    has_assistant = None
+    if counts.rows_dropped and kind == "messages" and not (zeroed is not None and bool(
+            zeroed[outcomes != Outcome.TRAINED].all())):
+        has_assistant = _has_assistant(table, options)
+        if has_assistant is not None:
+            # a chat with no assistant message has no response, whatever its template writes at its end (Mistral-v3's
+            # [/INST] opens an empty one): the same reason on every family
+            silent = (outcomes == Outcome.EMPTY_RESPONSE) & ~has_assistant
+            if silent.any():
+                outcomes = np.where(silent, Outcome.NO_RESPONSE, outcomes).astype(np.int8)
+                counts = OutcomeCounts.from_rows(outcomes, trained, _lengths(input_ids))
     tally.counts = tally.counts + counts
     if tally.dropped_example is None and counts.rows_dropped:
         r = int(np.flatnonzero(outcomes != Outcome.TRAINED)[0])
         tally.dropped_example = (input_ids[r].as_py() or [], labels[r].as_py() or [])
     if counts.rows_dropped:
         limit = truncated_at or (options.max_length if kind != "input_ids" else None)
-        _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid, zeroed)
+        _note_drops(tally, input_ids, labels, outcomes, limit, first_row, keep_valid, zeroed, has_assistant)
     columns = {}
     if kind != "input_ids":
         columns[options.input_ids_column] = input_ids
@@ -601,28 +612,33 @@ def _from_rendering(input_ids, flat, starts, lengths, rows, roles, options, rows
     return found
 
 
-def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid,
-                zeroed=None) -> None:
-    """Count the dropped rows of a batch by what they show (``engine.outcomes.classify_drops``), one example each."""
-    lengths = _lengths(input_ids)
-    has_assistant = None
+def _has_assistant(table: pa.Table, options: MaskOptions) -> np.ndarray | None:
+    """Per row of a batch of chats, does it hold an assistant message (read from the Arrow column, vectorised)? None
+    when the messages do not say their role in a way read here (ShareGPT's speakers)."""
     chat_column = options.chat_column(table.column_names)
-    # rows the weights left with nothing are counted as such whatever their messages: no need to read them then
-    only_zeroed = zeroed is not None and bool(zeroed[outcomes != Outcome.TRAINED].all())
-    if kind == "messages" and chat_column in table.column_names and not only_zeroed:
-        chats = table.column(chat_column).combine_chunks()
-        turns = pc.list_flatten(chats)
-        if isinstance(turns, pa.ExtensionArray):  # arrow.json: each message is its JSON text
-            turns = turns.storage
-        is_assistant = None
-        if pa.types.is_struct(turns.type) and turns.type.get_field_index("role") >= 0:
-            is_assistant = pc.fill_null(pc.equal(pc.struct_field(turns, "role"), "assistant"), False)
-        elif pa.types.is_string(turns.type) or pa.types.is_large_string(turns.type):
-            is_assistant = pc.fill_null(pc.match_substring_regex(turns, r'"role"\s*:\s*"assistant"'), False)
-        if is_assistant is not None:
-            parents = pc.list_parent_indices(chats).to_numpy(zero_copy_only=False)
-            hits = parents[is_assistant.to_numpy(zero_copy_only=False)]
-            has_assistant = np.bincount(hits, minlength=len(table)) > 0
+    if chat_column not in table.column_names:
+        return None
+    chats = table.column(chat_column).combine_chunks()
+    turns = pc.list_flatten(chats)
+    if isinstance(turns, pa.ExtensionArray):  # arrow.json: each message is its JSON text
+        turns = turns.storage
+    is_assistant = None
+    if pa.types.is_struct(turns.type) and turns.type.get_field_index("role") >= 0:
+        is_assistant = pc.fill_null(pc.equal(pc.struct_field(turns, "role"), "assistant"), False)
+    elif pa.types.is_string(turns.type) or pa.types.is_large_string(turns.type):
+        is_assistant = pc.fill_null(pc.match_substring_regex(turns, r'"role"\s*:\s*"assistant"'), False)
+    if is_assistant is None:
+        return None
+    parents = pc.list_parent_indices(chats).to_numpy(zero_copy_only=False)
+    hits = parents[is_assistant.to_numpy(zero_copy_only=False)]
+    return np.bincount(hits, minlength=len(table)) > 0
+
+
+def _note_drops(tally, input_ids, labels, outcomes, limit, first_row, keep_valid, zeroed=None,
+                has_assistant=None) -> None:
+    """Count the dropped rows of a batch by what they show (``engine.outcomes.classify_drops``), one example each;
+    ``has_assistant``: per row, whether the chat holds an assistant message (``_has_assistant``)."""
+    lengths = _lengths(input_ids)
     dropped, causes = classify_drops(outcomes, lengths, has_assistant=has_assistant, max_length=limit, zeroed=zeroed)
     tally.tokens_dropped += int(lengths[dropped].sum())
     index = np.flatnonzero(keep_valid) if keep_valid is not None else None
