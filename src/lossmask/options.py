@@ -266,16 +266,7 @@ def completion_mask_column(completion_mask: str | bool | None) -> str | None:
 
 def parse_role_map(role_map: Any) -> tuple[tuple[str, str], ...]:
     """``role_map`` (None, a dict, pairs, or ``"human=user,gpt=assistant"``) over ``SHAREGPT_ROLES``, as sorted pairs."""
-    if isinstance(role_map, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in role_map):
-        given = dict(role_map)
-    elif role_map is None:
-        given = {}
-    elif isinstance(role_map, str):
-        given = _pairs("role_map", role_map, "SPEAKER=ROLE", "human=user,gpt=assistant")
-    elif isinstance(role_map, dict):
-        given = dict(role_map)
-    else:
-        raise TypeError(f"role_map={role_map!r}: pass a dict such as {{'human': 'user'}} or 'human=user,gpt=assistant'")
+    given = _mapping("role_map", role_map, "SPEAKER=ROLE", "human=user,gpt=assistant", "{'human': 'user'}")
     if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in given.items()):
         raise ValueError(f"role_map={role_map!r}: speakers and roles must be non-empty strings")
     return tuple(sorted({**SHAREGPT_ROLES, **given}.items()))
@@ -284,16 +275,7 @@ def parse_role_map(role_map: Any) -> tuple[tuple[str, str], ...]:
 def parse_alpaca_columns(columns: Any) -> tuple[tuple[str, str], ...]:
     """``alpaca_columns`` (None, a dict, pairs, or ``"instruction=question,output=answer"``) over ``ALPACA_COLUMNS``, as
     pairs in the order of ``ALPACA_COLUMNS``."""
-    if isinstance(columns, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in columns):
-        given = dict(columns)
-    elif columns is None:
-        given = {}
-    elif isinstance(columns, str):
-        given = _pairs("alpaca_columns", columns, "PART=COLUMN", "instruction=question,output=answer")
-    elif isinstance(columns, dict):
-        given = dict(columns)
-    else:
-        raise TypeError(f"alpaca_columns={columns!r}: pass a dict such as {{'output': 'answer'}} or 'output=answer'")
+    given = _mapping("alpaca_columns", columns, "PART=COLUMN", "instruction=question,output=answer", "{'output': 'answer'}")
     unknown = sorted(set(given) - set(ALPACA_COLUMNS))
     if unknown:
         raise ValueError(f"alpaca_columns={columns!r} names {unknown}; the parts of an Alpaca row are "
@@ -302,6 +284,19 @@ def parse_alpaca_columns(columns: Any) -> tuple[tuple[str, str], ...]:
         raise ValueError(f"alpaca_columns={columns!r}: column names must be non-empty strings (None: the part is not read)")
     merged = {**ALPACA_COLUMNS, **given}
     return tuple((part, merged[part]) for part in ALPACA_COLUMNS)
+
+
+def _mapping(name: str, value: Any, form: str, example: str, shown: str) -> dict:
+    """A mapping option given as None, a dict, pairs, or the CLI's ``"k=v,k=v"`` (``form``, ``example``), as a dict."""
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        return dict(value)
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return _pairs(name, value, form, example)
+    if isinstance(value, dict):
+        return dict(value)
+    raise TypeError(f"{name}={value!r}: pass a dict such as {shown} or {example!r}")
 
 
 def _pairs(name: str, text: str, form: str, example: str, convert: Any = str) -> dict:
