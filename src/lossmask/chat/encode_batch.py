@@ -397,7 +397,7 @@ def conversations_of(table: pa.Table, kind: str, options: Any, *,
     if kind == "messages":
         column = options.chat_column(table.column_names)
         conversations = messages_from_arrow(table.column(column))
-        media = {name: json_values(table.column(name)) for name in PLACEHOLDERS if name in table.column_names}
+        media = {name: _item_counts(table.column(name)) for name in PLACEHOLDERS if name in table.column_names}
         unread = read_placeholders(conversations, media, processor=processor) if media else []
         return conversations, column, [column], [(r, f"column {column!r}: {message}") for r, message in unread]
     if kind == "alpaca":
@@ -407,6 +407,16 @@ def conversations_of(table: pa.Table, kind: str, options: Any, *,
     conversations = [None if p is None or c is None else p + c for p, c in zip(prompts, completions)]
     return (conversations, f"{options.prompt_column}+{options.completion_column}",
             [options.prompt_column, options.completion_column], [])
+
+
+def _item_counts(column: pa.ChunkedArray) -> list[int]:
+    """Per row, how many items a media column holds (0 for null), read from the list offsets where it is a list (its
+    images' bytes are never copied out); a lone value counts 1."""
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        import pyarrow.compute as pc
+
+        return pc.fill_null(pc.list_value_length(column), 0).to_pylist()
+    return [0 if value is None else len(value) if isinstance(value, list) else 1 for value in json_values(column)]
 
 
 def alpaca_conversations(table: pa.Table, options: Any) -> tuple[list, str, list[str], list[tuple[int, str]]]:

@@ -264,9 +264,9 @@ _PLACEHOLDER_SPLIT = re.compile("(<image>|<video>)")
 
 def read_placeholders(conversations: list, media: dict[str, list], *, processor: bool) -> list[tuple[int, str]]:
     """LLaMA-Factory's multimodal rows: ``<image>`` / ``<video>`` placeholders in message text, with the row's media
-    in the ``images`` / ``videos`` columns (``media``: column -> value per row). Through a processor, each string
-    content that holds a placeholder becomes parts (``{"type": "image"}`` ...), in order, which the processor path
-    matches with the column (``chat/encode_media.py``); ``conversations`` is changed in place. Returns
+    in the ``images`` / ``videos`` columns (``media``: column -> how many items each row holds). Through a processor,
+    each string content that holds a placeholder becomes parts (``{"type": "image"}`` ...), in order, which the path
+    of a processor matches with the column (``chat/encode_media.py``); ``conversations`` is changed in place. Returns
     ``(row, message)`` for the rows that cannot be read so, which are never kept as text: a row with audio, a row with
     placeholders and media but no processor, and a row whose placeholders and media differ in number."""
     invalid: list[tuple[int, str]] = []
@@ -288,12 +288,11 @@ def read_placeholders(conversations: list, media: dict[str, list], *, processor:
                                "images or videos is read through the model's processor (--tokenizer its folder: "
                                "docs/vision.md); with a text tokenizer it would train as text"))
             continue
-        wrong = [c for c in given if counts[c] != len(given[c] if isinstance(given[c], list) else [given[c]])]
+        wrong = [c for c in given if counts[c] != given[c]]
         if wrong:
             c = wrong[0]
-            invalid.append((r, f"holds {counts[c]} {PLACEHOLDERS[c]} placeholder(s) but "
-                               f"{len(given[c]) if isinstance(given[c], list) else 1} item(s) in column {c!r}; "
-                               "give one placeholder per item, in order"))
+            invalid.append((r, f"holds {counts[c]} {PLACEHOLDERS[c]} placeholder(s) but {given[c]} item(s) in column "
+                               f"{c!r}; give one placeholder per item, in order"))
             continue
         conversations[r] = [_placeholder_parts(m) for m in messages]
     return invalid
