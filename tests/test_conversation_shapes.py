@@ -273,11 +273,11 @@ def test_a_text_part_without_a_string_is_invalid_with_one_line_that_names_its_te
     said = [example.split(": ", 1)[1] for example in report.invalid_examples]
     assert [line.split("'messages': ", 1)[1].removesuffix(" (rows counted from 0)") for line in said] == [
         'message 1 (assistant) holds a text part whose \'text\' is null, not a string; give it a string ("" for no '
-        "text) or remove the part",
+        "text) or remove the part (LLaMA-Factory's v1 parts hold it under 'value')",
         'message 0 (user) holds a text part whose \'text\' is missing, not a string; give it a string ("" for no '
-        "text) or remove the part",
+        "text) or remove the part (LLaMA-Factory's v1 parts hold it under 'value')",
         'message 0 (user) holds a text part whose \'text\' is a int, not a string; give it a string ("" for no '
-        "text) or remove the part",
+        "text) or remove the part (LLaMA-Factory's v1 parts hold it under 'value')",
     ]
     assert all("type 'text'" not in line and "\n" not in line for line in report.invalid_examples)
 
@@ -334,3 +334,37 @@ def test_a_weight_on_a_message_keeps_the_shape_plain():
     assert not shaped({"role": "assistant", "content": "ok", "loss": True, "loss_scale": 2.5})
     assert shaped({"role": "assistant", "content": "ok", "weight": "0"})
     assert shaped({"role": "assistant", "content": "ok", "name": "bot"})
+
+
+# -- LLaMA-Factory v1 content parts ({"type", "value"}) ----------------------------------------------------------
+
+def _v1(role, *parts, **rest):
+    return {"role": role, "content": [{"type": kind, "value": value} for kind, value in parts], **rest}
+
+
+def test_v1_value_parts_are_read_as_text_reasoning_and_tool_calls(tmp_path):
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    chats = [
+        [_v1("user", ("text", "hi"), loss_weight=0.0), _v1("assistant", ("text", "Hello there."), loss_weight=1.0)],
+        [_v1("system", ("text", "Use tools.")), _v1("user", ("text", "Weather in Oslo?")),
+         _v1("assistant", ("reasoning", "The user wants the weather."), ("tool_call", call)),
+         _v1("tool", ("text", '{"temp": 3}')), _v1("assistant", ("text", "It is 3 degrees."))],
+    ]
+    report, table = _mask(tmp_path, "qwen3", chats)
+    assert report.rows_out == 2 and report.shapes["v1_content_parts_read"] == 2
+    assert _trained_text("qwen3", table, 0).endswith("Hello there.<|im_end|>")
+    trained = _trained_text("qwen3", table, 1)
+    assert "get_weather" in trained and "It is 3 degrees." in trained
+    assert "Weather in Oslo?" not in trained and "Use tools." not in trained and '"temp"' not in trained
+    rendered = chat_tokenizer("qwen3").decode(table.column("input_ids")[1].as_py())
+    assert "'value'" not in rendered and "'type'" not in rendered
+
+
+def test_a_v1_part_without_a_string_value_is_invalid_with_one_line_naming_value(tmp_path):
+    missing = [{"role": "user", "content": [{"type": "text", "value": None}]}, A("Fine.")]
+    image = [_v1("user", ("image_url", "a.png"), ("text", "What is it?")), A("A cat.")]
+    report, _ = _mask(tmp_path, "llama-3.1", [missing, image, [U("Hi."), A("Hello.")]])
+    assert report.rows_out == 1 and report.dropped["invalid"] == 2
+    first, second = report.invalid_examples
+    assert "'text' part whose 'value' is null, not a string" in first and "\n" not in first
+    assert "v1 content part of type 'image_url'" in second and "\n" not in second

@@ -91,6 +91,14 @@ def test_batches_sorted_bucketed_and_seeded(tmp_path, tok, markers):
     assert all(b[0].shape[1] == 16 and int(np.array(b[2]).max()) == 16 for b in short)
 
 
+def test_text_rows_with_mask_prompt_train_every_token_with_a_note_as_lossmask_lora_does(tmp_path, tok, markers):
+    text = write(tmp_path / "text", "train", [{"text": "hello"}, {"text": "plain text"}])
+    with pytest.warns(UserWarning, match="no turns to mask: every token trains"):
+        train, _, _ = lm.load_dataset(text, tok, markers=markers)
+    tokens, trained, lengths = next(lm.iterate_batches(train, 2, 2048))
+    assert int(np.array(trained).sum()) == int(np.array(lengths).sum())
+
+
 def test_completions_text_and_feature_names(tmp_path, tok, markers):
     rows = [{"q": f"Say {i}", "a": f"{i}"} for i in range(4)]
     train, _, _ = lm.load_dataset(write(tmp_path / "c", "train", rows), tok, markers=markers,
@@ -113,9 +121,6 @@ def test_clear_errors_where_mlx_lm_crashes_or_is_silent(tmp_path, tok, markers):
     mixed = write(tmp_path / "mixed", "train", chat_rows(2) + [{"text": "hello"}])
     with pytest.raises(ValueError, match="mixes row shapes: row 0 is chat, row 2 is text"):
         lm.load_dataset(mixed, tok, markers=markers)
-    text = write(tmp_path / "text", "train", [{"text": "hello"}])
-    with pytest.raises(ValueError, match="mask_prompt=False"):
-        lm.load_dataset(text, tok, markers=markers)
     odd = write(tmp_path / "odd", "train", [{"question": "?"}])
     with pytest.raises(ValueError, match="chat_feature="):
         lm.load_dataset(odd, tok, markers=markers)

@@ -66,6 +66,7 @@ def _mask_job(args: argparse.Namespace) -> int:
             last_turn_only=args.last_turn_only, train_prompt_turns=args.train_prompt_turns,
             batch_size=args.batch_size, label_dtype=args.label_dtype,
             special_tokens_in_content=args.special_tokens_in_content, **_shape_options(args),
+            alpaca_columns=args.alpaca_columns,
             check_roles=args.check_roles, roles_to_train=args.roles_to_train, weights_by_role=args.weights_by_role,
             weight_field=None if args.weight_field == "none" else args.weight_field,
             detail_field=None if args.detail_field == "none" else args.detail_field,
@@ -79,6 +80,7 @@ def _mask_job(args: argparse.Namespace) -> int:
             model_name=args.model_name, markers=args.markers, strict=args.strict, input_format=args.input_format,
             options=options, compression=args.compression, num_proc=args.num_proc,
             progress=False if args.no_progress else None, report=args.report,
+            dataset_info=args.dataset_info, dataset=args.dataset,
         )
     except (ValueError, TypeError, OSError, ImportError) as exc:  # OSError: one line naming the path and the cause
         print(f"lossmask mask: error: {_error_text(exc)}", file=sys.stderr)
@@ -211,9 +213,10 @@ def _add_mask_command(commands) -> None:
         description="Label INPUT (Parquet file, folder or glob; Arrow IPC; JSONL) and write OUTPUT (Parquet), "
         "dropping rows that train nothing (counted per reason). Markers come from --markers or from --tokenizer.",
     )
-    mask.add_argument("input", metavar="INPUT", help="Parquet file, folder or glob of them; Arrow IPC; JSONL or a JSON "
-                      "array, also gzip/zstd/bzip2 compressed; - for stdin (docs/inputs.md). Rows hold "
-                      "input_ids (token ids), messages (a chat) or prompt + completion")
+    mask.add_argument("input", metavar="INPUT", nargs="?", help="Parquet file, folder or glob of them; Arrow IPC; JSONL or "
+                      "a JSON array, also gzip/zstd/bzip2 compressed; - for stdin (docs/inputs.md). Rows hold "
+                      "input_ids (token ids), messages (a chat), prompt + completion, or Alpaca's instruction + "
+                      "output. Left out with --dataset-info")
     mask.add_argument("output", metavar="OUTPUT", help="the Parquet file to write (its folder must exist; a name such as "
                       "out.jsonl is refused): the input columns plus labels (and input_ids when tokenised here); "
                       "written only when the job succeeds, while a lock keeps other jobs off it")
@@ -227,6 +230,9 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the tokenizer's own")
     mask.add_argument("--strict", action="store_true", help="fail instead of training full sequences when no markers are found")
     mask.add_argument("--input-format", choices=("parquet", "ipc", "json"), help="default: from the file suffix, else its first bytes")
+    mask.add_argument("--dataset-info", metavar="FILE", help="LLaMA-Factory's dataset_info.json: read the dataset "
+                      "--dataset names there (its file_name, formatting, columns and tags) instead of INPUT")
+    mask.add_argument("--dataset", metavar="NAME", help="the dataset of --dataset-info to read")
     mask.add_argument("--input-ids-column", default="input_ids", metavar="NAME")
     mask.add_argument("--messages-column", default="messages", metavar="NAME")
     mask.add_argument("--prompt-column", default="prompt", metavar="NAME")
@@ -242,6 +248,10 @@ def _add_mask_command(commands) -> None:
                       help="special-token strings inside message text: encode as ordinary text (default), keep as "
                            "control tokens, drop the row, or stop with an error naming it")
     shapes = _add_shape_arguments(mask, "conversation shapes (docs/inputs.md; every change is counted in the report)")
+    shapes.add_argument("--alpaca-columns", metavar="PART=COLUMN,...",
+                        help="Alpaca input (instruction, input, output, optional system and history; read as a chat): "
+                             "the columns of its parts, over the default instruction=instruction, input=input, "
+                             "output=output, system=system, history=history")
     shapes.add_argument("--check-roles", choices=("unusual", "all"), default="unusual",
                         help="rows checked for user, system or tool text that trains and assistant text that does not "
                              "(labelled from their rendering, else dropped as template_breaks_roles): every row of "

@@ -17,8 +17,8 @@ What it does differently from mlx-lm's own path:
 - batch widths are bucketed (8 widths per power of two) so that the compiled step recompiles rarely;
 - rows are sorted by their real token length (mlx-lm's ``CacheDataset`` sorts by the length of the
   raw JSON object);
-- an empty file, mixed row shapes in one split, or masking asked for on text rows raise an error
-  naming the file and the row.
+- an empty file or mixed row shapes in one split raise an error naming the file and the row; text rows
+  asked to be masked train every token, with a note (as ``lossmask lora`` does).
 
 Importing this module imports MLX; ``import lossmask`` does not import it.
 """
@@ -284,11 +284,10 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
         _refuse_media(rows, features, name)
     ct = load_tokenizer(tokenizer)
     if first == "text":
-        if mask_prompt:
-            raise ValueError(
-                f"{name} holds text rows ({features.text!r}), which have no prompt/response structure to mask; "
-                "pass mask_prompt=False to train on every token, or write the rows as chat 'messages'"
-            )
+        if mask_prompt:  # as `lossmask lora` does: said once, and every token trains
+            warnings.warn(f"{name} holds text rows ({features.text!r}), which have no turns to mask: every token "
+                          "trains (pass mask_prompt=False to say so, or write the rows as chat 'messages')",
+                          UserWarning, stacklevel=3)
         texts = [row[features.text] for row in rows]
         encoded = ct.encode_texts(texts)
         eos = ct.eos_token_id
@@ -339,10 +338,11 @@ def _shaped(rows, ct, features, name) -> list:
     """The chats after the default conversation-shape policy of ``lossmask mask`` (docs/inputs.md): repeated roles
     merged, a leading assistant message and empty messages dropped. Phi-3 trains the second of two user messages
     and DeepSeek-V3.1 leaves an opening assistant message untrained when the template sees them as they are."""
-    from .chat.shapes import normalise_shapes, takes_content_parts
+    from .chat.shapes import needs_call_ids, normalise_shapes, takes_content_parts
     from .options import MaskOptions
 
-    shaped = normalise_shapes([row[features.chat] for row in rows], MaskOptions(), takes_parts=takes_content_parts(ct))
+    shaped = normalise_shapes([row[features.chat] for row in rows], MaskOptions(), takes_parts=takes_content_parts(ct),
+                              call_ids=needs_call_ids(ct))
     refused = [(r, message) for r, message in shaped.invalid] + [(r, message) for r, _, message in shaped.dropped]
     if refused:
         row, message = min(refused)
@@ -414,8 +414,10 @@ def load_dataset(
             ids, labels, weights = _token_columns(rows, str(path))
             out.append(MaskedDataset(ids, markers, labels=labels, loss_weights=weights, **options))
             continue
-        ids, _, encoded = _tokenize_rows(rows, tokenizer, features=features, mask_prompt=mask_prompt,
-                                         name=str(path), special_tokens_in_content=special_tokens_in_content)
+        ids, shape, encoded = _tokenize_rows(rows, tokenizer, features=features, mask_prompt=mask_prompt,
+                                             name=str(path), special_tokens_in_content=special_tokens_in_content)
+        if shape == "text":  # no turns: every token trains
+            options["mask_prompt"] = False
         out.append(MaskedDataset(encoded if encoded is not None else ids, markers, **options))
     return tuple(out)  # type: ignore[return-value]
 

@@ -42,6 +42,10 @@ KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "f
 NOT_WEIGHTS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning", "thinking",
                "from", "value", "type", "text", "id", "function", "tools", "images", "image", "url")
 SHAREGPT_COLUMN = "conversations"  # read as the chat when the messages column is left at its default and absent
+# Alpaca rows (docs/inputs.md, "Alpaca"): each part of a row and the column that holds it; ``alpaca_columns`` adds to
+# this or overrides it (LLaMA-Factory's dataset_info.json names them prompt, query, response, system and history)
+ALPACA_COLUMNS = {"instruction": "instruction", "input": "input", "output": "output", "system": "system",
+                  "history": "history"}
 
 DEFAULT_BATCH_SIZE = 16_384
 DEFAULT_MAX_DROP_FRACTION = 0.30  # the safety net's default: a job stops when more of its rows train nothing
@@ -88,6 +92,8 @@ class MaskOptions:
     drop_system_message: bool = False  # system messages removed before rendering (axolotl's and LLaMA-Factory's meaning)
     # ShareGPT ``{from, value}`` messages: speaker -> role, over SHAREGPT_ROLES (a dict, or "human=user,gpt=assistant")
     role_map: Any = None
+    # Alpaca rows: part -> column (None: not read), over ALPACA_COLUMNS (a dict, or "instruction=question,output=answer")
+    alpaca_columns: Any = None
     # weights (docs/weights.md): a float per token; labels train where it is > 0. Sources, applied in this order:
     # per role (roles_to_train: the roles that train, weight 1; weights_by_role: role -> weight, over it), the
     # message's own field (weight_field: "auto" reads WEIGHT_FIELDS, a name reads that one, None none), character
@@ -170,6 +176,7 @@ class MaskOptions:
             raise TypeError(f"weight_field={self.weight_field!r}: pass 'auto' (reads {WEIGHT_FIELDS}), a field name, or None")
         # a hashable, checked form: a tuple of (speaker, role) pairs, the user's over the defaults
         object.__setattr__(self, "role_map", parse_role_map(self.role_map))
+        object.__setattr__(self, "alpaca_columns", parse_alpaca_columns(self.alpaca_columns))
         _warn_unlikely_weights(self)
         names = [self.labels_column] + ([self.completion_mask_column] if self.completion_mask_column else [])
         if len(set(names)) != len(names):
@@ -220,6 +227,10 @@ class MaskOptions:
         """The ShareGPT speaker -> role map this job uses."""
         return dict(self.role_map)
 
+    def alpaca(self) -> dict[str, str]:
+        """The Alpaca part -> column map this job uses (instruction, input, output, system, history)."""
+        return dict(self.alpaca_columns)
+
     def chat_column(self, names: Any) -> str:
         """The column that holds the chat: ``messages_column``, or ShareGPT's ``conversations`` when the messages
         column is left at its default and the input has none."""
@@ -258,19 +269,37 @@ def completion_mask_column(completion_mask: str | bool | None) -> str | None:
 
 def parse_role_map(role_map: Any) -> tuple[tuple[str, str], ...]:
     """``role_map`` (None, a dict, pairs, or ``"human=user,gpt=assistant"``) over ``SHAREGPT_ROLES``, as sorted pairs."""
-    if isinstance(role_map, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in role_map):
-        given = dict(role_map)
-    elif role_map is None:
-        given = {}
-    elif isinstance(role_map, str):
-        given = _pairs("role_map", role_map, "SPEAKER=ROLE", "human=user,gpt=assistant")
-    elif isinstance(role_map, dict):
-        given = dict(role_map)
-    else:
-        raise TypeError(f"role_map={role_map!r}: pass a dict such as {{'human': 'user'}} or 'human=user,gpt=assistant'")
+    given = _mapping("role_map", role_map, "SPEAKER=ROLE", "human=user,gpt=assistant", "{'human': 'user'}")
     if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in given.items()):
         raise ValueError(f"role_map={role_map!r}: speakers and roles must be non-empty strings")
     return tuple(sorted({**SHAREGPT_ROLES, **given}.items()))
+
+
+def parse_alpaca_columns(columns: Any) -> tuple[tuple[str, str], ...]:
+    """``alpaca_columns`` (None, a dict, pairs, or ``"instruction=question,output=answer"``) over ``ALPACA_COLUMNS``, as
+    pairs in the order of ``ALPACA_COLUMNS``."""
+    given = _mapping("alpaca_columns", columns, "PART=COLUMN", "instruction=question,output=answer", "{'output': 'answer'}")
+    unknown = sorted(set(given) - set(ALPACA_COLUMNS))
+    if unknown:
+        raise ValueError(f"alpaca_columns={columns!r} names {unknown}; the parts of an Alpaca row are "
+                         f"{', '.join(ALPACA_COLUMNS)}")
+    if not all(v is None or (isinstance(v, str) and v) for v in given.values()):
+        raise ValueError(f"alpaca_columns={columns!r}: column names must be non-empty strings (None: the part is not read)")
+    merged = {**ALPACA_COLUMNS, **given}
+    return tuple((part, merged[part]) for part in ALPACA_COLUMNS)
+
+
+def _mapping(name: str, value: Any, form: str, example: str, shown: str) -> dict:
+    """A mapping option given as None, a dict, pairs, or the CLI's ``"k=v,k=v"`` (``form``, ``example``), as a dict."""
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        return dict(value)
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return _pairs(name, value, form, example)
+    if isinstance(value, dict):
+        return dict(value)
+    raise TypeError(f"{name}={value!r}: pass a dict such as {shown} or {example!r}")
 
 
 def _pairs(name: str, text: str, form: str, example: str, convert: Any = str) -> dict:

@@ -18,7 +18,8 @@ import pyarrow as pa
 from ..engine.outcomes import SPECIAL_TOKENS
 from .encode_rendered import LocatedRows, encode_located, encode_rendered, locate_rendered, text_can_match
 from .render import plain_arrow_type
-from .shapes import normalise_shapes, read_tools, takes_content_parts
+from .shapes import (PLACEHOLDERS, needs_call_ids, normalise_shapes, read_placeholders, read_tools,
+                     takes_content_parts)
 from .turn_spans import FromRendering
 
 
@@ -88,7 +89,7 @@ def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     match one of them (``encode_rendered.text_can_match``; always when they are not given).
     """
     tok = chat_tokenizer(tokenizer)
-    if kind != "messages" and is_text_pairs(table, options):
+    if kind == "prompt_completion" and is_text_pairs(table, options):
         return _encode_text_pairs(tok, table.column(options.prompt_column), table.column(options.completion_column),
                                   options, first_row=first_row)
     return tokenize_rendered(tok, render_table(tok, table, kind, options, first_row=first_row), options, markers=markers)
@@ -105,32 +106,22 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     also locate their message text (``encode_rendered.locate_rendered``) and keep that instead of the messages."""
     tok = chat_tokenizer(tokenizer)
     started = time.perf_counter()
-    if kind == "messages":
-        column = options.chat_column(table.column_names)
-        conversations = messages_from_arrow(table.column(column))
-        where = column
-        columns = [column]
-    else:
-        completions = messages_from_arrow(table.column(options.completion_column))
-        conversations = [
-            None if p is None or c is None else p + c
-            for p, c in zip(messages_from_arrow(table.column(options.prompt_column)), completions)
-        ]
-        where = f"{options.prompt_column}+{options.completion_column}"
-        columns = [options.prompt_column, options.completion_column]
+    conversations, where, columns, unread = conversations_of(table, kind, options, processor=tok.processor is not None)
+    # conversational prompt/completion: each row's completion, to tell its assistant turns from the prompt's own
+    completions = messages_from_arrow(table.column(options.completion_column)) if kind == "prompt_completion" else None
     # rows of plain JSON values render through the compiled template directly (render.py)
     plain = all(plain_arrow_type(table.schema.field(name).type) for name in columns)
     tools = json_values(table.column("tools")) if "tools" in table.column_names else None
-    errors: list[tuple[int, str]] = []
+    errors: list[tuple[int, str]] = [(first_row + r, message) for r, message in unread]
     # the conversation-shape policy (shapes.py), before the template sees a row
-    shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(tok))
+    shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(tok), call_ids=needs_call_ids(tok))
     # conversational prompt/completion: how many of each row's last assistant turns are its completion's (the rest,
     # the prompt's own, weigh 0), unless the prompt's turns are asked to train too
     turns = completion_turns(completions, options, takes_content_parts(tok)) \
-        if kind != "messages" and not options.train_prompt_turns else None
+        if completions is not None and not options.train_prompt_turns else None
     errors += [(first_row + r, f"column {where!r}: {message}") for r, message in shaped.invalid]
     dropped = [(first_row + r, reason, message) for r, reason, message in shaped.dropped]
-    refused = {r for r, _ in shaped.invalid} | {r for r, _, _ in shaped.dropped}
+    refused = {r for r, _ in shaped.invalid} | {r for r, _, _ in shaped.dropped} | {r for r, _ in unread}
     chats, rows, check, completion = [], [], [], []
     for r, messages in enumerate(shaped.conversations):
         if r in refused:
@@ -464,6 +455,72 @@ def render_in_worker(batch: pa.Buffer, kind: str, first_row: int) -> RenderedBat
     return render_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row, locate=True)
 
 
+def conversations_of(table: pa.Table, kind: str, options: Any, *,
+                     processor: bool = False) -> tuple[list, str, list[str], list[tuple[int, str]]]:
+    """The chats of a batch's rows (``kind``: messages, conversational prompt/completion, or Alpaca), before the shape
+    policy: ``(conversations, what names their column in messages, the columns read, [(row, message)] unreadable)``.
+    Chats beside media columns have their placeholders read (``shapes.read_placeholders``; ``processor``: rendered
+    through one)."""
+    if kind == "messages":
+        column = options.chat_column(table.column_names)
+        conversations = messages_from_arrow(table.column(column))
+        media = {name: _item_counts(table.column(name)) for name in PLACEHOLDERS if name in table.column_names}
+        unread = read_placeholders(conversations, media, processor=processor) if media else []
+        return conversations, column, [column], [(r, f"column {column!r}: {message}") for r, message in unread]
+    if kind == "alpaca":
+        return alpaca_conversations(table, options)
+    prompts = messages_from_arrow(table.column(options.prompt_column))
+    completions = messages_from_arrow(table.column(options.completion_column))
+    conversations = [None if p is None or c is None else p + c for p, c in zip(prompts, completions)]
+    return (conversations, f"{options.prompt_column}+{options.completion_column}",
+            [options.prompt_column, options.completion_column], [])
+
+
+def _item_counts(column: pa.ChunkedArray) -> list[int]:
+    """Per row, how many items a media column holds (0 for null), read from the list offsets where it is a list (its
+    images' bytes are never copied out); a lone value counts 1."""
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        import pyarrow.compute as pc
+
+        return pc.fill_null(pc.list_value_length(column), 0).to_pylist()
+    return [0 if value is None else len(value) if isinstance(value, list) else 1 for value in json_values(column)]
+
+
+def alpaca_conversations(table: pa.Table, options: Any) -> tuple[list, str, list[str], list[tuple[int, str]]]:
+    """Alpaca rows as chats, as LLaMA-Factory reads them: ``system`` (when not empty) the system message, each
+    ``[instruction, output]`` pair of ``history`` an earlier user and assistant message, the non-empty ones of
+    ``instruction`` and ``input`` joined with ``"\n"`` the user message, ``output`` the assistant message.
+
+    A row whose output is not a string, or whose history is not a list of pairs of strings, is unreadable (named)."""
+    names = options.alpaca()
+    present = [part for part in ("instruction", "input", "output", "system", "history") if names[part] in table.column_names]
+    values = {part: json_values(table.column(names[part])) for part in present}
+    empty = [None] * table.num_rows
+    conversations: list = []
+    unread: list[tuple[int, str]] = []
+    rows = zip(*(values.get(part, empty) for part in ("instruction", "input", "output", "system", "history")))
+    for r, (instruction, given, output, system, history) in enumerate(rows):
+        if not isinstance(output, str):
+            unread.append((r, f"column {names['output']!r} (the Alpaca output) is "
+                              f"{'null' if output is None else 'a ' + type(output).__name__}, not a string"))
+            conversations.append(None)
+            continue
+        messages = [{"role": "system", "content": system}] if isinstance(system, str) and system else []
+        if history is not None:
+            if not isinstance(history, list) or not all(
+                    isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair) for pair in history):
+                unread.append((r, f"column {names['history']!r} (the Alpaca history) is not a list of [instruction, "
+                                  "output] pairs of strings"))
+                conversations.append(None)
+                continue
+            for earlier, answer in history:
+                messages += [{"role": "user", "content": earlier}, {"role": "assistant", "content": answer}]
+        query = "\n".join(text for text in (instruction, given) if isinstance(text, str) and text)
+        messages += [{"role": "user", "content": query}, {"role": "assistant", "content": output}]
+        conversations.append(messages)
+    return conversations, "+".join(names[part] for part in present), [names[part] for part in present], unread
+
+
 def messages_from_arrow(column: pa.Array | pa.ChunkedArray) -> list[list[dict] | None]:
     """Arrow chat rows as Python messages; keys that are null in a message are left out.
 
@@ -528,13 +585,8 @@ def chats_of_rows(ct: Any, table: Any, kind: str, options: Any, rows: Sequence[i
     """``(messages, tools)`` of some rows of an Arrow batch, as the messages path rendered them: read from the chat
     column (or prompt + completion) and put through the shape policy (``shapes.normalise_shapes``)."""
     take = pa.array(list(rows), type=pa.int64())
-    if kind == "messages":
-        conversations = messages_from_arrow(table.column(options.chat_column(table.column_names)).take(take))
-    else:
-        prompts = messages_from_arrow(table.column(options.prompt_column).take(take))
-        completions = messages_from_arrow(table.column(options.completion_column).take(take))
-        conversations = [None if p is None or c is None else p + c for p, c in zip(prompts, completions)]
+    conversations = conversations_of(table.take(take), kind, options, processor=ct.processor is not None)[0]
     tools = json_values(table.column("tools").take(take)) if "tools" in table.column_names else [None] * len(take)
-    shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(ct))
+    shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(ct), call_ids=needs_call_ids(ct))
     return [(messages, tool or None) for messages, tool in zip(shaped.conversations, tools)]
 

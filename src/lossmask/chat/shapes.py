@@ -31,6 +31,7 @@ checked on those (``encode_rendered``), or on every row with ``check_roles="all"
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -44,8 +45,12 @@ EMPTY_MESSAGES_DROPPED = "empty_messages_dropped"
 CONTENT_PARTS_JOINED = "content_parts_joined"
 SHAREGPT_READ = "sharegpt_messages_read"
 SYSTEM_DROPPED = "system_messages_dropped"
+VALUE_PARTS_READ = "v1_content_parts_read"
+CALL_IDS_WRITTEN = "tool_call_ids_written"
 SHAPES = (LEADING_ASSISTANT_DROPPED, ROLES_MERGED, EMPTY_MESSAGES_DROPPED, CONTENT_PARTS_JOINED, SHAREGPT_READ,
-          SYSTEM_DROPPED)
+          SYSTEM_DROPPED, VALUE_PARTS_READ, CALL_IDS_WRITTEN)
+# the types of LLaMA-Factory's v1 content parts (``{"type", "value"}``) that are read as text, reasoning and tool calls
+VALUE_PART_TYPES = ("text", "reasoning", "tool_call")
 MERGE_SEPARATOR = "\n\n"
 PART_SEPARATOR = "\n"
 # where each joined part lies in the joined content, kept when a part carries more than its text (a weight):
@@ -70,8 +75,10 @@ class Shaped:
     unusual: list[bool] = field(default_factory=list)
 
 
-def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts: bool = True) -> Shaped:
-    """Apply the shape policy of ``options`` to each conversation (a list of messages; None or empty left as is)."""
+def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts: bool = True,
+                     call_ids: bool = False) -> Shaped:
+    """Apply the shape policy of ``options`` to each conversation (a list of messages; None or empty left as is).
+    ``call_ids``: the template requires tool-call ids (``needs_call_ids``); calls without one are given one."""
     roles = options.roles()
     every_row = options.check_roles == "all"
     out = Shaped(list(conversations), shapes={shape: 0 for shape in SHAPES})
@@ -90,6 +97,8 @@ def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts:
             out.conversations[r] = None
             out.unusual.append(every_row)
             continue
+        if call_ids and _write_call_ids(messages):
+            changed.add(CALL_IDS_WRITTEN)
         dropped_any = False
         if options.drop_system_message:
             kept = [m for m in messages if _role(m) != "system"]
@@ -117,7 +126,7 @@ def normalise_shapes(conversations: Sequence[Any], options: Any, *, takes_parts:
         for shape in changed:
             out.shapes[shape] += 1
         if dropped_any and not _has_exchange(messages):
-            done = ", ".join(sorted(changed - {SHAREGPT_READ, CONTENT_PARTS_JOINED}))
+            done = ", ".join(sorted(changed - {SHAREGPT_READ, CONTENT_PARTS_JOINED, VALUE_PARTS_READ, CALL_IDS_WRITTEN}))
             out.dropped.append((r, NO_EXCHANGE, f"no user message followed by an assistant message is left ({done})"))
             out.conversations[r] = None
             out.unusual.append(every_row)
@@ -172,6 +181,9 @@ def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, cha
             else:
                 message = {"role": role, "content": message.get("value"), **rest}
             changed.add(SHAREGPT_READ)
+        if isinstance(message, dict) and _holds_value_parts(message.get("content")):
+            message = _value_parts_read(index, message)
+            changed.add(VALUE_PARTS_READ)
         if isinstance(message, dict) and isinstance(message.get("content"), list) and not takes_parts:
             texts = []
             for part in message["content"]:
@@ -181,7 +193,8 @@ def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, cha
                     shown = "missing" if "text" not in part else "null" if text is None else f"a {type(text).__name__}"
                     raise ValueError(
                         f"message {index} ({message.get('role')}) holds a text part whose 'text' is {shown}, not a "
-                        "string; give it a string (\"\" for no text) or remove the part"
+                        "string; give it a string (\"\" for no text) or remove the part (LLaMA-Factory's v1 parts hold "
+                        "it under 'value')"
                     )
                 if not isinstance(part, dict) or kind not in (None, "text"):
                     raise ValueError(
@@ -201,6 +214,100 @@ def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, cha
     return out
 
 
+def _holds_value_parts(content: Any) -> bool:
+    """LLaMA-Factory's v1 content: a list of parts ``{"type", "value"}`` (no part holds OpenAI's ``text``)."""
+    return (type(content) is list and any(type(part) is dict and "value" in part for part in content)
+            and not any(type(part) is dict and "text" in part for part in content))
+
+
+def _value_parts_read(index: int, message: dict) -> dict:
+    """A message of LLaMA-Factory v1 parts as the template takes it, as LLaMA-Factory's own v1 renderer reads them: the
+    ``text`` values joined (with nothing between) as its content, the ``reasoning`` values as ``reasoning_content``,
+    each ``tool_call`` value (``{"name", "arguments"}`` JSON) as one of its ``tool_calls``."""
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict] = []
+    for part in message["content"]:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        value = part.get("value") if isinstance(part, dict) else None
+        if kind not in VALUE_PART_TYPES:
+            raise ValueError(
+                f"message {index} ({message.get('role')}) holds a v1 content part of type {kind!r}; LLaMA-Factory's "
+                f"v1 parts read here are {', '.join(VALUE_PART_TYPES)} (images, videos and audio go through a "
+                "processor as image parts: docs/vision.md)"
+            )
+        if not isinstance(value, str):
+            shown = "missing" if "value" not in part else "null" if value is None else f"a {type(value).__name__}"
+            raise ValueError(
+                f"message {index} ({message.get('role')}) holds a {kind!r} part whose 'value' is {shown}, not a "
+                "string; give it a string (\"\" for no text) or remove the part"
+            )
+        if kind == "text":
+            texts.append(value)
+        elif kind == "reasoning":
+            reasoning.append(value)
+        else:
+            calls += _tool_calls(index, value, kind)
+    out = {key: item for key, item in message.items() if key != "content"}
+    out["content"] = "".join(texts)
+    if reasoning:
+        out["reasoning_content"] = "".join(reasoning)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+# LLaMA-Factory's media placeholders in message text, per media column; image and video placeholders become parts
+PLACEHOLDERS = {"images": "<image>", "videos": "<video>", "audios": "<audio>"}
+_PLACEHOLDER_PARTS = {"<image>": "image", "<video>": "video"}
+_PLACEHOLDER_SPLIT = re.compile("(<image>|<video>)")
+
+
+def read_placeholders(conversations: list, media: dict[str, list], *, processor: bool) -> list[tuple[int, str]]:
+    """LLaMA-Factory's multimodal rows: ``<image>`` / ``<video>`` placeholders in message text, with the row's media
+    in the ``images`` / ``videos`` columns (``media``: column -> how many items each row holds). Through a processor,
+    each string content that holds a placeholder becomes parts (``{"type": "image"}`` ...), in order, which the path
+    of a processor matches with the column (``chat/encode_media.py``); ``conversations`` is changed in place. Returns
+    ``(row, message)`` for the rows that cannot be read so, which are never kept as text: a row with audio, a row with
+    placeholders and media but no processor, and a row whose placeholders and media differ in number."""
+    invalid: list[tuple[int, str]] = []
+    for r, messages in enumerate(conversations):
+        given = {column: values[r] for column, values in media.items() if values[r]}
+        if not given or not messages:
+            continue
+        if "audios" in given:
+            invalid.append((r, "holds audio (column 'audios'); lossmask reads text, images and videos, and never keeps "
+                               "an audio row as text: leave it out, or remove its audio and <audio> placeholders"))
+            continue
+        texts = [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        counts = {column: sum(text.count(PLACEHOLDERS[column]) for text in texts) for column in given}
+        if not any(counts.values()):
+            continue
+        shown = " and ".join(f"{n} {PLACEHOLDERS[c]} placeholder{'s' * (n != 1)}" for c, n in counts.items() if n)
+        if not processor:
+            invalid.append((r, f"holds {shown} with media in column(s) {', '.join(map(repr, given))}: a chat with "
+                               "images or videos is read through the model's processor (--tokenizer its folder: "
+                               "docs/vision.md); with a text tokenizer it would train as text"))
+            continue
+        wrong = [c for c in given if counts[c] != given[c]]
+        if wrong:
+            c = wrong[0]
+            invalid.append((r, f"holds {counts[c]} {PLACEHOLDERS[c]} placeholder(s) but {given[c]} item(s) in column "
+                               f"{c!r}; give one placeholder per item, in order"))
+            continue
+        conversations[r] = [_placeholder_parts(m) for m in messages]
+    return invalid
+
+
+def _placeholder_parts(message: Any) -> Any:
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, str) or not _PLACEHOLDER_SPLIT.search(content):
+        return message
+    parts = [{"type": _PLACEHOLDER_PARTS[piece]} if piece in _PLACEHOLDER_PARTS else {"type": "text", "text": piece}
+             for piece in _PLACEHOLDER_SPLIT.split(content) if piece]
+    return {**message, "content": parts}
+
+
 def speaker_role(speaker: Any, roles: dict[str, str]) -> str | None:
     """The role of a ShareGPT speaker: the map's entry for it as written, else for it in any case (``Human``)."""
     if speaker in roles:
@@ -211,7 +318,7 @@ def speaker_role(speaker: Any, roles: dict[str, str]) -> str | None:
     return None
 
 
-def _tool_calls(index: int, value: Any) -> list[dict]:
+def _tool_calls(index: int, value: Any, kind: str = "function_call") -> list[dict]:
     """LLaMA-Factory's ``function_call`` value, ``{"name", "arguments"}`` JSON (or a list of them for parallel
     calls), as OpenAI ``tool_calls``; the arguments are kept as given (an object, or JSON text)."""
     try:
@@ -223,8 +330,8 @@ def _tool_calls(index: int, value: Any) -> list[dict]:
             isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"].strip() for c in calls):
         shown = value if not isinstance(value, str) or len(value) <= 60 else value[:57] + "..."
         raise ValueError(
-            f"message {index} is a 'function_call' whose value {shown!r} is not a tool call: LLaMA-Factory's ShareGPT "
-            'tool form writes it as JSON text {"name": ..., "arguments": {...}} (or a list of them)'
+            f"message {index} holds a {kind!r} whose value {shown!r} is not a tool call: LLaMA-Factory writes it as "
+            'JSON text {"name": ..., "arguments": {...}} (or a list of them)'
         )
     return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
             for c in calls]
@@ -293,6 +400,64 @@ def _has_exchange(messages: list) -> bool:
         elif role == "assistant" and seen_user:
             return True
     return False
+
+
+CALL_ID_WIDTH = 9  # Mistral's templates take ids of exactly 9 characters
+
+
+def _write_call_ids(messages: list) -> bool:
+    """Give each tool call without an ``id`` one, and each tool result without a ``tool_call_id`` the id of the call it
+    answers (the results after an assistant message answer its calls in order; a result beyond them, the last call).
+    The ids are the call's number in the chat from 1, zero-padded to ``CALL_ID_WIDTH`` digits (``000000001``): the same
+    data always renders the same. ``messages`` is changed in place (its messages are copied first); True when an id was
+    written."""
+    written, number, pending, answered = False, 0, [], 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and isinstance(calls, list) and calls:
+            ids, copied = [], []
+            for call in calls:
+                number += 1
+                if isinstance(call, dict) and not call.get("id"):
+                    call = {**call, "id": f"{number:0{CALL_ID_WIDTH}d}"}
+                    written = True
+                copied.append(call)
+                ids.append(call.get("id") if isinstance(call, dict) else None)
+            messages[i] = {**message, "tool_calls": copied}
+            pending, answered = ids, 0
+        elif message.get("role") == "tool" and not message.get("tool_call_id") and pending:
+            messages[i] = {**message, "tool_call_id": pending[min(answered, len(pending) - 1)]}
+            answered += 1
+            written = True
+    return written
+
+
+def needs_call_ids(tok: Any) -> bool:
+    """Does the chat template refuse a tool call without an id that it renders with one (Mistral-v3, Mistral-Nemo)?"""
+    cached = getattr(tok, "_needs_call_ids", None)
+    if cached is not None:
+        return cached
+    call = {"type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}
+    probe = [{"role": "user", "content": "Qz7p1"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "tool", "content": "Qz7p2"}, {"role": "assistant", "content": "Qz7p3"}]
+    result = False
+    try:
+        tok.render(probe)
+    except Exception:  # noqa: BLE001 - a template that raises here may want ids: try with them
+        with_ids = [dict(m) for m in probe]
+        try:
+            if _write_call_ids(with_ids):
+                tok.render(with_ids)
+                result = True
+        except Exception:  # noqa: BLE001 - it refuses tool calls for another reason
+            result = False
+    try:
+        tok._needs_call_ids = result
+    except AttributeError:
+        pass
+    return result
 
 
 def takes_content_parts(tok: Any) -> bool:

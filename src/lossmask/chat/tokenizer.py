@@ -439,7 +439,7 @@ class ChatTokenizer:
         """
         from ..options import MaskOptions
         from .encode_rendered import encode_rendered
-        from .shapes import normalise_shapes, takes_content_parts
+        from .shapes import needs_call_ids, normalise_shapes, takes_content_parts
 
         if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
             raise ValueError(f"max_length={max_length!r} must be a positive integer or None")
@@ -464,7 +464,8 @@ class ChatTokenizer:
         unusual = [False] * len(read)
         shapes: dict = {}
         if not add_generation_prompt:  # the shape policy, as mask_files applies it (shapes.py)
-            shaped = normalise_shapes([m for m, _ in read], options, takes_parts=takes_content_parts(self))
+            shaped = normalise_shapes([m for m, _ in read], options, takes_parts=takes_content_parts(self),
+                                      call_ids=needs_call_ids(self))
             errors += [(r, f"row {r}: {message}") for r, message in shaped.invalid]
             shaped_dropped = [(r, reason, message) for r, reason, message in shaped.dropped]
             refused = {r for r, _ in shaped.invalid} | {r for r, _, _ in shaped.dropped}

@@ -12,7 +12,9 @@ A batch comes in as a ``pyarrow.RecordBatch`` or ``Table`` with one of three inp
 - ``prompt`` / ``completion``: conversational (lists of messages, joined into one chat; the prompt's own assistant
   turns weigh 0 unless ``train_prompt_turns``) or plain strings (tokenised as the tokenizer's BOS, prompt, then
   completion plus EOS; the completion trains, the prompt does not, by position). Only the completion trains, as
-  in TRL.
+  in TRL;
+- Alpaca ``instruction`` / ``input`` / ``output`` (``system``, ``history``): read as a chat (``encode_batch``) and
+  rendered like ``messages``; the outputs train.
 
 The batch goes out with its columns in their order, ``input_ids`` added when it was tokenised here,
 then ``labels`` (and ``completion_mask`` on request, and ``loss_weights`` where weights apply: docs/weights.md);
@@ -41,7 +43,7 @@ from ..options import MaskOptions
 from ..engine.weights import weigh_tokens, weight_field_types, weights_to_arrow
 from .display import one_line
 
-INPUT_KINDS = ("input_ids", "messages", "prompt_completion")
+INPUT_KINDS = ("input_ids", "messages", "prompt_completion", "alpaca")
 
 
 def input_kind(schema: pa.Schema, options: MaskOptions, *, source: str = "input") -> str:
@@ -76,13 +78,35 @@ def input_kind(schema: pa.Schema, options: MaskOptions, *, source: str = "input"
                 "or both be lists of messages"
             )
         return "prompt_completion"
+    alpaca = options.alpaca()
+    if alpaca["instruction"] in names and alpaca["output"] in names:
+        for part in ("instruction", "input", "output", "system"):
+            if alpaca[part] in names and not _text_or_json(schema.field(alpaca[part]).type):
+                raise TypeError(
+                    f"{source}: column {alpaca[part]!r} ({schema.field(alpaca[part]).type}) holds the Alpaca {part} and "
+                    "must hold strings; pass the column that does (--alpaca-columns / alpaca_columns=)"
+                )
+        return "alpaca"
     raise ValueError(
         f"{source}: no input column found: expected {options.input_ids_column!r} (token ids), "
-        f"{options.messages_column!r} (chat messages; ShareGPT's 'conversations' too) or {options.prompt_column!r} + "
-        f"{options.completion_column!r}; "
+        f"{options.messages_column!r} (chat messages; ShareGPT's 'conversations' too), {options.prompt_column!r} + "
+        f"{options.completion_column!r}, or Alpaca's {alpaca['instruction']!r} + {alpaca['output']!r}; "
         f"the columns are {schema.names}. Name yours with --input-ids-column / --messages-column / --prompt-column "
-        "(input_ids_column= ... in the API)"
+        "/ --alpaca-columns (input_ids_column= ... in the API)"
     )
+
+
+def _text_or_json(arrow_type: pa.DataType) -> bool:
+    """Strings, or a column a JSON reader left untyped (only nulls in the first rows: ``arrow.json``)."""
+    return (_text_or_chat(arrow_type) == "text" or pa.types.is_null(arrow_type)
+            or getattr(arrow_type, "extension_name", None) == "arrow.json")
+
+
+def _text_column(names: Any, kind: str, options: MaskOptions) -> str:
+    """The column that names the rows of ``kind`` in messages: the chat, the prompt, or Alpaca's instruction."""
+    if kind == "messages":
+        return options.chat_column(names)
+    return options.alpaca()["instruction"] if kind == "alpaca" else options.prompt_column
 
 
 def _text_or_chat(arrow_type: pa.DataType) -> str | None:
@@ -185,7 +209,7 @@ def mask_batch(
     else:
         if tokenizer is None and encoded is None:
             raise ValueError(
-                f"{source}: column {options.chat_column(table.column_names) if kind == 'messages' else options.prompt_column!r} "
+                f"{source}: column {_text_column(table.column_names, kind, options)!r} "
                 "needs a tokenizer to render and tokenise it; pass tokenizer= (--tokenizer DIR), or give pre-tokenised "
                 f"{options.input_ids_column!r} with markers"
             )
@@ -288,13 +312,24 @@ def mask_batch(
         counts = OutcomeCounts.from_rows(outcomes, trained, _lengths(input_ids))
         keep_valid = keep_valid.copy()
         keep_valid[np.flatnonzero(keep_valid)[broken]] = False
+    has_assistant = None
+    if counts.rows_dropped and kind == "messages" and not (zeroed is not None and bool(
+            zeroed[outcomes != Outcome.TRAINED].all())):
+        has_assistant = _has_assistant(table, options)
+        if has_assistant is not None:
+            # a chat with no assistant message has no response, whatever its template writes at its end (Mistral-v3's
+            # [/INST] opens an empty one): the same reason on every family
+            silent = (outcomes == Outcome.EMPTY_RESPONSE) & ~has_assistant
+            if silent.any():
+                outcomes = np.where(silent, Outcome.NO_RESPONSE, outcomes).astype(np.int8)
+                counts = OutcomeCounts.from_rows(outcomes, trained, _lengths(input_ids))
     tally.counts = tally.counts + counts
     if tally.dropped_example is None and counts.rows_dropped:
         r = int(np.flatnonzero(outcomes != Outcome.TRAINED)[0])
         tally.dropped_example = (input_ids[r].as_py() or [], labels[r].as_py() or [])
     if counts.rows_dropped:
         limit = truncated_at or (options.max_length if kind != "input_ids" else None)
-        _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid, zeroed)
+        _note_drops(tally, input_ids, labels, outcomes, limit, first_row, keep_valid, zeroed, has_assistant)
     columns = {}
     if kind != "input_ids":
         columns[options.input_ids_column] = input_ids
@@ -611,28 +646,33 @@ def _from_rendering(input_ids, flat, starts, lengths, rows, roles, options, rows
     return found
 
 
-def _note_drops(tally, table, input_ids, labels, outcomes, options, kind, limit, first_row, keep_valid,
-                zeroed=None) -> None:
-    """Count the dropped rows of a batch by what they show (``engine.outcomes.classify_drops``), one example each."""
-    lengths = _lengths(input_ids)
-    has_assistant = None
+def _has_assistant(table: pa.Table, options: MaskOptions) -> np.ndarray | None:
+    """Per row of a batch of chats, does it hold an assistant message (read from the Arrow column, vectorised)? None
+    when the messages do not say their role in a way read here (ShareGPT's speakers)."""
     chat_column = options.chat_column(table.column_names)
-    # rows the weights left with nothing are counted as such whatever their messages: no need to read them then
-    only_zeroed = zeroed is not None and bool(zeroed[outcomes != Outcome.TRAINED].all())
-    if kind == "messages" and chat_column in table.column_names and not only_zeroed:
-        chats = table.column(chat_column).combine_chunks()
-        turns = pc.list_flatten(chats)
-        if isinstance(turns, pa.ExtensionArray):  # arrow.json: each message is its JSON text
-            turns = turns.storage
-        is_assistant = None
-        if pa.types.is_struct(turns.type) and turns.type.get_field_index("role") >= 0:
-            is_assistant = pc.fill_null(pc.equal(pc.struct_field(turns, "role"), "assistant"), False)
-        elif pa.types.is_string(turns.type) or pa.types.is_large_string(turns.type):
-            is_assistant = pc.fill_null(pc.match_substring_regex(turns, r'"role"\s*:\s*"assistant"'), False)
-        if is_assistant is not None:
-            parents = pc.list_parent_indices(chats).to_numpy(zero_copy_only=False)
-            hits = parents[is_assistant.to_numpy(zero_copy_only=False)]
-            has_assistant = np.bincount(hits, minlength=len(table)) > 0
+    if chat_column not in table.column_names:
+        return None
+    chats = table.column(chat_column).combine_chunks()
+    turns = pc.list_flatten(chats)
+    if isinstance(turns, pa.ExtensionArray):  # arrow.json: each message is its JSON text
+        turns = turns.storage
+    is_assistant = None
+    if pa.types.is_struct(turns.type) and turns.type.get_field_index("role") >= 0:
+        is_assistant = pc.fill_null(pc.equal(pc.struct_field(turns, "role"), "assistant"), False)
+    elif pa.types.is_string(turns.type) or pa.types.is_large_string(turns.type):
+        is_assistant = pc.fill_null(pc.match_substring_regex(turns, r'"role"\s*:\s*"assistant"'), False)
+    if is_assistant is None:
+        return None
+    parents = pc.list_parent_indices(chats).to_numpy(zero_copy_only=False)
+    hits = parents[is_assistant.to_numpy(zero_copy_only=False)]
+    return np.bincount(hits, minlength=len(table)) > 0
+
+
+def _note_drops(tally, input_ids, labels, outcomes, limit, first_row, keep_valid, zeroed=None,
+                has_assistant=None) -> None:
+    """Count the dropped rows of a batch by what they show (``engine.outcomes.classify_drops``), one example each;
+    ``has_assistant``: per row, whether the chat holds an assistant message (``_has_assistant``)."""
+    lengths = _lengths(input_ids)
     dropped, causes = classify_drops(outcomes, lengths, has_assistant=has_assistant, max_length=limit, zeroed=zeroed)
     tally.tokens_dropped += int(lengths[dropped].sum())
     index = np.flatnonzero(keep_valid) if keep_valid is not None else None

@@ -137,3 +137,11 @@ def escaped(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def warnings_on_one_line(command: str) -> None:
+    """Each warning a command gives is one line on stderr (``lossmask mask: warning: ...``), as its errors are: no
+    source line, no file and line number of the code that warned."""
+    import warnings
+
+    warnings.formatwarning = lambda message, *_, **__: f"{command}: warning: {escaped(str(message))}\n"

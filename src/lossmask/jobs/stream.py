@@ -38,7 +38,7 @@ from .stopping import kernel_call
 
 
 def mask_files(
-    input: str | os.PathLike | list,
+    input: str | os.PathLike | list | None,
     output: str | os.PathLike,
     *,
     tokenizer: Any = None,
@@ -53,6 +53,8 @@ def mask_files(
     num_proc: int = 1,
     progress: bool | None = None,
     report: str | os.PathLike | None = None,
+    dataset_info: str | os.PathLike | None = None,
+    dataset: str | None = None,
     **option_fields: Any,
 ) -> MaskReport:
     """Label every row of ``input`` and write the rows that train something to the Parquet file ``output``.
@@ -84,8 +86,16 @@ def mask_files(
     cause of an OS error). While the job runs it holds a lock on ``output``: a second job on it is refused.
     ``input="-"`` reads stdin; stdin and pipes are copied to a temporary file once (see ``docs/inputs.md``).
     With a tokenizer, token ids it does not have are refused, naming the file, row and position.
+    ``dataset_info`` (LLaMA-Factory's ``dataset_info.json``) and ``dataset`` (a name registered there) stand for
+    ``input``: the entry's file is read with its ``formatting``, ``columns`` and ``tags`` (``jobs/dataset_info.py``);
+    pass ``None`` as ``input`` then.
     """
     options = MaskOptions.resolve(options, **option_fields)
+    if dataset_info is not None or dataset is not None:
+        input, options = registered_input(input, dataset_info, dataset, options)
+    if input is None:
+        raise ValueError("no input: pass INPUT (a file, folder or glob), or a dataset of LLaMA-Factory's "
+                         "dataset_info.json (--dataset-info FILE --dataset NAME; dataset_info=, dataset= in Python)")
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"num_proc={num_proc!r} must be a positive number of processes")
     check_compression(compression)
@@ -93,21 +103,35 @@ def mask_files(
     output = os.fspath(output)
     check_output_format(output)
     report = None if report is None else os.fspath(report)
-    dataset = open_inputs(input, input_format=input_format, exclude=(output, report))
+    files = open_inputs(input, input_format=input_format, exclude=(output, report))
     try:
-        check_output(output, inputs=dataset.paths)
+        check_output(output, inputs=files.paths)
         if report is not None:
-            check_output(report, what="report", inputs=dataset.paths)
+            check_output(report, what="report", inputs=files.paths)
             if os.path.realpath(report) == os.path.realpath(output):
                 raise ValueError(f"report {report} is the output {output}; write the report to another path")
         with output_lock(output):
-            return _mask_job(dataset, output, report, tokenizer=tokenizer, chat_template=chat_template,
+            return _mask_job(files, output, report, tokenizer=tokenizer, chat_template=chat_template,
                              model_name=model_name, markers=markers, strict=strict, options=options,
                              row_group_size=row_group_size, compression=compression, num_proc=num_proc,
                              progress=progress, started=started)
     finally:
-        dataset.close()
+        files.close()
 
+
+def registered_input(input: Any, dataset_info: Any, dataset: str | None, options: MaskOptions) -> tuple[str, MaskOptions]:
+    """The file of a dataset registered in LLaMA-Factory's ``dataset_info.json``, and ``options`` reading it as
+    LLaMA-Factory does (``jobs/dataset_info.py``)."""
+    from .dataset_info import dataset_entry
+
+    if dataset_info is None or dataset is None:
+        raise ValueError("dataset_info= and dataset= go together: the dataset_info.json and the name of a dataset it "
+                         "registers (--dataset-info FILE --dataset NAME)")
+    if input is not None:
+        raise ValueError(f"input {input!r} and dataset_info= both name the input; pass one (with --dataset-info, give "
+                         "only OUTPUT on the command line)")
+    entry = dataset_entry(dataset_info, dataset)
+    return entry.input, dataclasses.replace(options, **entry.fields)
 
 def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer: Any, chat_template: Any,
               model_name: str | None, markers: Any, strict: bool, options: MaskOptions, row_group_size: int | None,
@@ -142,7 +166,7 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
     report_partial = partial_name(report) if report is not None else None
     total_rows = dataset.count_rows()
     show = _progress_bar(progress, total=total_rows)
-    renders = kind == "messages" or (kind == "prompt_completion" and markers_source != "position")
+    renders = kind in ("messages", "alpaca") or (kind == "prompt_completion" and markers_source != "position")
     workers, batch_size = plan_workers(num_proc, total_rows, options.batch_size, renders=renders)
     if renders and workers < num_proc:
         rows = "" if total_rows is None else f" for {total_rows:,} rows"
@@ -260,7 +284,7 @@ def _warn_unread_conversations(dataset: InputFiles, options: MaskOptions) -> Non
 
 
 KIND_NAMES = {"input_ids": "token ids (input_ids)", "messages": "chat messages",
-              "prompt_completion": "prompt/completion pairs"}
+              "prompt_completion": "prompt/completion pairs", "alpaca": "Alpaca rows (instruction, input, output)"}
 
 
 def _with_message(exc: BaseException, message: str) -> BaseException:

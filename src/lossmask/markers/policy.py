@@ -46,7 +46,8 @@ NO_MASKING_FORMATS = {
     "pretraining": "continued pretraining trains on every token",
     "alpaca": (
         "alpaca rows (instruction/input/output) are not rendered with a chat template, so there are no chat markers "
-        "to find: every token trains; convert them to messages (dataset_format='chat') to train on the output only"
+        "to find: every token trains; to train on the output only, give the rows to mask_files / lossmask mask, which "
+        "render them with the chat template (docs/inputs.md, Alpaca), or resolve with dataset_format='chat'"
     ),
 }
 
