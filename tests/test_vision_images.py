@@ -407,3 +407,107 @@ def test_every_family_agrees_with_its_processor_on_photographs_and_their_variant
             stop_id = proc.tokenizer.convert_tokens_to_ids(stop) if stop.strip() else None
             want = text_labels(proc, truth, arg.format(answer), stop_id)
         assert got["labels"] == want, where
+
+
+def batch_rows():
+    """A batch of three rows: one image, two images side by side after text, and no image (a padded row)."""
+    first, second, third = photo(112, 56), photo(56, 80, "RGBA"), photo(600, 80)
+    two = [{"role": "user", "content": [text("Look"), IMG, IMG, text("What are they, really?")]},
+           {"role": "assistant", "content": [text("Two photos.")]}]
+    plain = [{"role": "user", "content": [text("Hi")]}, {"role": "assistant", "content": [text("Hello.")]}]
+    return [(chat(), [first]), (two, [second, third]), (plain, [])]
+
+
+@pytest.mark.parametrize("family,side", [*((f, "right") for f in sorted(AGREEMENT)), ("mllama", "left")])
+def test_collator_returns_the_processors_fields_and_values_plus_labels(all_folders, family, side):
+    """Per set-up, the collator's batch holds exactly the keys the processor returns for the same rows, plus
+    ``labels``, each equal to the processor's (``torch.equal``): Mllama's ``cross_attention_mask`` included, and
+    nothing the processor drops (Gemma-3's ``num_crops``, Idefics3's ``rows``/``cols``, Mllama's ``num_tiles``). Fields
+    laid out per row (Idefics3's and Mllama's ``pixel_values``) follow the rows, a row without images included."""
+    import copy
+
+    import torch
+
+    from lossmask.vision import VisionCollator
+
+    fixture, kwargs, _ = AGREEMENT[family]
+    proc = processor(all_folders, fixture)
+    markers = llava_markers(proc) if fixture.startswith("llava") else None
+    rows = batch_rows()
+    collator = VisionCollator(proc, markers=markers, padding_side=side, processor_kwargs=kwargs)
+    batch = collator([{"messages": m, "images": images} for m, images in rows])
+    theirs_proc = proc
+    if proc.tokenizer.pad_token is None:  # the processor cannot pad without one: give it the collator's
+        theirs_proc = copy.deepcopy(proc)
+        theirs_proc.tokenizer.pad_token_id = collator.pad_token_id
+    rendered = [proc.apply_chat_template(m, tokenize=False) for m, _ in rows]
+    theirs = theirs_proc(text=rendered, images=[images for _, images in rows], add_special_tokens=False,
+                         return_tensors="pt", padding=True, padding_side=side, **kwargs)
+    assert set(batch) == set(theirs) | {"labels"}
+    for name in theirs:
+        assert torch.equal(batch[name], theirs[name]), name
+    if family == "mllama":  # text before the image sees no tile of it; the row without an image sees none at all
+        mask = batch["cross_attention_mask"]
+        image = proc.tokenizer.convert_tokens_to_ids("<|image|>")
+        first = int((batch["input_ids"][0] == image).nonzero()[0])
+        assert mask[0, :first].sum() == 0 and mask[0, first:, 0].sum() > 0 and mask[2].sum() == 0
+
+
+def test_cross_attention_mask_is_the_mllama_processors_on_any_layout():
+    """``vision.cross_attention_mask`` (NumPy over the batch) against transformers' own, row by row: images at the
+    start, the end, side by side, apart, padding on either side, and rows without images."""
+    pytest.importorskip("torch")
+    from transformers.models.mllama.processing_mllama import (convert_sparse_cross_attention_mask_to_dense,
+                                                               get_cross_attention_token_mask)
+
+    from lossmask.vision import cross_attention_mask
+
+    rng = np.random.default_rng(0)
+    image = 9
+    for _ in range(200):
+        rows, width = int(rng.integers(1, 5)), int(rng.integers(1, 12))
+        ids = rng.integers(0, 9, size=(rows, width))
+        ids[rng.random((rows, width)) < rng.random()] = image
+        if (ids == image).sum() == 0:
+            continue
+        tiles = [[int(t) for t in rng.integers(1, 5, size=int((r == image).sum()))] for r in ids]
+        sparse = [get_cross_attention_token_mask(r.tolist(), image) for r in ids]
+        want = convert_sparse_cross_attention_mask_to_dense(sparse, num_tiles=tiles, max_num_tiles=4, length=width)
+        np.testing.assert_array_equal(cross_attention_mask(ids, image, tiles, 4), want)
+
+
+def test_a_tiny_mllama_reads_the_collators_cross_attention_mask(all_folders):
+    """On a tiny random Mllama with its cross-attention gates open, the loss on the collator's batch is the loss on the
+    processor's own fields (the collator's labels beside them), and leaving ``cross_attention_mask`` out changes it:
+    the text before the image would see it."""
+    import torch
+    import transformers
+
+    from lossmask.vision import VisionCollator
+
+    proc = processor(all_folders, "mllama")
+    messages = [{"role": "user", "content": [text("Before the image"), IMG, text("What is it?")]},
+                {"role": "assistant", "content": [text("A photo.")]}]
+    image = photo(112, 56)
+    batch = VisionCollator(proc)([{"messages": messages, "images": [image]}])
+    theirs = proc(text=[proc.apply_chat_template(messages, tokenize=False)], images=[[image]],
+                  add_special_tokens=False, return_tensors="pt")
+    torch.manual_seed(0)
+    config = transformers.MllamaConfig(
+        text_config=dict(vocab_size=128257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, cross_attention_layers=[1],
+                         max_position_embeddings=512),
+        vision_config=dict(image_size=560, patch_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_global_layers=1, attention_heads=2, intermediate_layers_indices=[0],
+                           vision_output_dim=64, max_num_tiles=4),
+        image_token_index=128256)
+    model = transformers.MllamaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "gate" in name:  # zero at init: the image would reach no token
+                weight.fill_(1.0)
+        ours = model(**batch).loss.item()
+        processors = model(**dict(theirs), labels=batch["labels"]).loss.item()
+        unmasked = model(**{k: v for k, v in batch.items() if k != "cross_attention_mask"}).loss.item()
+    assert ours == processors
+    assert abs(ours - unmasked) > 1e-5

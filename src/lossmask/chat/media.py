@@ -746,7 +746,8 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
             refused.append((k, checked))
             continue
         rows.append(checked)
-    replacements, failed, features = _run_images(tok.processor, rows, options, kwargs, keep_features)
+    replacements, failed, features = _run_images(tok.processor, rows, options, kwargs, keep_features,
+                                                 n_rows=len(texts))
     refused += sorted(failed.items())
     slot = re.compile("|".join(re.escape(p) for p in (media.placeholder, media.video_placeholder) if p))
     for row in rows:
@@ -811,12 +812,14 @@ def _check_row(tok: Any, media: MediaTokens, grid: VideoGrid | None, k: int, val
 
 
 def _run_images(processor: Any, rows: Sequence[_Checked], options: Any, kwargs: dict,
-                keep_features: bool) -> tuple[dict[int, list[str]], dict[int, str], dict]:
+                keep_features: bool, n_rows: int = 0) -> tuple[dict[int, list[str]], dict[int, str], dict]:
     """The processor's replacement string for each image of ``rows``: ``({row: its strings, in order}, {row: why it is
     refused}, the processor's outputs)``. Images are decoded (``open_image``) a group at a time, just before the
     group's processor call, and let go after it. Where a group fails, its images go again one at a time, so that only
     the rows of the images the processor rejects are refused. With ``keep_features``, one group holds every image and
-    the processor's outputs are kept (else they are ``{}``)."""
+    the processor's outputs are kept (else they are ``{}``): the images go in one list per row of the ``n_rows`` (empty
+    for a row without any), as ``processor(text=rows, images=[[...], ...])`` lays them out, so that the fields laid out
+    per row (Idefics3's and Mllama's ``pixel_values``, Mllama's ``num_tiles``) are the processor's own."""
     done: dict[int, list] = {row.row: [None] * len(row.values) for row in rows}
     kept: dict = {}
     failed: dict[int, str] = {}
@@ -834,8 +837,13 @@ def _run_images(processor: Any, rows: Sequence[_Checked], options: Any, kwargs: 
         decoded = [item for item in decoded if item[0] not in failed]
         if not decoded:
             continue
+        images: list = [image for _, _, image in decoded]
+        if keep_features:  # one list per row, as the processor's own call lays a batch out
+            images = [[] for _ in range(n_rows)]
+            for k, _, image in decoded:
+                images[k].append(image)
         try:
-            features, replacements = processor_images(processor, [image for _, _, image in decoded], **kwargs)
+            features, replacements = processor_images(processor, images, **kwargs)
         except Exception:  # noqa: BLE001 - some image the processor rejects: find it, one image at a time
             for k, i, image in decoded:
                 if k in failed:
@@ -844,6 +852,8 @@ def _run_images(processor: Any, rows: Sequence[_Checked], options: Any, kwargs: 
                     done[k][i] = processor_images(processor, [image], **kwargs)[1][0]
                 except Exception as exc:  # noqa: BLE001
                     failed[k] = f"the processor cannot take its images ({type(exc).__name__}: {exc})"
+            if keep_features and not failed:  # each image alone passes: the batch's call is what fails
+                processor_images(processor, images, **kwargs)
             continue
         if keep_features:
             kept = dict(features)
