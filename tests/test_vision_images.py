@@ -309,6 +309,78 @@ def test_llava_with_given_markers_never_trains_the_template_text_around_an_image
     assert proc.tokenizer.decode(trained) == "Here it is. "
 
 
+MLX_PLAIN = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+# a second row carrying media in one of the forms users have, and what the one-line refusal says of it
+MLX_MEDIA_ROWS = {
+    "llama-factory video": (MLX_PLAIN, {"messages": [{"role": "user", "content": "<video>What happens?"},
+                                                     {"role": "assistant", "content": "A cat jumps."}],
+                                        "videos": [["f0.png", "f1.png"]]}, r"media in its 'videos' column"),
+    "llama-factory image": (MLX_PLAIN, {"messages": [{"role": "user", "content": "<image>What is it?"},
+                                                     {"role": "assistant", "content": "A photo."}],
+                                        "images": ["a.png"]}, r"media in its 'images' column"),
+    "prompt/completion": ({"prompt": "Hi", "completion": "Hello."},
+                          {"prompt": "<image>What is it?", "completion": "A photo.", "images": ["a.png"]},
+                          r"media in its 'images' column"),
+    "text": ({"text": "Hello."}, {"text": "<image>A photo.", "images": ["a.png"]}, r"media in its 'images' column"),
+    "typed vision tokens": (MLX_PLAIN, {"messages": [
+        {"role": "user", "content": "Hi <|vision_start|><|image_pad|><|vision_end|> what?"},
+        {"role": "assistant", "content": "Hello."}]},
+        r"the media token '<\|vision_start\|>' \(id 151652\) at position \d+"),
+    "tokenised rows": ({"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
+                       {"input_ids": [1, 151652, 151655, 151655, 151653, 2], "labels": [-100] * 5 + [2]},
+                       r"the media token '<\|vision_start\|>' \(id 151652\) at position 1"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*has no valid.jsonl:UserWarning")
+@pytest.mark.parametrize("case", sorted(MLX_MEDIA_ROWS))
+def test_the_mlx_feed_refuses_every_row_carrying_media_naming_it(tmp_path, case):
+    """Media in any form, on any row shape, is refused in one line naming the row: an ``images`` or ``videos`` column
+    (LLaMA-Factory's ``<image>`` / ``<video>`` rows, prompt/completion and text rows), vision tokens typed in a
+    message (a text template leaves them tokens), and media tokens in tokenised rows."""
+    pytest.importorskip("mlx.core")
+    from lossmask import mlx as lm
+
+    from conftest import tokenizer_path
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path("qwen2.5"))
+    plain, carrying, said = MLX_MEDIA_ROWS[case]
+    write_rows(tmp_path / "d" / "train.jsonl", [plain, carrying])
+    masked = "messages" in plain
+    with pytest.raises(ValueError, match=r"^\S*train.jsonl row 1 holds " + said + r".*the MLX feed trains text models"
+                                         r"[^\n]*VisionCollator\)$"):
+        lm.load_dataset(tmp_path / "d", tok, mask_prompt=masked)
+
+
+@pytest.mark.filterwarnings("ignore:.*has no valid.jsonl:UserWarning")
+def test_the_mlx_feed_refuses_mask_output_of_an_image_row_and_keeps_html_img_text(folders, tmp_path):
+    """``lossmask mask`` output of an image row (its ``<|image_pad|>`` tokens, no pixels) used as ``train.parquet``
+    is refused, naming the row; Gemma's ``<img>`` HTML token is vocabulary, not media: a row typing it loads."""
+    pytest.importorskip("mlx.core")
+    from lossmask import mlx as lm
+
+    from conftest import tokenizer_path
+    from transformers import AutoTokenizer
+
+    source = tmp_path / "chats.jsonl"
+    pictured = {"messages": [{"role": "user", "content": [IMG, text("What is it?")]},
+                             {"role": "assistant", "content": [text("A photo.")]}],
+                "images": [str(tmp_path / "a.png")]}
+    photo(56, 56).save(tmp_path / "a.png")
+    plain = {"messages": [{"role": "user", "content": [text("Hi")]}, {"role": "assistant", "content": [text("Hello.")]}]}
+    write_rows(source, [plain, pictured])
+    (tmp_path / "d").mkdir()
+    mask_files(str(source), str(tmp_path / "d" / "train.parquet"), tokenizer=str(folders["qwen2-vl"]), progress=False)
+    tok = AutoTokenizer.from_pretrained(tokenizer_path("qwen2.5"))
+    with pytest.raises(ValueError, match=r"train.parquet row 1 holds the media token '<\|vision_start\|>'"):
+        lm.load_dataset(tmp_path / "d", tok, mask_prompt=False)
+    gemma = AutoTokenizer.from_pretrained(tokenizer_path("gemma-3"))
+    write_rows(tmp_path / "g" / "train.jsonl", [{"text": "An <img> tag shows a photo."}] * 2)
+    (train, _, _) = lm.load_dataset(tmp_path / "g", gemma, mask_prompt=False)
+    assert gemma.convert_tokens_to_ids("<img>") in train[0][0]
+
+
 @pytest.mark.filterwarnings("ignore:.*has no valid.jsonl:UserWarning")
 def test_the_mlx_feed_refuses_image_rows_naming_the_row(tmp_path):
     pytest.importorskip("mlx.core")
@@ -325,7 +397,7 @@ def test_the_mlx_feed_refuses_image_rows_naming_the_row(tmp_path):
                              {"role": "assistant", "content": "A photo."}]}
     folder = tmp_path / "d"
     write_rows(folder / "train.jsonl", [plain, pictured])
-    with pytest.raises(ValueError, match=r"train.jsonl row 1 holds a 'image' part; the MLX feed trains text models"):
+    with pytest.raises(ValueError, match=r"train.jsonl row 1 holds an? 'image' part; the MLX feed trains text models"):
         lm.load_dataset(folder, tok, markers=lossmask.detect_markers(tok))
 
 

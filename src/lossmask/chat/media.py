@@ -34,6 +34,7 @@ import io
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -706,8 +707,6 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
 
     Videos (Qwen2-VL, Qwen2.5-VL: ``MediaTokens.video_placeholder``), each a list of frames, are counted from their
     frames' sizes as the video processor counts them (``VideoGrid``); their tokens join the row's media tokens."""
-    import re
-
     from ..options import MaskOptions
 
     options = options if options is not None else MaskOptions()
@@ -1017,6 +1016,41 @@ def media_spans(ids: np.ndarray, offsets: np.ndarray, media_ids: Sequence[int],
 
 
 OTHER_MEDIA = ("video", "video_url", "audio", "input_audio")
+# the columns that give a row's media (TRL and LLaMA-Factory lay rows out so: one entry per placeholder, in order)
+MEDIA_COLUMNS = ("images", "videos", "audios")
+# what the text of a tokenizer's media tokens says (Qwen2.5's <|image_pad|> and <|vision_start|>, Gemma-3's
+# <start_of_image>, GLM-4's <|begin_of_image|>, Mistral's [IMG], Idefics3's <global-img>)
+MEDIA_WORDS = re.compile(r"image|vision|video|audio|img", re.IGNORECASE)
+
+
+def media_token_ids(tok: Any) -> dict[int, str]:
+    """``{id: text}`` of the tokens that stand for media in a ``ChatTokenizer``'s vocabulary, for a text model too: the
+    added tokens flagged special whose text names a medium (``MEDIA_WORDS``; Gemma's HTML ``<img>`` is not flagged
+    special, and stays text), the tokens its ``image_token`` / ``video_token`` / ``audio_token`` name, and, through a
+    processor, every media token ``media_tokens`` derives. A row holding one of them carries media in its ids."""
+    cached = getattr(tok, "_media_token_ids", None)
+    if cached is not None:
+        return cached
+    hf = tok.tokenizer
+    found = {int(i): str(t.content) for i, t in hf.added_tokens_decoder.items()
+             if getattr(t, "special", False) and MEDIA_WORDS.search(str(t.content))}
+    vocab = None
+    for owner in (hf, getattr(tok, "processor", None)):
+        for name in ("image_token", "video_token", "audio_token"):
+            text = getattr(owner, name, None) if owner is not None else None
+            if isinstance(text, str) and text:
+                vocab = vocab if vocab is not None else hf.get_vocab()
+                if text in vocab:
+                    found[int(vocab[text])] = text
+    if getattr(tok, "processor", None) is not None:
+        try:
+            media = media_tokens(tok)
+        except MediaDetectionError:
+            pass
+        else:
+            found.update({int(i): hf.convert_ids_to_tokens(int(i)) for i in media.ids})
+    tok._media_token_ids = found
+    return found
 
 
 def other_media(messages: Sequence[Any]) -> str | None:
