@@ -294,6 +294,7 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
         if eos is not None:  # mlx-lm appends EOS to text rows that lack it
             ids = [r if (r and r[-1] == eos) else r + [eos] for r in encoded.to_pylist()]
             encoded = pa.array(ids, type=pa.large_list(pa.int32()))
+        _refuse_media_ids(encoded, ct, name)
         return encoded, first, None
     if first == "completions":
         conversations = [
@@ -315,6 +316,7 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
             f"{name}: {len(encoded.dropped)} rows cannot be labelled ({reason}); first: row {row}: {message}. "
             "Fix or remove them (a message the chat template does not render would leave its turn mislabelled)"
         )
+    _refuse_media_ids(encoded.input_ids, ct, name)
     return encoded.input_ids, first, encoded
 
 
@@ -449,7 +451,6 @@ def load_dataset(
             continue
         ids, _, encoded = _tokenize_rows(rows, chat, features=features, mask_prompt=mask_prompt,
                                          name=str(path), special_tokens_in_content=special_tokens_in_content)
-        _refuse_media_ids(ids, chat, str(path))
         out.append(MaskedDataset(encoded if encoded is not None else ids, markers, **options))
     return tuple(out)  # type: ignore[return-value]
 
