@@ -583,3 +583,47 @@ def test_a_tiny_mllama_reads_the_collators_cross_attention_mask(all_folders):
         unmasked = model(**{k: v for k, v in batch.items() if k != "cross_attention_mask"}).loss.item()
     assert ours == processors
     assert abs(ours - unmasked) > 1e-5
+
+
+TYPED_FAMILIES = ("qwen2-vl", "gemma-3", "mllama", "llava", "idefics3")
+
+
+@pytest.mark.parametrize("family", TYPED_FAMILIES)
+def test_a_placeholder_typed_in_message_text_is_invalid_and_named_through_every_processor(all_folders, family):
+    """``<image>`` typed in a message's text, as a string content or a text part, with images given or without: the
+    same refusal through every processor, whether ``<image>`` is its placeholder (LLaVA, Idefics3) or not (Qwen2-VL,
+    Gemma-3, Mllama); so is the text of the processor's own media tokens. The rows beside them are labelled, and the
+    collator raises naming the row."""
+    from lossmask.chat.media import media_token_ids
+    from lossmask.vision import VisionCollator
+
+    proc = processor(all_folders, family)
+    markers = llava_markers(proc) if family == "llava" else None
+    own = media_token_ids(load_tokenizer(proc))
+    typed_own = sorted(own.values())[0]
+    answer = {"role": "assistant", "content": "A photo."}
+    pictured = [encoded(photo(40, 40))]
+    parts = [  # content parts, then string contents (one Arrow column holds one of the two)
+        ([{"role": "user", "content": [IMG, text("What is it?")]},
+          {"role": "assistant", "content": [text("A photo.")]}], pictured, None),
+        ([{"role": "user", "content": [IMG, text("Is <image> the picture?")]},
+          {"role": "assistant", "content": [text("Yes.")]}], pictured, "<image>"),
+    ]
+    strings = [
+        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], [], None),
+        ([{"role": "user", "content": "<image>What is it?"}, answer], pictured, "<image>"),
+        ([{"role": "user", "content": "What does <image> mean in HTML?"}, answer], [], "<image>"),
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Say {typed_own}"}, answer], [],
+         typed_own),
+    ]
+    for rows in (parts, strings):
+        ds = datasets.Dataset.from_dict({"messages": [m for m, _, _ in rows], "images": [i for _, i, _ in rows]})
+        out, report = hf.mask_dataset(ds, proc, markers=markers, return_report=True, quiet=True, max_drop_fraction=1.0)
+        assert len(out) == 1 and report.dropped["invalid"] == len(rows) - 1
+        for r, (messages, _, typed) in enumerate(rows[1:], start=1):
+            message = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            line = f"row {r}: message {message} (user) types the media placeholder {typed!r} in its text"
+            assert any(example.startswith(line) for example in report.invalid_examples), (line, report.invalid_examples)
+    batch = [{"messages": m, "images": [photo(40, 40)] * len(i)} for m, i, _ in strings[:2]]
+    with pytest.raises(ValueError, match=r"row 1: message 0 \(user\) types the media placeholder '<image>'"):
+        VisionCollator(proc, markers=markers)(batch)

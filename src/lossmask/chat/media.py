@@ -40,6 +40,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from .locate import message_pieces
+
 # where a content part carries its image, in the forms chat formats use
 IMAGE_PART_KEYS = ("image", "path", "url", "image_url")
 IMAGE_PART_TYPES = ("image", "image_url")
@@ -720,6 +722,10 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
     rows: list[_Checked] = []  # the rows that passed, their images not yet decoded
     for k, (text, chat) in enumerate(zip(texts, chats)):
         messages = chat["messages"] if isinstance(chat, dict) else chat
+        typed = typed_placeholder(tok, media, messages)
+        if typed:
+            refused.append((k, typed))
+            continue
         unsupported = unexpanded_media(messages, grid is not None)
         if unsupported:
             why = media.video_settings if unsupported == "video" and isinstance(media.video_settings, str) else \
@@ -773,6 +779,33 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
     refused.sort()
     return ExpandedRows(out, refused, expected, features, sum(len(r.values) for r in rows),
                         per_image, sum(len(r.videos) for r in rows))
+
+
+# the placeholders LLaMA-Factory's rows type in their text, one per entry of the row's images / videos / audios
+TEXT_PLACEHOLDERS = ("<image>", "<video>", "<audio>")
+
+
+def typed_placeholder(tok: Any, media: MediaTokens, messages: Sequence[Any]) -> str | None:
+    """Why a chat is refused through a processor when a message's text (``locate.message_pieces``: its string content,
+    text parts, reasoning) types a media placeholder, or None: ``<image>``, ``<video>``, ``<audio>`` (LLaMA-Factory's),
+    the processor's own placeholders and the text of every media token (``<|image_pad|>``, ``<start_of_image>``,
+    ``<|image|>``). One rule for every processor: an image is a content part, never text, whether or not the
+    processor's placeholder is ``<image>`` (LLaVA's and Idefics3's are; Qwen2-VL's, Gemma-3's and Mllama's are not)."""
+    pattern = media.__dict__.get("_typed")
+    if pattern is None:
+        strings = {*TEXT_PLACEHOLDERS, media.placeholder, *(p for p in (media.video_placeholder,) if p),
+                   *tok.tokenizer.convert_ids_to_tokens(list(media.ids))}
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(strings, key=len, reverse=True)))
+        media.__dict__["_typed"] = pattern
+    for index, message in enumerate(messages or ()):
+        for value, _, _ in message_pieces(message):  # its content's text, its reasoning's
+            found = pattern.search(value)
+            if found:
+                return (f"message {index} ({message.get('role')}) types the media placeholder {found.group()!r} in its "
+                        "text; through a processor an image or video is a content part ({'type': 'image'}), never "
+                        "text: put a part where each one goes (LLaMA-Factory rows: split the text at each "
+                        "placeholder), or take the string out of the message")
+    return None
 
 
 @dataclass
