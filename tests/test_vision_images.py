@@ -309,6 +309,78 @@ def test_llava_with_given_markers_never_trains_the_template_text_around_an_image
     assert proc.tokenizer.decode(trained) == "Here it is. "
 
 
+MLX_PLAIN = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+# a second row carrying media in one of the forms users have, and what the one-line refusal says of it
+MLX_MEDIA_ROWS = {
+    "llama-factory video": (MLX_PLAIN, {"messages": [{"role": "user", "content": "<video>What happens?"},
+                                                     {"role": "assistant", "content": "A cat jumps."}],
+                                        "videos": [["f0.png", "f1.png"]]}, r"media in its 'videos' column"),
+    "llama-factory image": (MLX_PLAIN, {"messages": [{"role": "user", "content": "<image>What is it?"},
+                                                     {"role": "assistant", "content": "A photo."}],
+                                        "images": ["a.png"]}, r"media in its 'images' column"),
+    "prompt/completion": ({"prompt": "Hi", "completion": "Hello."},
+                          {"prompt": "<image>What is it?", "completion": "A photo.", "images": ["a.png"]},
+                          r"media in its 'images' column"),
+    "text": ({"text": "Hello."}, {"text": "<image>A photo.", "images": ["a.png"]}, r"media in its 'images' column"),
+    "typed vision tokens": (MLX_PLAIN, {"messages": [
+        {"role": "user", "content": "Hi <|vision_start|><|image_pad|><|vision_end|> what?"},
+        {"role": "assistant", "content": "Hello."}]},
+        r"the media token '<\|vision_start\|>' \(id 151652\) at position \d+"),
+    "tokenised rows": ({"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
+                       {"input_ids": [1, 151652, 151655, 151655, 151653, 2], "labels": [-100] * 5 + [2]},
+                       r"the media token '<\|vision_start\|>' \(id 151652\) at position 1"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*has no valid.jsonl:UserWarning")
+@pytest.mark.parametrize("case", sorted(MLX_MEDIA_ROWS))
+def test_the_mlx_feed_refuses_every_row_carrying_media_naming_it(tmp_path, case):
+    """Media in any form, on any row shape, is refused in one line naming the row: an ``images`` or ``videos`` column
+    (LLaMA-Factory's ``<image>`` / ``<video>`` rows, prompt/completion and text rows), vision tokens typed in a
+    message (a text template leaves them tokens), and media tokens in tokenised rows."""
+    pytest.importorskip("mlx.core")
+    from lossmask import mlx as lm
+
+    from conftest import tokenizer_path
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path("qwen2.5"))
+    plain, carrying, said = MLX_MEDIA_ROWS[case]
+    write_rows(tmp_path / "d" / "train.jsonl", [plain, carrying])
+    masked = "messages" in plain
+    with pytest.raises(ValueError, match=r"^\S*train.jsonl row 1 holds " + said + r".*the MLX feed trains text models"
+                                         r"[^\n]*VisionCollator\)$"):
+        lm.load_dataset(tmp_path / "d", tok, mask_prompt=masked)
+
+
+@pytest.mark.filterwarnings("ignore:.*has no valid.jsonl:UserWarning")
+def test_the_mlx_feed_refuses_mask_output_of_an_image_row_and_keeps_html_img_text(folders, tmp_path):
+    """``lossmask mask`` output of an image row (its ``<|image_pad|>`` tokens, no pixels) used as ``train.parquet``
+    is refused, naming the row; Gemma's ``<img>`` HTML token is vocabulary, not media: a row typing it loads."""
+    pytest.importorskip("mlx.core")
+    from lossmask import mlx as lm
+
+    from conftest import tokenizer_path
+    from transformers import AutoTokenizer
+
+    source = tmp_path / "chats.jsonl"
+    pictured = {"messages": [{"role": "user", "content": [IMG, text("What is it?")]},
+                             {"role": "assistant", "content": [text("A photo.")]}],
+                "images": [str(tmp_path / "a.png")]}
+    photo(56, 56).save(tmp_path / "a.png")
+    plain = {"messages": [{"role": "user", "content": [text("Hi")]}, {"role": "assistant", "content": [text("Hello.")]}]}
+    write_rows(source, [plain, pictured])
+    (tmp_path / "d").mkdir()
+    mask_files(str(source), str(tmp_path / "d" / "train.parquet"), tokenizer=str(folders["qwen2-vl"]), progress=False)
+    tok = AutoTokenizer.from_pretrained(tokenizer_path("qwen2.5"))
+    with pytest.raises(ValueError, match=r"train.parquet row 1 holds the media token '<\|vision_start\|>'"):
+        lm.load_dataset(tmp_path / "d", tok, mask_prompt=False)
+    gemma = AutoTokenizer.from_pretrained(tokenizer_path("gemma-3"))
+    write_rows(tmp_path / "g" / "train.jsonl", [{"text": "An <img> tag shows a photo."}] * 2)
+    (train, _, _) = lm.load_dataset(tmp_path / "g", gemma, mask_prompt=False)
+    assert gemma.convert_tokens_to_ids("<img>") in train[0][0]
+
+
 @pytest.mark.filterwarnings("ignore:.*has no valid.jsonl:UserWarning")
 def test_the_mlx_feed_refuses_image_rows_naming_the_row(tmp_path):
     pytest.importorskip("mlx.core")
@@ -325,7 +397,7 @@ def test_the_mlx_feed_refuses_image_rows_naming_the_row(tmp_path):
                              {"role": "assistant", "content": "A photo."}]}
     folder = tmp_path / "d"
     write_rows(folder / "train.jsonl", [plain, pictured])
-    with pytest.raises(ValueError, match=r"train.jsonl row 1 holds a 'image' part; the MLX feed trains text models"):
+    with pytest.raises(ValueError, match=r"train.jsonl row 1 holds an? 'image' part; the MLX feed trains text models"):
         lm.load_dataset(folder, tok, markers=lossmask.detect_markers(tok))
 
 
@@ -407,3 +479,151 @@ def test_every_family_agrees_with_its_processor_on_photographs_and_their_variant
             stop_id = proc.tokenizer.convert_tokens_to_ids(stop) if stop.strip() else None
             want = text_labels(proc, truth, arg.format(answer), stop_id)
         assert got["labels"] == want, where
+
+
+def batch_rows():
+    """A batch of three rows: one image, two images side by side after text, and no image (a padded row)."""
+    first, second, third = photo(112, 56), photo(56, 80, "RGBA"), photo(600, 80)
+    two = [{"role": "user", "content": [text("Look"), IMG, IMG, text("What are they, really?")]},
+           {"role": "assistant", "content": [text("Two photos.")]}]
+    plain = [{"role": "user", "content": [text("Hi")]}, {"role": "assistant", "content": [text("Hello.")]}]
+    return [(chat(), [first]), (two, [second, third]), (plain, [])]
+
+
+@pytest.mark.parametrize("family,side", [*((f, "right") for f in sorted(AGREEMENT)), ("mllama", "left")])
+def test_collator_returns_the_processors_fields_and_values_plus_labels(all_folders, family, side):
+    """Per set-up, the collator's batch holds exactly the keys the processor returns for the same rows, plus
+    ``labels``, each equal to the processor's (``torch.equal``): Mllama's ``cross_attention_mask`` included, and
+    nothing the processor drops (Gemma-3's ``num_crops``, Idefics3's ``rows``/``cols``, Mllama's ``num_tiles``). Fields
+    laid out per row (Idefics3's and Mllama's ``pixel_values``) follow the rows, a row without images included."""
+    import copy
+
+    import torch
+
+    from lossmask.vision import VisionCollator
+
+    fixture, kwargs, _ = AGREEMENT[family]
+    proc = processor(all_folders, fixture)
+    markers = llava_markers(proc) if fixture.startswith("llava") else None
+    rows = batch_rows()
+    collator = VisionCollator(proc, markers=markers, padding_side=side, processor_kwargs=kwargs)
+    batch = collator([{"messages": m, "images": images} for m, images in rows])
+    theirs_proc = proc
+    if proc.tokenizer.pad_token is None:  # the processor cannot pad without one: give it the collator's
+        theirs_proc = copy.deepcopy(proc)
+        theirs_proc.tokenizer.pad_token_id = collator.pad_token_id
+    rendered = [proc.apply_chat_template(m, tokenize=False) for m, _ in rows]
+    theirs = theirs_proc(text=rendered, images=[images for _, images in rows], add_special_tokens=False,
+                         return_tensors="pt", padding=True, padding_side=side, **kwargs)
+    assert set(batch) == set(theirs) | {"labels"}
+    for name in theirs:
+        assert torch.equal(batch[name], theirs[name]), name
+    if family == "mllama":  # text before the image sees no tile of it; the row without an image sees none at all
+        mask = batch["cross_attention_mask"]
+        image = proc.tokenizer.convert_tokens_to_ids("<|image|>")
+        first = int((batch["input_ids"][0] == image).nonzero()[0])
+        assert mask[0, :first].sum() == 0 and mask[0, first:, 0].sum() > 0 and mask[2].sum() == 0
+
+
+def test_cross_attention_mask_is_the_mllama_processors_on_any_layout():
+    """``vision.cross_attention_mask`` (NumPy over the batch) against transformers' own, row by row: images at the
+    start, the end, side by side, apart, padding on either side, and rows without images."""
+    pytest.importorskip("torch")
+    from transformers.models.mllama.processing_mllama import (convert_sparse_cross_attention_mask_to_dense,
+                                                               get_cross_attention_token_mask)
+
+    from lossmask.vision import cross_attention_mask
+
+    rng = np.random.default_rng(0)
+    image = 9
+    for _ in range(200):
+        rows, width = int(rng.integers(1, 5)), int(rng.integers(1, 12))
+        ids = rng.integers(0, 9, size=(rows, width))
+        ids[rng.random((rows, width)) < rng.random()] = image
+        if (ids == image).sum() == 0:
+            continue
+        tiles = [[int(t) for t in rng.integers(1, 5, size=int((r == image).sum()))] for r in ids]
+        sparse = [get_cross_attention_token_mask(r.tolist(), image) for r in ids]
+        want = convert_sparse_cross_attention_mask_to_dense(sparse, num_tiles=tiles, max_num_tiles=4, length=width)
+        np.testing.assert_array_equal(cross_attention_mask(ids, image, tiles, 4), want)
+
+
+def test_a_tiny_mllama_reads_the_collators_cross_attention_mask(all_folders):
+    """On a tiny random Mllama with its cross-attention gates open, the loss on the collator's batch is the loss on the
+    processor's own fields (the collator's labels beside them), and leaving ``cross_attention_mask`` out changes it:
+    the text before the image would see it."""
+    import torch
+    import transformers
+
+    from lossmask.vision import VisionCollator
+
+    proc = processor(all_folders, "mllama")
+    messages = [{"role": "user", "content": [text("Before the image"), IMG, text("What is it?")]},
+                {"role": "assistant", "content": [text("A photo.")]}]
+    image = photo(112, 56)
+    batch = VisionCollator(proc)([{"messages": messages, "images": [image]}])
+    theirs = proc(text=[proc.apply_chat_template(messages, tokenize=False)], images=[[image]],
+                  add_special_tokens=False, return_tensors="pt")
+    torch.manual_seed(0)
+    config = transformers.MllamaConfig(
+        text_config=dict(vocab_size=128257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, cross_attention_layers=[1],
+                         max_position_embeddings=512),
+        vision_config=dict(image_size=560, patch_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_global_layers=1, attention_heads=2, intermediate_layers_indices=[0],
+                           vision_output_dim=64, max_num_tiles=4),
+        image_token_index=128256)
+    model = transformers.MllamaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "gate" in name:  # zero at init: the image would reach no token
+                weight.fill_(1.0)
+        ours = model(**batch).loss.item()
+        processors = model(**dict(theirs), labels=batch["labels"]).loss.item()
+        unmasked = model(**{k: v for k, v in batch.items() if k != "cross_attention_mask"}).loss.item()
+    assert ours == processors
+    assert abs(ours - unmasked) > 1e-5
+
+
+TYPED_FAMILIES = ("qwen2-vl", "gemma-3", "mllama", "llava", "idefics3")
+
+
+@pytest.mark.parametrize("family", TYPED_FAMILIES)
+def test_a_placeholder_typed_in_message_text_is_invalid_and_named_through_every_processor(all_folders, family):
+    """``<image>`` typed in a message's text, as a string content or a text part, with images given or without: the
+    same refusal through every processor, whether ``<image>`` is its placeholder (LLaVA, Idefics3) or not (Qwen2-VL,
+    Gemma-3, Mllama); so is the text of the processor's own media tokens. The rows beside them are labelled, and the
+    collator raises naming the row."""
+    from lossmask.chat.media import media_token_ids
+    from lossmask.vision import VisionCollator
+
+    proc = processor(all_folders, family)
+    markers = llava_markers(proc) if family == "llava" else None
+    own = media_token_ids(load_tokenizer(proc))
+    typed_own = sorted(own.values())[0]
+    answer = {"role": "assistant", "content": "A photo."}
+    pictured = [encoded(photo(40, 40))]
+    parts = [  # content parts, then string contents (one Arrow column holds one of the two)
+        ([{"role": "user", "content": [IMG, text("What is it?")]},
+          {"role": "assistant", "content": [text("A photo.")]}], pictured, None),
+        ([{"role": "user", "content": [IMG, text("Is <image> the picture?")]},
+          {"role": "assistant", "content": [text("Yes.")]}], pictured, "<image>"),
+    ]
+    strings = [
+        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], [], None),
+        ([{"role": "user", "content": "<image>What is it?"}, answer], pictured, "<image>"),
+        ([{"role": "user", "content": "What does <image> mean in HTML?"}, answer], [], "<image>"),
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Say {typed_own}"}, answer], [],
+         typed_own),
+    ]
+    for rows in (parts, strings):
+        ds = datasets.Dataset.from_dict({"messages": [m for m, _, _ in rows], "images": [i for _, i, _ in rows]})
+        out, report = hf.mask_dataset(ds, proc, markers=markers, return_report=True, quiet=True, max_drop_fraction=1.0)
+        assert len(out) == 1 and report.dropped["invalid"] == len(rows) - 1
+        for r, (messages, _, typed) in enumerate(rows[1:], start=1):
+            message = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            line = f"row {r}: message {message} (user) types the media placeholder {typed!r} in its text"
+            assert any(example.startswith(line) for example in report.invalid_examples), (line, report.invalid_examples)
+    batch = [{"messages": m, "images": [photo(40, 40)] * len(i)} for m, i, _ in strings[:2]]
+    with pytest.raises(ValueError, match=r"row 1: message 0 \(user\) types the media placeholder '<image>'"):
+        VisionCollator(proc, markers=markers)(batch)

@@ -18,7 +18,10 @@ What it does differently from mlx-lm's own path:
 - rows are sorted by their real token length (mlx-lm's ``CacheDataset`` sorts by the length of the
   raw JSON object);
 - an empty file or mixed row shapes in one split raise an error naming the file and the row; text rows
-  asked to be masked train every token, with a note (as ``lossmask lora`` does).
+  asked to be masked train every token, with a note (as ``lossmask lora`` does);
+- a row carrying media in any form raises naming it: an image, video or audio part, an entry in an ``images``,
+  ``videos`` or ``audios`` column (any row shape), or a media token in its ids (``lossmask mask`` output of an image
+  row, or ``<|image_pad|>`` typed in a message).
 
 Importing this module imports MLX; ``import lossmask`` does not import it.
 """
@@ -280,8 +283,7 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
                 f"{name} mixes row shapes: row 0 is {first}, row {index} is {shape}; mlx-lm picks one shape "
                 "from the first row and fails or silently misreads the rest. Put one shape per split"
             )
-    if first == "chat":
-        _refuse_media(rows, features, name)
+    _refuse_media(rows, features, name)
     ct = load_tokenizer(tokenizer)
     if first == "text":
         if mask_prompt:  # as `lossmask lora` does: said once, and every token trains
@@ -294,6 +296,7 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
         if eos is not None:  # mlx-lm appends EOS to text rows that lack it
             ids = [r if (r and r[-1] == eos) else r + [eos] for r in encoded.to_pylist()]
             encoded = pa.array(ids, type=pa.large_list(pa.int32()))
+        _refuse_media_ids(encoded, ct, name)
         return encoded, first, None
     if first == "completions":
         conversations = [
@@ -315,23 +318,55 @@ def _tokenize_rows(rows, tokenizer, *, features, mask_prompt, name, special_toke
             f"{name}: {len(encoded.dropped)} rows cannot be labelled ({reason}); first: row {row}: {message}. "
             "Fix or remove them (a message the chat template does not render would leave its turn mislabelled)"
         )
+    _refuse_media_ids(encoded.input_ids, ct, name)
     return encoded.input_ids, first, encoded
 
 
 def _refuse_media(rows: Sequence[dict], features: Features, name: str) -> None:
-    """A chat row with an image (or video, audio) part, or an ``images`` entry, raises naming the row: the feed
-    tokenises text only, so the processor's expansion and the pixels would be missing and a model would train on a
-    row whose placeholder count does not match its images."""
-    from .chat.media import image_parts, other_media
+    """A row of any shape (chat, prompt/completion, text) with an image, video or audio part, or an entry in an
+    ``images``, ``videos`` or ``audios`` column (LLaMA-Factory's ``<image>`` / ``<video>`` rows), raises naming the
+    row: the feed tokenises text only, so the processor's expansion and the pixels would be missing and a model would
+    train on a placeholder with no media behind it (or on text whose media were dropped)."""
+    from .chat.media import MEDIA_COLUMNS, image_parts, other_media
 
     for index, row in enumerate(rows):
-        messages = row.get(features.chat)
-        kind = other_media(messages) or ("image" if image_parts(messages) or row.get("images") else None)
-        if kind:
+        messages = row.get(features.chat) if isinstance(row.get(features.chat), list) else None
+        kind = other_media(messages) or ("image" if image_parts(messages) else None)
+        where = f"a {kind!r} part" if kind else None
+        column = next((c for c in MEDIA_COLUMNS if row.get(c)), None)
+        if where is None and column is not None:
+            where = f"media in its {column!r} column"
+        if where:
             raise ValueError(
-                f"{name} row {index} holds a {kind!r} part; the MLX feed trains text models only and would tokenise "
-                "it as one unexpanded placeholder with no pixels. Remove such rows (or train them with "
-                "lossmask.vision.VisionCollator)")
+                f"{name} row {index} holds {where}; the MLX feed trains text models only and would train its text with "
+                "no media behind it. Remove such rows (or train them with lossmask.vision.VisionCollator)")
+
+
+def _refuse_media_ids(ids: Any, chat: Any, name: str) -> None:
+    """A row whose token ids hold a media token (``chat.media.media_token_ids``: a ``lossmask mask`` output of an image
+    row, 66 ``<|image_pad|>`` with no pixels; ``<|vision_start|>`` typed in a message, which a text template leaves a
+    token) raises naming the row, the token and its position: the feed has no pixels to give the model for it.
+    ``chat``: the split's ``ChatTokenizer`` (None: no tokenizer was given, so no vocabulary to read)."""
+    import pyarrow.compute as pc
+
+    from .chat.media import media_token_ids
+
+    media = media_token_ids(chat) if chat is not None else {}
+    if not media:
+        return
+    array = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+    flat = np.asarray(pc.list_flatten(array).to_numpy(zero_copy_only=False))
+    hits = np.flatnonzero(np.isin(flat, np.fromiter(media, dtype=np.int64)))
+    if hits.size == 0:
+        return
+    parents = np.asarray(pc.list_parent_indices(array).to_numpy(zero_copy_only=False))
+    row = int(parents[hits[0]])
+    position = int(hits[0] - np.searchsorted(parents, row))
+    token = int(flat[hits[0]])
+    raise ValueError(
+        f"{name} row {row} holds the media token {media[token]!r} (id {token}) at position {position} (written for an "
+        "image or video, or typed in a message); the MLX feed trains text models only and has no pixels for it. Remove "
+        "such rows (or train them with lossmask.vision.VisionCollator)")
 
 
 def _shaped(rows, ct, features, name) -> list:
@@ -393,6 +428,9 @@ def load_dataset(
         from .markers.policy import resolve_markers
 
         markers = resolve_markers(tokenizer, strict=True).markers
+    from .chat.tokenizer import load_tokenizer
+
+    chat = load_tokenizer(tokenizer) if tokenizer is not None else None
     out: list[MaskedDataset | list] = []
     for split, path in zip(SPLITS, paths):
         if path is None:
@@ -402,6 +440,7 @@ def load_dataset(
                        max_drop_fraction=max_drop_fraction, name=str(path))
         if path.suffix == ".parquet":
             ids, labels, weights = _read_token_table(path)
+            _refuse_media_ids(ids, chat, str(path))
             out.append(MaskedDataset(ids, markers, labels=labels, loss_weights=weights, **options))
             continue
         try:
@@ -412,9 +451,10 @@ def load_dataset(
             raise ValueError(f"{exc}, or remove the file to go without a {split} split") from None
         if TOKENS in rows[0]:  # `lossmask mask` output as JSON lines: input_ids, labels, loss_weights
             ids, labels, weights = _token_columns(rows, str(path))
+            _refuse_media_ids(ids, chat, str(path))
             out.append(MaskedDataset(ids, markers, labels=labels, loss_weights=weights, **options))
             continue
-        ids, shape, encoded = _tokenize_rows(rows, tokenizer, features=features, mask_prompt=mask_prompt,
+        ids, shape, encoded = _tokenize_rows(rows, chat, features=features, mask_prompt=mask_prompt,
                                              name=str(path), special_tokens_in_content=special_tokens_in_content)
         if shape == "text":  # no turns: every token trains
             options["mask_prompt"] = False

@@ -11,9 +11,10 @@ Each example is a chat (``messages``, content parts with ``{"type": "image"}``) 
 2. tokenises them as lossmask does for any chat (message text kept as data) and labels them with the
    markers detected and verified from the processor's template, every media token masked
    (``markers/media.py``);
-3. pads (right, or left) and returns ``input_ids``, ``attention_mask``, ``labels`` and the processor's
-   image outputs (``pixel_values``, ``image_grid_thw``, ...), plus ``mm_token_type_ids`` /
-   ``token_type_ids`` where the processor's model takes them.
+3. pads (right, or left) and returns the fields the processor returns for the same rows, equal to its own, plus
+   ``labels``: ``input_ids``, ``attention_mask``, the image outputs the model takes (``pixel_values``,
+   ``image_grid_thw``, ...), ``mm_token_type_ids`` / ``token_type_ids`` and Mllama's ``cross_attention_mask`` where
+   the processor's model takes them.
 
 With TRL: ``SFTConfig(remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True})`` so that the
 raw chats and images reach the collator, as TRL documents for vision models.
@@ -74,6 +75,9 @@ class VisionCollator:
         self.pad_token_id = int(pad if pad is not None else (self.chat.eos_token_id or 0))
         names = list(getattr(self.processor, "model_input_names", ()) or ())
         self.type_ids_name = next((n for n in ("token_type_ids", "mm_token_type_ids") if n in names), None)
+        # the image outputs the processor returns: those its model takes (it drops Gemma-3's num_crops, Idefics3's
+        # rows and cols, Mllama's num_tiles, which only count tokens or build another field)
+        self.input_names = frozenset(names)
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         from .chat.encode_media import encode_media_table
@@ -123,13 +127,50 @@ class VisionCollator:
             attention[r, at] = 1
         batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention),
                  "labels": torch.from_numpy(labels)}
-        for name, value in (encoded.media or {}).items():
-            if name not in batch and value is not None:
+        media = encoded.media or {}
+        for name, value in media.items():
+            if name not in batch and value is not None and (not self.input_names or name in self.input_names):
                 batch[name] = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+        if CROSS_ATTENTION in self.input_names and media.get("num_tiles") is not None:
+            batch[CROSS_ATTENTION] = torch.from_numpy(cross_attention_mask(
+                input_ids, self.chat.tokenizer.convert_tokens_to_ids(self.processor.image_token), media["num_tiles"],
+                self.processor.image_processor.max_image_tiles))
         if self.type_ids_name is not None:
             types = self.processor.create_mm_token_type_ids(input_ids.tolist())
             batch[self.type_ids_name] = torch.as_tensor(np.asarray(types, dtype=np.int64)) * batch["attention_mask"]
         return batch
+
+
+CROSS_ATTENTION = "cross_attention_mask"
+
+
+def cross_attention_mask(ids: np.ndarray, image_id: int, num_tiles: Sequence[Sequence[int]], max_tiles: int) -> np.ndarray:
+    """Mllama's ``cross_attention_mask`` for a padded batch ``ids`` ``[rows, width]``, as its processor builds it from
+    the same ids: ``[rows, width, images, max_tiles]`` int64, 1 where a token sees a tile of an image. Each
+    ``image_id`` token's image is seen from that token up to the row's next image token, the last one to the end of
+    the row (padding included); consecutive image tokens are one group, each seen to the group's end. An image sees
+    only its own ``num_tiles[row][k]`` tiles. NumPy over the whole batch (transformers' own builds it row by row)."""
+    rows, width = ids.shape
+    row, col = np.nonzero(ids == image_id)  # row-major: each row's image tokens in order
+    counts = np.bincount(row, minlength=rows)
+    out = np.zeros((rows, width, int(counts.max(initial=0)), max_tiles), dtype=np.int64)
+    if row.size == 0:
+        return out
+    index = np.arange(row.size) - np.repeat(np.cumsum(counts) - counts, counts)  # the image's place in its row
+    same_row = np.append(row[1:] == row[:-1], False)
+    end = np.where(same_row, np.append(col[1:], width), width)
+    # a token followed at once by another image token sees as far as that one: the group's last end, for all of it
+    starts_group = np.ones(row.size, dtype=bool)
+    starts_group[1:] = ~(same_row[:-1] & (col[1:] == col[:-1] + 1))
+    group = np.cumsum(starts_group) - 1
+    end = end[np.append(starts_group[1:], True)][group]
+    tiles = np.asarray([t for per_row in num_tiles for t in per_row], dtype=np.int64)
+    if tiles.size != row.size:
+        raise ValueError(f"{row.size} image tokens in the batch's ids, {tiles.size} images in num_tiles")
+    position = np.arange(width)
+    seen = (position[None, :] >= col[:, None]) & (position[None, :] < end[:, None])
+    out[row, :, index, :] = (seen[:, :, None] & (np.arange(max_tiles)[None, None, :] < tiles[:, None, None]))
+    return out
 
 
 def _check_roles(encoded: Any, trained: np.ndarray, offsets: np.ndarray, last_turn_only: bool) -> None:

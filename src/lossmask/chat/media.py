@@ -34,10 +34,13 @@ import io
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+
+from .locate import message_pieces
 
 # where a content part carries its image, in the forms chat formats use
 IMAGE_PART_KEYS = ("image", "path", "url", "image_url")
@@ -706,8 +709,6 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
 
     Videos (Qwen2-VL, Qwen2.5-VL: ``MediaTokens.video_placeholder``), each a list of frames, are counted from their
     frames' sizes as the video processor counts them (``VideoGrid``); their tokens join the row's media tokens."""
-    import re
-
     from ..options import MaskOptions
 
     options = options if options is not None else MaskOptions()
@@ -721,6 +722,10 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
     rows: list[_Checked] = []  # the rows that passed, their images not yet decoded
     for k, (text, chat) in enumerate(zip(texts, chats)):
         messages = chat["messages"] if isinstance(chat, dict) else chat
+        typed = typed_placeholder(tok, media, messages)
+        if typed:
+            refused.append((k, typed))
+            continue
         unsupported = unexpanded_media(messages, grid is not None)
         if unsupported:
             why = media.video_settings if unsupported == "video" and isinstance(media.video_settings, str) else \
@@ -746,7 +751,8 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
             refused.append((k, checked))
             continue
         rows.append(checked)
-    replacements, failed, features = _run_images(tok.processor, rows, options, kwargs, keep_features)
+    replacements, failed, features = _run_images(tok.processor, rows, options, kwargs, keep_features,
+                                                 n_rows=len(texts))
     refused += sorted(failed.items())
     slot = re.compile("|".join(re.escape(p) for p in (media.placeholder, media.video_placeholder) if p))
     for row in rows:
@@ -773,6 +779,33 @@ def expand_rows(tok: Any, texts: Sequence[str], chats: Sequence[Any], given: Seq
     refused.sort()
     return ExpandedRows(out, refused, expected, features, sum(len(r.values) for r in rows),
                         per_image, sum(len(r.videos) for r in rows))
+
+
+# the placeholders LLaMA-Factory's rows type in their text, one per entry of the row's images / videos / audios
+TEXT_PLACEHOLDERS = ("<image>", "<video>", "<audio>")
+
+
+def typed_placeholder(tok: Any, media: MediaTokens, messages: Sequence[Any]) -> str | None:
+    """Why a chat is refused through a processor when a message's text (``locate.message_pieces``: its string content,
+    text parts, reasoning) types a media placeholder, or None: ``<image>``, ``<video>``, ``<audio>`` (LLaMA-Factory's),
+    the processor's own placeholders and the text of every media token (``<|image_pad|>``, ``<start_of_image>``,
+    ``<|image|>``). One rule for every processor: an image is a content part, never text, whether or not the
+    processor's placeholder is ``<image>`` (LLaVA's and Idefics3's are; Qwen2-VL's, Gemma-3's and Mllama's are not)."""
+    pattern = media.__dict__.get("_typed")
+    if pattern is None:
+        strings = {*TEXT_PLACEHOLDERS, media.placeholder, *(p for p in (media.video_placeholder,) if p),
+                   *tok.tokenizer.convert_ids_to_tokens(list(media.ids))}
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(strings, key=len, reverse=True)))
+        media.__dict__["_typed"] = pattern
+    for index, message in enumerate(messages or ()):
+        for value, _, _ in message_pieces(message):  # its content's text, its reasoning's
+            found = pattern.search(value)
+            if found:
+                return (f"message {index} ({message.get('role')}) types the media placeholder {found.group()!r} in its "
+                        "text; through a processor an image or video is a content part ({'type': 'image'}), never "
+                        "text: put a part where each one goes (LLaMA-Factory rows: split the text at each "
+                        "placeholder), or take the string out of the message")
+    return None
 
 
 @dataclass
@@ -811,12 +844,14 @@ def _check_row(tok: Any, media: MediaTokens, grid: VideoGrid | None, k: int, val
 
 
 def _run_images(processor: Any, rows: Sequence[_Checked], options: Any, kwargs: dict,
-                keep_features: bool) -> tuple[dict[int, list[str]], dict[int, str], dict]:
+                keep_features: bool, n_rows: int = 0) -> tuple[dict[int, list[str]], dict[int, str], dict]:
     """The processor's replacement string for each image of ``rows``: ``({row: its strings, in order}, {row: why it is
     refused}, the processor's outputs)``. Images are decoded (``open_image``) a group at a time, just before the
     group's processor call, and let go after it. Where a group fails, its images go again one at a time, so that only
     the rows of the images the processor rejects are refused. With ``keep_features``, one group holds every image and
-    the processor's outputs are kept (else they are ``{}``)."""
+    the processor's outputs are kept (else they are ``{}``): the images go in one list per row of the ``n_rows`` (empty
+    for a row without any), as ``processor(text=rows, images=[[...], ...])`` lays them out, so that the fields laid out
+    per row (Idefics3's and Mllama's ``pixel_values``, Mllama's ``num_tiles``) are the processor's own."""
     done: dict[int, list] = {row.row: [None] * len(row.values) for row in rows}
     kept: dict = {}
     failed: dict[int, str] = {}
@@ -834,8 +869,13 @@ def _run_images(processor: Any, rows: Sequence[_Checked], options: Any, kwargs: 
         decoded = [item for item in decoded if item[0] not in failed]
         if not decoded:
             continue
+        images: list = [image for _, _, image in decoded]
+        if keep_features:  # one list per row, as the processor's own call lays a batch out
+            images = [[] for _ in range(n_rows)]
+            for k, _, image in decoded:
+                images[k].append(image)
         try:
-            features, replacements = processor_images(processor, [image for _, _, image in decoded], **kwargs)
+            features, replacements = processor_images(processor, images, **kwargs)
         except Exception:  # noqa: BLE001 - some image the processor rejects: find it, one image at a time
             for k, i, image in decoded:
                 if k in failed:
@@ -844,6 +884,8 @@ def _run_images(processor: Any, rows: Sequence[_Checked], options: Any, kwargs: 
                     done[k][i] = processor_images(processor, [image], **kwargs)[1][0]
                 except Exception as exc:  # noqa: BLE001
                     failed[k] = f"the processor cannot take its images ({type(exc).__name__}: {exc})"
+            if keep_features and not failed:  # each image alone passes: the batch's call is what fails
+                processor_images(processor, images, **kwargs)
             continue
         if keep_features:
             kept = dict(features)
@@ -1007,6 +1049,41 @@ def media_spans(ids: np.ndarray, offsets: np.ndarray, media_ids: Sequence[int],
 
 
 OTHER_MEDIA = ("video", "video_url", "audio", "input_audio")
+# the columns that give a row's media (TRL and LLaMA-Factory lay rows out so: one entry per placeholder, in order)
+MEDIA_COLUMNS = ("images", "videos", "audios")
+# what the text of a tokenizer's media tokens says (Qwen2.5's <|image_pad|> and <|vision_start|>, Gemma-3's
+# <start_of_image>, GLM-4's <|begin_of_image|>, Mistral's [IMG], Idefics3's <global-img>)
+MEDIA_WORDS = re.compile(r"image|vision|video|audio|img", re.IGNORECASE)
+
+
+def media_token_ids(tok: Any) -> dict[int, str]:
+    """``{id: text}`` of the tokens that stand for media in a ``ChatTokenizer``'s vocabulary, for a text model too: the
+    added tokens flagged special whose text names a medium (``MEDIA_WORDS``; Gemma's HTML ``<img>`` is not flagged
+    special, and stays text), the tokens its ``image_token`` / ``video_token`` / ``audio_token`` name, and, through a
+    processor, every media token ``media_tokens`` derives. A row holding one of them carries media in its ids."""
+    cached = getattr(tok, "_media_token_ids", None)
+    if cached is not None:
+        return cached
+    hf = tok.tokenizer
+    found = {int(i): str(t.content) for i, t in hf.added_tokens_decoder.items()
+             if getattr(t, "special", False) and MEDIA_WORDS.search(str(t.content))}
+    vocab = None
+    for owner in (hf, getattr(tok, "processor", None)):
+        for name in ("image_token", "video_token", "audio_token"):
+            text = getattr(owner, name, None) if owner is not None else None
+            if isinstance(text, str) and text:
+                vocab = vocab if vocab is not None else hf.get_vocab()
+                if text in vocab:
+                    found[int(vocab[text])] = text
+    if getattr(tok, "processor", None) is not None:
+        try:
+            media = media_tokens(tok)
+        except MediaDetectionError:
+            pass
+        else:
+            found.update({int(i): hf.convert_ids_to_tokens(int(i)) for i in media.ids})
+    tok._media_token_ids = found
+    return found
 
 
 def other_media(messages: Sequence[Any]) -> str | None:
