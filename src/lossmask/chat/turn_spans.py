@@ -138,11 +138,15 @@ def _start_after(ct: Any, messages: list, i: int, prompt: str, text: str, ends_b
 
 
 def special_id_array(ct: Any) -> np.ndarray:
-    """The ids of the tokenizer's control tokens, every added token (Phi-3's ``<|end|>`` is added, not flagged special),
-    as an array made once per tokenizer, for ``np.isin``: a turn's stop is one of them."""
+    """The ids of the tokenizer's control tokens, as an array made once per tokenizer, for ``np.isin``: a turn's stop is
+    one of them. Those flagged special, and every added token with visible text (Phi-3's ``<|end|>`` is added, not
+    flagged special); not an added run of whitespace (Gemma-3 adds ``\n\n``...), which no turn stops on."""
     cached = getattr(ct, "_special_id_array", None)
     if cached is None:
-        cached = np.fromiter(sorted(getattr(ct, "added_ids", None) or ct.special_ids), dtype=np.int64)
+        ids = set(ct.special_ids)
+        added = getattr(getattr(ct, "tokenizer", None), "added_tokens_decoder", None) or {}
+        ids.update(int(i) for i, token in added.items() if str(getattr(token, "content", token)).strip())
+        cached = np.fromiter(sorted(ids), dtype=np.int64)
         try:
             ct._special_id_array = cached
         except AttributeError:  # a stand-in without attributes: made again next time
