@@ -242,7 +242,7 @@ def test_a_function_call_that_is_not_a_call_is_invalid_naming_the_message(tmp_pa
     report, _ = _mask(tmp_path, "qwen2.5", [bad, bad_tools, TOOL_FORM])
     assert report.rows_out == 1 and report.dropped.get("invalid") == 2
     text = json.dumps(report.to_dict())
-    assert "message 1 is a 'function_call'" in text and "column 'tools'" in text and "not JSON" in text
+    assert "message 1 holds a 'function_call'" in text and "column 'tools'" in text and "not JSON" in text
 
 
 def test_sharegpt_speakers_match_in_any_case(tmp_path):

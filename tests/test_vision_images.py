@@ -592,8 +592,9 @@ TYPED_FAMILIES = ("qwen2-vl", "gemma-3", "mllama", "llava", "idefics3")
 def test_a_placeholder_typed_in_message_text_is_invalid_and_named_through_every_processor(all_folders, family):
     """``<image>`` typed in a message's text, as a string content or a text part, with images given or without: the
     same refusal through every processor, whether ``<image>`` is its placeholder (LLaVA, Idefics3) or not (Qwen2-VL,
-    Gemma-3, Mllama); so is the text of the processor's own media tokens. The rows beside them are labelled, and the
-    collator raises naming the row."""
+    Gemma-3, Mllama); so is the text of the processor's own media tokens. A string content whose ``<image>`` stands
+    where each image of the row's ``images`` column goes is LLaMA-Factory's form, read as parts. The rows beside them
+    are labelled, and the collator raises naming the row."""
     from lossmask.chat.media import media_token_ids
     from lossmask.vision import VisionCollator
 
@@ -611,7 +612,7 @@ def test_a_placeholder_typed_in_message_text_is_invalid_and_named_through_every_
     ]
     strings = [
         ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], [], None),
-        ([{"role": "user", "content": "<image>What is it?"}, answer], pictured, "<image>"),
+        ([{"role": "user", "content": "<image>What is it?"}, answer], pictured, None),  # LLaMA-Factory's form
         ([{"role": "user", "content": "What does <image> mean in HTML?"}, answer], [], "<image>"),
         ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Say {typed_own}"}, answer], [],
          typed_own),
@@ -619,11 +620,14 @@ def test_a_placeholder_typed_in_message_text_is_invalid_and_named_through_every_
     for rows in (parts, strings):
         ds = datasets.Dataset.from_dict({"messages": [m for m, _, _ in rows], "images": [i for _, i, _ in rows]})
         out, report = hf.mask_dataset(ds, proc, markers=markers, return_report=True, quiet=True, max_drop_fraction=1.0)
-        assert len(out) == 1 and report.dropped["invalid"] == len(rows) - 1
-        for r, (messages, _, typed) in enumerate(rows[1:], start=1):
+        refused = [r for r, (_, _, typed) in enumerate(rows) if typed is not None]
+        assert len(out) == len(rows) - len(refused) and report.dropped["invalid"] == len(refused), report.summary()
+        for r in refused:
+            messages, _, typed = rows[r]
             message = next(i for i, m in enumerate(messages) if m["role"] == "user")
             line = f"row {r}: message {message} (user) types the media placeholder {typed!r} in its text"
             assert any(example.startswith(line) for example in report.invalid_examples), (line, report.invalid_examples)
-    batch = [{"messages": m, "images": [photo(40, 40)] * len(i)} for m, i, _ in strings[:2]]
-    with pytest.raises(ValueError, match=r"row 1: message 0 \(user\) types the media placeholder '<image>'"):
+    batch = [{"messages": m, "images": [photo(40, 40)] * len(i)} for m, i, _ in strings[:3]]
+    assert VisionCollator(proc, markers=markers)(batch[:2])["input_ids"].shape[0] == 2  # LLaMA-Factory's row is read
+    with pytest.raises(ValueError, match=r"row 2: message 0 \(user\) types the media placeholder '<image>'"):
         VisionCollator(proc, markers=markers)(batch)

@@ -36,6 +36,7 @@ import pyarrow as pa
 import torch
 
 from .chat.media import VIDEO_NO_PROCESSOR, image_parts, is_image_part, part_image, video_parts
+from .chat.shapes import read_placeholders
 from .chat.turn_spans import breaks_message, role_breaks
 from .engine.labels import label_batch
 from .engine.patterns import Markers
@@ -90,6 +91,13 @@ class VisionCollator:
                 raise ValueError(f"VisionCollator: row {r} of the batch has a video; {why}. Label video rows with "
                                  "lossmask.hf.mask_dataset (their ids and labels), or drop them")
             messages, row_images = _split_images(example["messages"], example.get("images"))
+            # LLaMA-Factory's rows: <image> in a string content where each image of ``images`` goes, read as parts,
+            # as hf.mask_dataset reads them
+            read = [messages]
+            unread = read_placeholders(read, {"images": [len(row_images)]}, processor=True) if row_images else []
+            if unread:
+                raise ValueError(f"VisionCollator: row {r} of the batch {unread[0][1]}")
+            messages = read[0]
             chats.append({"messages": messages})
             images.append(row_images)
         try:

@@ -518,8 +518,9 @@ class DirectRenderer:
     def render_one(self, messages: list, *, add_generation_prompt: bool = False, tools: Any = None) -> str:
         """One conversation (a prefix of a row, for labels from the rendering): through the compiled template where
         this job proved it equal to ``apply_chat_template``, else through ``ChatTokenizer.render``. Raises
-        ``ChatTemplateError`` as ``render`` does."""
-        if self.reason is None and not tools and all(type(m) is dict for m in messages):
+        ``ChatTemplateError`` as ``render`` does (an empty conversation included: the compiled template would
+        render one where ``render`` refuses it)."""
+        if messages and self.reason is None and not tools and all(type(m) is dict for m in messages):
             compiled = self._compile(self.ct.template_for())
             if compiled in self._proved:
                 try:
