@@ -93,8 +93,8 @@ def test_plan_workers_from_the_work_size():
     assert plan_workers(8, 5_000, 16_384, renders=True, cores=8) == (2, 625)
     assert plan_workers(2, None, 16, renders=True, cores=8) == (2, 16)
     assert plan_workers(1, None, 16_384, renders=True, cores=2) == (1, 2_048)  # rows unknown: rendering overlaps
-    assert plan_workers(8, 100_000, 16_384, renders=True, cores=4) == (3, 8_334)  # at most cores - 1 processes
-    assert plan_workers(2, 20_000, 16_384, renders=True, cores=2) == (1, 2_500)  # one process keeps two cores busy
+    assert plan_workers(8, 100_000, 16_384, renders=True, cores=4) == (4, 6_250)  # at most one worker per core
+    assert plan_workers(2, 20_000, 16_384, renders=True, cores=2) == (2, 2_500)  # the parent only joins their parts
 
 
 def test_a_hit_names_the_folder_of_the_current_job(cache, tmp_path):

@@ -246,9 +246,10 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
 
 
 def test_num_proc_gives_the_same_output(deepseek, tmp_path, monkeypatch):
-    """Worker processes render and locate, this one tokenises: the same file and report as one process.
+    """Worker processes carry the whole step and encode their batches' Parquet; this one joins them: the same file
+    and report as one process writes.
 
-    ``_cores`` says 8: on two cores a job keeps to one process (its threads already use both)."""
+    ``_cores`` says 8, so that the plan is not the machine's."""
     from pathlib import Path
 
     import lossmask.jobs.stream
@@ -256,17 +257,21 @@ def test_num_proc_gives_the_same_output(deepseek, tmp_path, monkeypatch):
     lines = (Path(__file__).resolve().parent.parent / "examples" / "chats.jsonl").read_text().splitlines()
     chats = tmp_path / "chats.jsonl"
     chats.write_text("\n".join(lines * 40) + "\n")  # 4,800 rows: two workers' worth
-    one = mask_files(chats, tmp_path / "one.parquet", tokenizer=deepseek, max_length=256)
+    one = mask_files(chats, tmp_path / "one.parquet", tokenizer=deepseek, max_length=256, keep_dropped=True)
     monkeypatch.setattr(lossmask.jobs.stream, "_cores", lambda: 8)
     assert lossmask.jobs.stream.plan_workers(3, 4_800, 16_384, renders=True)[0] == 2
-    two = mask_files(chats, tmp_path / "two.parquet", tokenizer=deepseek, max_length=256, num_proc=3)
+    two = mask_files(chats, tmp_path / "two.parquet", tokenizer=deepseek, max_length=256, num_proc=3,
+                     keep_dropped=True)
     assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
     assert one.dropped == two.dropped and one.invalid_examples == two.invalid_examples
     assert (one.rows_in, one.rows_out, one.tokens_trained) == (two.rows_in, two.rows_out, two.tokens_trained)
-    assert two.seconds["locate"] > 0  # located in the workers
+    same = lambda report: {k: v for k, v in report.to_dict().items() if k not in ("seconds", "output", "messages")}
+    assert same(one) == same(two)
+    assert two.seconds["locate"] > 0 and two.seconds["encode_part"] > 0  # located and encoded in the workers
+    assert any(m.startswith("num_proc=3: 2 workers on 8 cores for 4,800 rows (") for m in two.messages)
 
 
-def test_num_proc_keeps_to_one_process_on_two_cores(deepseek, tmp_path, monkeypatch):
+def test_num_proc_is_capped_by_the_cores_and_the_rows_and_says_so(deepseek, tmp_path, monkeypatch):
     import json
 
     import lossmask.jobs.stream
@@ -274,18 +279,20 @@ def test_num_proc_keeps_to_one_process_on_two_cores(deepseek, tmp_path, monkeypa
     monkeypatch.setattr(lossmask.jobs.stream, "_cores", lambda: 2)
     rows = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(4_500)]
     pq.write_table(pa.table({"messages": rows}), tmp_path / "chats.parquet")
-    report = mask_files(tmp_path / "chats.parquet", tmp_path / "out.parquet", tokenizer=deepseek, num_proc=2)
-    assert any(m.startswith("num_proc=2: 1 process on 2 cores for 4,500 rows") for m in report.messages)
-    assert "encode_wait" not in report.seconds
+    report = mask_files(tmp_path / "chats.parquet", tmp_path / "out.parquet", tokenizer=deepseek, num_proc=4)
+    assert any(m.startswith("num_proc=4: 2 workers on 2 cores for 4,500 rows") for m in report.messages)
+    one = mask_files(tmp_path / "chats.parquet", tmp_path / "one.parquet", tokenizer=deepseek)
+    assert pq.read_table(tmp_path / "out.parquet").equals(pq.read_table(tmp_path / "one.parquet"))
+    assert report.rows_out == one.rows_out == 4_500
     # JSON Lines: the row count is known when the rows read for the schema are the whole file
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows[:50]))
     report = mask_files(tmp_path / "chats.jsonl", tmp_path / "out2.parquet", tokenizer=deepseek, num_proc=2)
-    assert any(m.startswith("num_proc=2: 1 process on 2 cores for 50 rows (") for m in report.messages)
+    assert any(m.startswith("num_proc=2: 1 worker on 2 cores for 50 rows (") for m in report.messages)
     assert report.rows_out == 50
-    monkeypatch.setattr(lossmask.jobs.inputs, "INFER_LINES", 20)  # ... and not known before reading otherwise
+    monkeypatch.setattr(lossmask.jobs.inputs, "INFER_LINES", 20)  # ... and not known before reading: two workers
     report = mask_files(tmp_path / "chats.jsonl", tmp_path / "out3.parquet", tokenizer=deepseek, num_proc=2)
-    assert any(m.startswith("num_proc=2: 1 process on 2 cores (") for m in report.messages)
-    assert report.rows_out == 50
+    assert report.rows_out == 50 and "encode_part" in report.seconds
+    assert pq.read_table(tmp_path / "out3.parquet").equals(pq.read_table(tmp_path / "out2.parquet"))
 
 
 def test_chat_template_option_replaces_the_tokenizers_template(tmp_path):

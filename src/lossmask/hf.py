@@ -42,6 +42,7 @@ def mask_dataset(
     return_report: bool = False,
     verbose: bool = False,
     quiet: bool = False,
+    num_proc: int = 1,
     **option_fields: Any,
 ):
     """Add ``labels`` to a Hugging Face ``Dataset``, ``DatasetDict`` or ``IterableDataset``.
@@ -67,18 +68,27 @@ def mask_dataset(
     where report is a ``MaskReport`` (a dict of them for a ``DatasetDict``; for an ``IterableDataset``,
     a function that returns the report of the rows iterated so far). Dropped rows are logged in one
     line on stderr (``quiet=True`` silences it); ``verbose`` prints the whole summary.
+
+    ``num_proc`` > 1 labels a ``Dataset``'s chat and prompt/completion rows in up to ``num_proc`` worker processes,
+    each carrying the whole step of a batch, as ``mask_files(num_proc=)`` does (same rows, labels and report as one
+    process); an ``IterableDataset`` streams through this process.
     """
     import datasets
 
     from .jobs.stream import load_chat_tokenizer
 
     options = MaskOptions.resolve(options, **option_fields)
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise ValueError(f"num_proc={num_proc!r} must be a positive number of processes")
+    if num_proc > 1 and isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise ValueError(f"num_proc={num_proc}: an IterableDataset streams through this process; pass num_proc=1, "
+                         "or a Dataset (load_dataset(..., streaming=False)), or write files with lossmask.mask_files")
     chat = load_chat_tokenizer(tokenizer) if tokenizer is not None else None
     if chat is not None and _will_encode(dataset, options):
         chat.begin_job()  # the fast tokeniser loads on a thread while markers are resolved
     resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
                                           response_part=response_part, instruction_part=instruction_part)
-    job = _Job(options, resolved, source, tuple(messages), chat, verbose, quiet=quiet)
+    job = _Job(options, resolved, source, tuple(messages), chat, verbose, quiet=quiet, num_proc=num_proc)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         results = {split: job.run(part, name=split) for split, part in dataset.items()}
         out = type(dataset)({split: result[0] for split, result in results.items()})
@@ -126,6 +136,7 @@ class _Job:
     quiet: bool = False
     truncated_at: int | None = None  # the length a trainer cut the rows to before masking
     truncation: str | None = None  # that length, named for a person ("max_length=40 (SFTConfig.max_length)")
+    num_proc: int = 1  # worker processes for a Dataset's rendering rows (jobs/workers.py)
 
     def run(self, dataset: Any, *, name: str):
         import datasets
@@ -146,10 +157,14 @@ class _Job:
             batches = (whole.slice(start, self.options.batch_size) for start in range(0, whole.num_rows, self.options.batch_size))
         else:
             batches = dataset.with_format("arrow").iter(batch_size=self.options.batch_size)
-        for table in batches:
+        write_weights = self.options.loss_weights_column in out_schema.names
+        workers = self._workers(dataset, schema, kind)
+        if workers > 1:
+            parts = self._in_workers(batches, workers, tally, kind, name, out_schema, write_weights)
+        for table in batches if workers <= 1 else ():
             parts.append(mask_batch(table, self.markers, self.options, tally, tokenizer=self.tokenizer, kind=kind,
                                     first_row=first_row, source=name, truncated_at=self.truncated_at,
-                                    write_weights=self.options.loss_weights_column in out_schema.names))
+                                    write_weights=write_weights))
             first_row += table.num_rows
         from .jobs.stream import check_job_drops
 
@@ -167,6 +182,37 @@ class _Job:
         out = datasets.Dataset(InMemoryTable(table), info=info, split=dataset.split, fingerprint=fingerprint)
         report = self._report(tally, name)
         return out, report
+
+    def _workers(self, dataset: Any, schema: pa.Schema, kind: str) -> int:
+        """How many worker processes label this dataset: those ``num_proc`` asks for where the rows are rendered
+        here (not token ids, text pairs, or images, which expand in this process) and the rows and cores pay."""
+        from .chat.encode_batch import is_text_pairs
+        from .jobs.stream import plan_workers
+
+        if self.num_proc <= 1 or kind == "input_ids" or self.tokenizer is None:
+            return 1
+        if getattr(self.tokenizer, "processor", None) is not None:
+            return 1
+        if kind == "prompt_completion" and is_text_pairs(schema.empty_table(), self.options):
+            return 1
+        return plan_workers(self.num_proc, dataset.num_rows, self.options.batch_size, renders=True)[0]
+
+    def _in_workers(self, batches, workers: int, tally: Tally, kind: str, name: str, out_schema: pa.Schema,
+                    write_weights: bool) -> list:
+        """The labelled tables of ``batches`` from ``workers`` processes, each carrying the whole step, in order."""
+        from .jobs.stream import _worker_threads
+        from .jobs.workers import in_order, worker_pool
+
+        step = dict(markers=self.markers, options=self.options, kind=kind, source=name, write_weights=write_weights,
+                    schema=out_schema, writer_options=None, row_group_size=None, truncated_at=self.truncated_at)
+        parts = []
+        with worker_pool(workers, self.tokenizer, _worker_threads(workers)) as pool:
+            for _, _, future in in_order(pool, batches, step, workers, tally):
+                part, _, batch_tally = future.result()
+                tally += batch_tally  # in input order
+                if part is not None:
+                    parts.append(pa.ipc.open_stream(part).read_all())
+        return parts
 
     def _run_iterable(self, dataset: Any, name: str):
         from .jobs.stream import check_job_drops

@@ -92,7 +92,9 @@ def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     if kind == "prompt_completion" and is_text_pairs(table, options):
         return _encode_text_pairs(tok, table.column(options.prompt_column), table.column(options.completion_column),
                                   options, first_row=first_row)
-    return tokenize_rendered(tok, render_table(tok, table, kind, options, first_row=first_row), options, markers=markers)
+    # message text located right after rendering, then one call into the tokeniser: as mask_files encodes a batch
+    return tokenize_rendered(tok, render_table(tok, table, kind, options, first_row=first_row, locate=True), options,
+                             markers=markers)
 
 
 def is_text_pairs(table: pa.Table, options: Any) -> bool:
@@ -424,35 +426,6 @@ def _as_list32(arr: pa.Array) -> pa.Array:
     """list<int32> (the Hugging Face ``Sequence(int32)`` layout); only the offsets are rewritten."""
     target = pa.list_(pa.int32())
     return arr if arr.type == target else arr.cast(target)
-
-
-# -- worker processes (mask_files(num_proc=N)) -------------------------------------------------------
-
-_WORKER: dict[str, Any] = {}
-
-
-def start_worker(threads: int, tokenizer: Any, options: Any) -> None:
-    """Process-pool initializer: the tokenizer and options arrive once per worker, not once per batch.
-
-    ``threads`` caps the Rust thread pools of this worker (set before any tokeniser runs), so that the
-    workers and the parent share the cores instead of each starting one thread per core. Ctrl-C, which a terminal
-    sends to every process of the job, is the parent's to handle (it stops the job and ends the pool): a worker
-    ignores it rather than print a traceback of its own.
-    """
-    import os
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["RAYON_NUM_THREADS"] = str(threads)
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
-    _WORKER["tokenizer"], _WORKER["options"] = tokenizer, options
-
-
-def render_in_worker(batch: pa.Buffer, kind: str, first_row: int) -> RenderedBatch:
-    """Render one batch (an Arrow IPC stream) in a worker and locate its message text; the parent tokenises it (one
-    fast tokeniser, all cores). Spans go back, not the messages: pickling them cost more than locating them."""
-    table = pa.ipc.open_stream(batch).read_all()
-    return render_table(_WORKER["tokenizer"], table, kind, _WORKER["options"], first_row=first_row, locate=True)
 
 
 def conversations_of(table: pa.Table, kind: str, options: Any, *,

@@ -10,6 +10,7 @@ job leaves no file that looks complete (``outputs.py``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -35,6 +36,7 @@ from .outputs import (OutputError, as_output_error, check_compression, check_out
 from .report import MaskReport, Tally
 from .safety import TooManyDroppedRows, check_drop_fraction
 from .stopping import kernel_call
+from .workers import worker_pool
 
 
 def mask_files(
@@ -64,10 +66,11 @@ def mask_files(
     read, labelled and kept is ``options`` (a ``MaskOptions``) or its fields as keywords
     (``max_length=2048, keep_dropped=True, completion_mask=True, batch_size=...``). A tokenizer
     is also needed for ``messages`` and ``prompt``/``completion`` input; ``chat_template`` (a Jinja
-    file or string) replaces its template, for tokenizers that ship none. ``num_proc`` > 1 renders chat and
-    prompt/completion rows in up to ``num_proc - 1`` worker processes (the rendering is per-row Python: the slow
-    part) where the cores and rows pay for them (``plan_workers``; one process on two cores, which it keeps busy). ``progress`` shows a bar (default: when
-    stderr is a terminal). ``report``: a path to write the JSON report to. Returns the ``MaskReport``;
+    file or string) replaces its template, for tokenizers that ship none. ``num_proc`` > 1 labels chat and
+    prompt/completion rows in up to ``num_proc`` worker processes, each carrying the whole step of a batch (render,
+    tokenise, label, encode its share of the Parquet file), where the cores and rows pay for them (``plan_workers``);
+    this process only orders their results and joins them, so the output and report are the same as one process
+    writes. ``progress`` shows a bar (default: when stderr is a terminal). ``report``: a path to write the JSON report to. Returns the ``MaskReport``;
     raises ``TooManyDroppedRows`` (and writes nothing) when more than ``options.max_drop_fraction`` of the rows
     would train nothing.
 
@@ -140,6 +143,37 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
     source = dataset.source
     kind = job_input_kind(dataset, options)
     tokenizer, bare = _job_tokenizer(tokenizer, chat_template, kind, source), tokenizer
+    text_pairs = kind == "prompt_completion" and is_text_pairs(dataset.schema, options)
+    renders = kind in ("messages", "alpaca") or (kind == "prompt_completion" and not text_pairs)
+    total_rows = dataset.count_rows()
+    in_workers = renders and tokenizer is not None and getattr(tokenizer, "processor", None) is None
+    workers, batch_size = plan_workers(num_proc, total_rows, options.batch_size, renders=renders)
+    if not in_workers:  # token ids and text pairs have nothing to render; images expand in this process
+        workers = 1
+    notes: tuple = ()
+    if renders and workers < num_proc:
+        rows = "" if total_rows is None else f" for {total_rows:,} rows"
+        why = ("images are expanded in this process" if not in_workers else
+               f"a worker pays from {2 * MIN_ROWS_PER_WORKER:,} rows, at most one per core")
+        notes = (f"num_proc={num_proc}: {workers} worker{'s' * (workers > 1)} on {_cores()} cores{rows} ({why})",)
+    # workers start before this process runs a Rust tokeniser or a numba thread pool, whose threads a fork
+    # would not carry (jobs/workers.py)
+    with worker_pool(workers, tokenizer, _worker_threads(workers)) as pool:
+        return _prepared_job(dataset, output, report, tokenizer=tokenizer, bare=bare, chat_template=chat_template,
+                             model_name=model_name, markers=markers, strict=strict, options=options,
+                             row_group_size=row_group_size, compression=compression, progress=progress,
+                             started=started, kind=kind, text_pairs=text_pairs, renders=renders,
+                             total_rows=total_rows, workers=workers, batch_size=batch_size, notes=notes, pool=pool)
+
+
+def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer: Any, bare: Any,
+                  chat_template: Any, model_name: str | None, markers: Any, strict: bool, options: MaskOptions,
+                  row_group_size: int | None, compression: str, progress: bool | None, started: float, kind: str,
+                  text_pairs: bool, renders: bool, total_rows: int | None, workers: int, batch_size: int,
+                  notes: tuple, pool: Any) -> MaskReport:
+    """The job once its shape is known and its workers (``pool``, when ``workers > 1``) started: markers, then the
+    batches, then the commit."""
+    source = dataset.source
     if tokenizer is not None and kind != "input_ids":
         tokenizer.begin_job()  # the fast tokeniser loads on a thread while markers are resolved
         try:  # a template that never ends, or breaks out of the sandbox, stops the job here, not after a warning
@@ -148,7 +182,7 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
             if isinstance(chat_template, (str, os.PathLike)) and "{" not in os.fspath(chat_template):
                 raise type(exc)(f"{escaped(os.fspath(chat_template))}: {exc}") from None  # the file given names it
             raise
-    if kind == "prompt_completion" and is_text_pairs(dataset.schema, options):
+    if text_pairs:
         if tokenizer is None:
             raise ValueError(f"{source}: prompt/completion text needs a tokenizer (--tokenizer DIR / tokenizer=)")
         resolved, markers_source, messages = None, "position", (POSITION_NOTE,)
@@ -159,56 +193,22 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
         )
     schema = output_schema(dataset.schema, options, kind)
     messages = (*messages, *dataset.skipped, *remove_stale_partials(output),
-                *(remove_stale_partials(report) if report is not None else ()))
+                *(remove_stale_partials(report) if report is not None else ()), *notes)
     tally = Tally()
     tally.time("setup", time.perf_counter() - started)  # open, load the tokenizer, choose and verify the markers
     temporary = partial_name(output)
     report_partial = partial_name(report) if report is not None else None
-    total_rows = dataset.count_rows()
     show = _progress_bar(progress, total=total_rows)
-    renders = kind in ("messages", "alpaca") or (kind == "prompt_completion" and markers_source != "position")
-    workers, batch_size = plan_workers(num_proc, total_rows, options.batch_size, renders=renders)
-    if renders and workers < num_proc:
-        rows = "" if total_rows is None else f" for {total_rows:,} rows"
-        messages = (*messages, f"num_proc={num_proc}: {workers} process{'es' * (workers > 1)} on {_cores()} cores{rows} "
-                               "(one process already renders, tokenises and writes on two cores at once; workers pay "
-                               f"beside it on more cores and from {2 * MIN_ROWS_PER_WORKER:,} rows)")
     try:
-        writer = output_writer(temporary, schema, options, compression)
-        # rendering jobs keep both cores busy with Python and the tokeniser: label on one thread alone
-        single = one_thread if renders and (options.backend or "numba") == "numba" else nullcontext
         write_weights = options.loss_weights_column in schema.names
-
-        def label(batch, first_row, encoded) -> _Labelled:
-            """``mask_batch`` on the thread that tokenised the batch, into a tally of its own: this thread goes on
-            rendering meanwhile (the kernels release the GIL; labelling here waited for it after each of them)."""
-            batch_tally = Tally()
-            with single():
-                out = mask_batch(batch, resolved, options, batch_tally, tokenizer=tokenizer, kind=kind,
-                                 first_row=first_row, source=source, encoded=encoded, write_weights=write_weights)
-            return _Labelled(out, batch_tally)
-
-        with _BackgroundWriter(writer, schema, row_group_size, tally) as background, single():
-            for batch, first_row, encoded in _encoded_batches(dataset, batch_size, source, tally, kind, options,
-                                                             tokenizer, workers, resolved, renders=renders,
-                                                             label=label):
-                seen = len(tally.invalid_examples)
-                try:
-                    if isinstance(encoded, Future):  # tokenised (and labelled) on a thread
-                        encoded = encoded.result()
-                    if isinstance(encoded, _Labelled):
-                        out = encoded.table
-                        tally += encoded.tally  # in input order
-                    else:
-                        with kernel_call():  # a stop signal waits for the kernel (jobs/stopping.py)
-                            out = mask_batch(batch, resolved, _batch_options(options, dataset, first_row, tokenizer),
-                                             tally, tokenizer=tokenizer, kind=kind, first_row=first_row,
-                                             source=source, encoded=encoded, write_weights=write_weights)
-                except (ValueError, TypeError) as exc:
-                    raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
-                tally.invalid_examples[seen:] = [dataset.name_rows(e, count=1) for e in tally.invalid_examples[seen:]]
-                background.put(out)
-                show(batch.num_rows, tally)
+        if workers > 1:  # the whole step in the workers; here only ordering, counting and joining their parts
+            step = dict(tokenizer=tokenizer, markers=resolved, options=options, kind=kind, source=source,
+                        write_weights=write_weights, schema=schema, row_group_size=row_group_size,
+                        writer_options=writer_options(schema, options, compression))
+            _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, show)
+        else:
+            _job_in_process(dataset, batch_size, source, tally, kind, options, tokenizer, resolved, renders,
+                            schema, compression, row_group_size, write_weights, temporary, show)
         show(None, tally)
         check_job_drops(tally, tokenizer, options)
         tally.seconds["total"] = time.perf_counter() - started
@@ -230,16 +230,94 @@ def _mask_job(dataset: InputFiles, output: str, report: str | None, *, tokenizer
     return result
 
 
+def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, show) -> None:
+    """The job's batches through the ``workers`` processes of ``pool``, each carrying the whole step
+    (``jobs/workers.py``); this process adds their tallies in input order and joins their Parquet parts into
+    ``temporary``."""
+    from .parquet_parts import PartsFile
+    from .workers import in_order
+
+    source = step["source"]
+    step = {name: value for name, value in step.items() if name != "tokenizer"}  # the workers have theirs
+    parts = PartsFile(temporary, step["schema"], step["writer_options"])
+    try:
+        batches = _timed_reads(_batches(dataset, batch_size, source), tally)
+        for batch, first_row, future in in_order(pool, batches, step, workers, tally):
+            seen = len(tally.invalid_examples)
+            try:
+                part, kept, batch_tally = future.result()
+            except (ValueError, TypeError) as exc:
+                raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
+            tally += batch_tally  # in input order
+            tally.invalid_examples[seen:] = [dataset.name_rows(e, count=1) for e in tally.invalid_examples[seen:]]
+            if part is not None:
+                started = time.perf_counter()
+                parts.append(part)
+                tally.time("write", time.perf_counter() - started)
+            show(batch.num_rows, tally)
+        started = time.perf_counter()
+        parts.close()
+        tally.time("write", time.perf_counter() - started)
+    except BaseException:
+        parts.abandon()
+        raise
+
+
+def _job_in_process(dataset, batch_size, source, tally, kind, options, tokenizer, resolved, renders, schema,
+                    compression, row_group_size, write_weights, temporary, show) -> None:
+    """The job in this process: rendering, tokenising (a thread) and writing (another) overlapped."""
+    writer = output_writer(temporary, schema, options, compression)
+    # rendering jobs keep both cores busy with Python and the tokeniser: label on one thread alone
+    single = one_thread if renders and (options.backend or "numba") == "numba" else nullcontext
+
+    def label(batch, first_row, encoded) -> _Labelled:
+        """``mask_batch`` on the thread that tokenised the batch, into a tally of its own: this thread goes on
+        rendering meanwhile (the kernels release the GIL; labelling here waited for it after each of them)."""
+        batch_tally = Tally()
+        with single():
+            out = mask_batch(batch, resolved, options, batch_tally, tokenizer=tokenizer, kind=kind,
+                             first_row=first_row, source=source, encoded=encoded, write_weights=write_weights)
+        return _Labelled(out, batch_tally)
+
+    with _BackgroundWriter(writer, schema, row_group_size, tally) as background, single():
+        for batch, first_row, encoded in _encoded_batches(dataset, batch_size, source, tally, kind, options,
+                                                         tokenizer, resolved, renders=renders, label=label):
+            seen = len(tally.invalid_examples)
+            try:
+                if isinstance(encoded, Future):  # tokenised (and labelled) on a thread
+                    encoded = encoded.result()
+                if isinstance(encoded, _Labelled):
+                    out = encoded.table
+                    tally += encoded.tally  # in input order
+                else:
+                    with kernel_call():  # a stop signal waits for the kernel (jobs/stopping.py)
+                        out = mask_batch(batch, resolved, _batch_options(options, dataset, first_row, tokenizer),
+                                         tally, tokenizer=tokenizer, kind=kind, first_row=first_row,
+                                         source=source, encoded=encoded, write_weights=write_weights)
+            except (ValueError, TypeError) as exc:
+                raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
+            tally.invalid_examples[seen:] = [dataset.name_rows(e, count=1) for e in tally.invalid_examples[seen:]]
+            background.put(out)
+            show(batch.num_rows, tally)
+
+
 def output_writer(path: str, schema: pa.Schema, options: MaskOptions, compression: str = "snappy") -> Any:
     """The ``pyarrow.parquet.ParquetWriter`` a job writes its output with."""
     import pyarrow.parquet as pq
 
+    return pq.ParquetWriter(path, schema, **writer_options(schema, options, compression))
+
+
+def writer_options(schema: pa.Schema, options: MaskOptions, compression: str = "snappy") -> dict:
+    """The ``ParquetWriter`` settings of a job's output, the same whether the parent or a worker encodes it."""
     # (loss_weights keeps them: a handful of distinct values, which a dictionary stores in a few bits each)
     token_columns = {options.input_ids_column, options.labels_column, options.completion_mask_column}
     other_columns = [name for name in schema.names if name not in token_columns]
-    # Token columns are high-cardinality lists: dictionary encoding and statistics only cost time there.
-    return pq.ParquetWriter(path, schema, compression=compression, use_dictionary=other_columns or False,
-                            write_statistics=other_columns or False)
+    # Token columns are high-cardinality lists: dictionary encoding and statistics only cost time there. No page
+    # index and no bloom filter: their offsets lie outside the row groups, which workers' parts are joined by
+    # (jobs/parquet_parts.py).
+    return dict(compression=compression, use_dictionary=other_columns or False,
+                write_statistics=other_columns or False, write_page_index=False)
 
 
 def job_input_kind(dataset: InputFiles, options: MaskOptions) -> str:
@@ -367,30 +445,28 @@ class _BackgroundWriter:
             raise self.error
 
 
-MIN_ROWS_PER_WORKER = 2_000  # below this, starting a process (imports, tokenizer) costs more than it renders
+MIN_ROWS_PER_WORKER = 2_000  # below this, starting a process (a fork, a tokenizer's threads) costs more than it renders
 MIN_WORKER_BATCH = 512
 
 
 def plan_workers(num_proc: int, rows: int | None, batch_size: int, *, renders: bool,
                  cores: int | None = None) -> tuple[int, int]:
-    """``(processes, batch size)`` for a job: as many render processes as the work and the cores pay for, batches
+    """``(processes, batch size)`` for a job: as many worker processes as the work and the cores pay for, batches
     small enough that each gets several, and the job itself in one process when rendering is not what it does.
 
-    ``num_proc`` counts every process: ``num_proc - 1`` workers, which render and locate message text (per-row
-    Python, under the GIL), and the parent, which tokenises (the Rust tokeniser uses every core on its own),
-    labels and writes. One process already keeps two cores busy (it renders a batch while a thread tokenises
-    the one before, and another writes), so workers are only started beside it where there are more cores:
-    at most ``cores - 1`` processes, and one on two cores, where a worker measured 0.8x one process. A job of
-    ``rows`` rows uses at most ``rows // MIN_ROWS_PER_WORKER`` workers, with batches of ``rows / (4 * workers)``
-    rows (at least ``MIN_WORKER_BATCH``, at most ``batch_size``), so the last batch does not leave one worker
-    running alone; one process takes batches of ``rows / 8``, so that rendering and tokenising overlap. When
-    ``rows`` is not known (JSON Lines beyond the rows read for the schema, stdin), batches are of at most
-    ``4 * MIN_WORKER_BATCH`` rows, whatever the processes.
+    ``num_proc`` counts the workers, each of which carries the whole step of a batch (render, locate, tokenise,
+    label, encode its Parquet part: ``jobs/workers.py``); this process only hands batches out, orders the results
+    and joins the parts. At most ``cores`` workers. A job of ``rows`` rows uses at most
+    ``rows // MIN_ROWS_PER_WORKER`` workers, with batches of ``rows / (4 * workers)`` rows (at least
+    ``MIN_WORKER_BATCH``, at most ``batch_size``), so the last batch does not leave one worker running alone. One
+    process (``processes == 1``: no worker) renders a batch while a thread tokenises the one before and another
+    writes; it takes batches of ``rows / 8``, so that they overlap. When ``rows`` is not known (JSON Lines beyond
+    the rows read for the schema, stdin), batches are of at most ``4 * MIN_WORKER_BATCH`` rows.
     """
     if not renders:
         return 1, batch_size
     cores = _cores() if cores is None else cores
-    num_proc = min(num_proc, cores - 1) if cores > 2 else 1
+    num_proc = min(num_proc, cores)
     if rows is None:  # batches small enough that the first one's rendering is not all the job does alone
         return (max(num_proc, 1), min(batch_size, 4 * MIN_WORKER_BATCH))
     num_proc = min(num_proc, rows // MIN_ROWS_PER_WORKER)
@@ -406,31 +482,8 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def worker_start_method() -> str:
-    """``fork`` on Linux, ``spawn`` elsewhere (``LOSSMASK_START_METHOD`` overrides).
-
-    Workers only render (Jinja, pure Python): they never run the Rust tokenisers, numba or the writer,
-    whose threads the parent may hold, so a forked worker starts with the tokenizer and the imports it
-    needs already in memory, instead of paying seconds of imports and unpickling each (``spawn``).
-    macOS and Windows fork unsafely or not at all, so they spawn.
-    """
-    method = os.environ.get("LOSSMASK_START_METHOD")
-    if method:
-        return method
-    return "fork" if sys.platform.startswith("linux") else "spawn"
-
-
 def _worker_threads(workers: int) -> int:
     return max(1, _cores() // workers)
-
-
-def _compact(batch: pa.RecordBatch) -> pa.Buffer:
-    """The batch as an Arrow IPC stream: only its own rows. (Pickling a batch sliced out of a bigger one, as the
-    Parquet scanner yields them, sends the whole parent buffers: 8x the bytes for a 20k-row file in 8 batches.)"""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    return sink.getvalue()
 
 
 class _Labelled(NamedTuple):
@@ -449,16 +502,16 @@ def _batch_options(options: MaskOptions, dataset: InputFiles, first_row: int, to
     return options if folder is None else dataclasses.replace(options, media_dir=folder)
 
 
-def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, num_proc, markers="unknown", *,
+def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenizer, markers="unknown", *,
                      renders=False, label: Callable | None = None):
     """``(batch, first_row, encoded)`` in input order. ``encoded`` is None when the batch is encoded by ``mask_batch``
     (token ids, plain-text prompt/completion), else a ``Future`` of its ``EncodedBatch``, tokenised on a thread while
-    the next batches render: here (one process), or in ``num_proc - 1`` worker processes and here. With ``label``
+    the next batch renders here. With ``label``
     (``label(batch, first_row, encoded)``), the future holds what that returns, called on the same thread. The caller
     takes ``.result()``, where an error about a row is named by its file and line."""
     batches = _timed_reads(_batches(dataset, batch_size, source), tally)
     vision = getattr(tokenizer, "processor", None) is not None  # images expand in the batch step, in this process
-    if vision or (num_proc == 1 and (not renders or tokenizer is None)):
+    if vision or not renders or tokenizer is None:
         first_row = 0
         for batch in batches:
             yield batch, first_row, None
@@ -484,7 +537,7 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
     # given (else by the caller), then written.
     with ThreadPoolExecutor(1, thread_name_prefix="lossmask-tokenise") as threads:
         ahead: collections.deque = collections.deque()
-        for batch, first_row, rendered in _rendered_batches(batches, kind, options, tokenizer, num_proc):
+        for batch, first_row, rendered in _rendered_batches(batches, kind, options, tokenizer):
             ahead.append((batch, first_row, threads.submit(tokenise, batch, first_row, rendered)))
             if len(ahead) >= 2:
                 yield ahead.popleft()
@@ -492,44 +545,21 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
             yield ahead.popleft()
 
 
-def _rendered_batches(batches, kind, options, tokenizer, num_proc):
-    """``(batch, first_row, rendered)``: a ``RenderedBatch`` rendered here, or a ``Future`` of one (a worker's, or a
-    failure). With workers (``num_proc - 1``), they render every batch, up to ``2 * num_proc`` ahead, and locate
-    its message text; this process tokenises, labels and writes, which on two cores is a worker's share of work."""
-    import collections
-
+def _rendered_batches(batches, kind, options, tokenizer):
+    """``(batch, first_row, rendered)``: a ``RenderedBatch`` rendered here and its message text located, or a
+    ``Future`` holding the failure (raised where the caller names the row)."""
     from ..chat.encode_batch import render_table
 
-    def here(batch, first_row):
+    first_row = 0
+    for batch in batches:
         try:
             # message text is located here too: on the tokenising thread, under the GIL, it held up the renderer
-            return render_table(tokenizer, pa.Table.from_batches([batch]), kind, options, first_row=first_row,
-                                locate=True)
+            rendered = render_table(tokenizer, pa.Table.from_batches([batch]), kind, options, first_row=first_row,
+                                    locate=True)
         except Exception as exc:  # raised where the caller names the row
-            return _failed(exc)
-
-    first_row = 0
-    if num_proc == 1:
-        for batch in batches:
-            yield batch, first_row, here(batch, first_row)
-            first_row += batch.num_rows
-        return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from ..chat.encode_batch import render_in_worker, start_worker
-
-    workers = num_proc - 1
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(worker_start_method()), initializer=start_worker,
-                             initargs=(_worker_threads(workers), tokenizer, options)) as pool:
-        pending: collections.deque = collections.deque()
-        for batch in batches:
-            pending.append((batch, first_row, pool.submit(render_in_worker, _compact(batch), kind, first_row)))
-            first_row += batch.num_rows
-            if len(pending) >= 2 * num_proc:
-                yield pending.popleft()
-        while pending:
-            yield pending.popleft()
+            rendered = _failed(exc)
+        yield batch, first_row, rendered
+        first_row += batch.num_rows
 
 
 def _failed(exc: BaseException) -> Future:

@@ -1,0 +1,144 @@
+"""Workers that carry the whole step: the output joined from their Parquet parts is the file one process writes,
+every row counted once, nothing left behind when a worker fails; ``hf.mask_dataset(num_proc=)`` the same."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lossmask import mask_files
+from lossmask.jobs.parquet_parts import PartsFile, _Reader, _read_struct, _write_struct, encode_part, split_part
+from lossmask.jobs.stream import writer_options
+from lossmask.options import MaskOptions
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "chats.jsonl"
+
+
+def _table(rows: int) -> pa.Table:
+    return pa.table({
+        "messages": [[{"role": "user", "content": f"q{i}" * (i % 7)}, {"role": "assistant", "content": f"a{i}"}]
+                     for i in range(rows)],
+        "input_ids": [list(range(i % 50)) for i in range(rows)],
+        "labels": [[-100] * (i % 3) + list(range(i % 50 - i % 3)) for i in range(rows)],
+        "loss_weights": [[0.5] * (i % 50) for i in range(rows)],
+    })
+
+
+def test_a_footer_decoded_and_encoded_again_is_the_same_bytes():
+    table = _table(300)
+    part = encode_part(table, writer_options(table.schema, MaskOptions()), 100)
+    chunks, footer = split_part(part)
+    raw = bytes(memoryview(part)[4 + len(chunks):-8])
+    out = bytearray()
+    _write_struct(footer, out)
+    assert bytes(out) == raw
+    assert _read_struct(_Reader(bytes(out))) == footer
+
+
+@pytest.mark.parametrize("row_group_size", [None, 64])
+def test_parts_joined_read_back_as_the_table_written_whole(tmp_path, row_group_size):
+    table = _table(1_000)
+    options = writer_options(table.schema, MaskOptions())
+    joined = PartsFile(tmp_path / "joined.parquet", table.schema, options)
+    for start, size in [(0, 300), (300, 0), (300, 1), (301, 450), (751, 249)]:  # an empty part among them
+        joined.append(encode_part(table.slice(start, size), options, row_group_size))
+    joined.close()
+    back = pq.ParquetFile(tmp_path / "joined.parquet")
+    assert pq.read_table(tmp_path / "joined.parquet").equals(table)
+    assert back.metadata.num_rows == 1_000
+    groups = [back.metadata.row_group(g) for g in range(back.metadata.num_row_groups)]
+    assert sum(g.num_rows for g in groups) == 1_000
+    # each row group reads alone: its offsets point into this file, not into the part it came from
+    assert pa.concat_tables([back.read_row_group(g) for g in range(len(groups))]).equals(table)
+    # statistics of the passthrough column survive, as a filter reads them
+    import pyarrow.dataset as ds
+
+    assert ds.dataset(tmp_path / "joined.parquet").to_table(filter=ds.field("messages").is_valid()).num_rows == 1_000
+
+
+def test_a_job_with_no_part_writes_the_empty_file_of_its_schema(tmp_path):
+    table = _table(3)
+    options = writer_options(table.schema, MaskOptions())
+    empty = PartsFile(tmp_path / "empty.parquet", table.schema, options)
+    empty.append(encode_part(table.slice(0, 0), options, None))
+    empty.close()
+    back = pq.read_table(tmp_path / "empty.parquet")
+    assert back.num_rows == 0 and back.schema.equals(table.schema)
+
+
+@pytest.fixture
+def eight_cores(monkeypatch):
+    import lossmask.jobs.stream
+
+    monkeypatch.setattr(lossmask.jobs.stream, "_cores", lambda: 8)
+
+
+def _chats(tmp_path: Path, copies: int = 40) -> Path:
+    """The example chats, repeated, with rows that are invalid, dropped or cut among them."""
+    lines = EXAMPLES.read_text().splitlines() * copies
+    lines[7] = json.dumps({"messages": [{"role": "user", "content": "no reply"}]})
+    lines[2_500] = json.dumps({"messages": [{"role": "narrator", "content": "Once."},
+                                            {"role": "assistant", "content": "Then."}]})
+    lines[4_000] = json.dumps({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": ""}]})
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _report(report) -> dict:
+    return {k: v for k, v in report.to_dict().items() if k not in ("seconds", "output", "messages")}
+
+
+def test_workers_write_the_file_and_report_of_one_process_with_weights_and_kept_drops(tmp_path, eight_cores):
+    from conftest import chat_tokenizer
+
+    tokenizer = chat_tokenizer("qwen2.5")
+    chats = _chats(tmp_path)
+    kwargs = dict(tokenizer=tokenizer, max_length=200, keep_dropped=True, max_drop_fraction=1.0,
+                  weights_by_role={"assistant": 0.5}, completion_mask=True, row_group_size=300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = mask_files(chats, tmp_path / "one.parquet", report=tmp_path / "one.json", **kwargs)
+        three = mask_files(chats, tmp_path / "three.parquet", num_proc=3, report=tmp_path / "three.json", **kwargs)
+    assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "three.parquet"))
+    assert _report(one) == _report(three) and one.dropped["invalid"] > 0
+    assert "chats.jsonl, line " in three.invalid_examples[0]  # named by the file's line, found in a worker
+    assert three.seconds["encode_part"] > 0 and "loss_weights" in pq.read_schema(tmp_path / "three.parquet").names
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "one.json", "one.parquet", "three.json",
+                                                        "three.parquet"]
+
+
+def test_an_error_in_a_worker_names_its_row_and_leaves_nothing_behind(tmp_path, eight_cores):
+    from conftest import chat_tokenizer
+
+    lines = EXAMPLES.read_text().splitlines() * 40
+    lines[3_333] = json.dumps({"messages": [{"role": "user", "content": "Say <|im_end|>"},
+                                            {"role": "assistant", "content": "No."}]})
+    (tmp_path / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"chats\.jsonl, line 3334"):
+        mask_files(tmp_path / "chats.jsonl", tmp_path / "out.parquet", tokenizer=chat_tokenizer("qwen2.5"),
+                   num_proc=2, special_tokens_in_content="error", report=tmp_path / "r.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]
+
+
+def test_hf_mask_dataset_num_proc_gives_the_dataset_and_report_of_one_process(tmp_path, eight_cores):
+    datasets = pytest.importorskip("datasets")
+    from conftest import chat_tokenizer
+
+    from lossmask import hf
+
+    tokenizer = chat_tokenizer("llama-3.1")
+    rows = [json.loads(line) for line in EXAMPLES.read_text().splitlines()] * 40
+    ds = datasets.Dataset.from_list(rows)
+    one, report_one = hf.mask_dataset(ds, tokenizer, return_report=True, quiet=True, batch_size=512)
+    two, report_two = hf.mask_dataset(ds, tokenizer, return_report=True, quiet=True, batch_size=512, num_proc=2)
+    assert one.data.table.equals(two.data.table) and _report(report_one) == _report(report_two)
+    with pytest.raises(ValueError, match="an IterableDataset streams through this process"):
+        hf.mask_dataset(ds.to_iterable_dataset(), tokenizer, num_proc=2)
+    with pytest.raises(ValueError, match="num_proc=0 must be a positive number"):
+        hf.mask_dataset(ds, tokenizer, num_proc=0)
