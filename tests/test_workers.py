@@ -81,10 +81,12 @@ def eight_cores(monkeypatch):
 def _chats(tmp_path: Path, copies: int = 40) -> Path:
     """The example chats, repeated, with rows that are invalid, dropped or cut among them."""
     lines = EXAMPLES.read_text().splitlines() * copies
-    lines[7] = json.dumps({"messages": [{"role": "user", "content": "no reply"}]})
-    lines[2_500] = json.dumps({"messages": [{"role": "narrator", "content": "Once."},
-                                            {"role": "assistant", "content": "Then."}]})
-    lines[4_000] = json.dumps({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": ""}]})
+    odd = {7: [{"role": "user", "content": "no reply"}],
+           2_500: [{"role": "narrator", "content": "Once."}, {"role": "assistant", "content": "Then."}],
+           4_000: [{"role": "user", "content": "Q"}, {"role": "assistant", "content": ""}]}
+    for at, messages in odd.items():
+        if at < len(lines):
+            lines[at] = json.dumps({"messages": messages})
     path = tmp_path / "chats.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -142,3 +144,23 @@ def test_hf_mask_dataset_num_proc_gives_the_dataset_and_report_of_one_process(tm
         hf.mask_dataset(ds.to_iterable_dataset(), tokenizer, num_proc=2)
     with pytest.raises(ValueError, match="num_proc=0 must be a positive number"):
         hf.mask_dataset(ds, tokenizer, num_proc=0)
+
+
+def test_batches_are_bounded_by_bytes_with_rows_named_and_labels_unchanged(tmp_path):
+    """``batch_bytes`` cuts a batch of long rows into pieces (slices of what was read): the same file, the same
+    report, and a bad row still named by its file and line."""
+    from conftest import chat_tokenizer
+
+    tokenizer = chat_tokenizer("qwen2.5")
+    chats = _chats(tmp_path, copies=3)  # 360 rows
+    kwargs = dict(tokenizer=tokenizer, max_drop_fraction=1.0, keep_dropped=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = mask_files(chats, tmp_path / "whole.parquet", **kwargs)
+        small = mask_files(chats, tmp_path / "small.parquet", batch_bytes=20_000, **kwargs)
+    assert pq.read_table(tmp_path / "whole.parquet").equals(pq.read_table(tmp_path / "small.parquet"))
+    assert _report(whole) == _report(small)
+    # (the examples hold an empty chat on line 304: named the same from the last of many pieces)
+    assert any("chats.jsonl, line 304): column 'messages' is empty" in e for e in small.invalid_examples)
+    with pytest.raises(ValueError, match="batch_bytes=0 must be a positive number of bytes"):
+        MaskOptions(batch_bytes=0)

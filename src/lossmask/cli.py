@@ -64,7 +64,7 @@ def _mask_job(args: argparse.Namespace) -> int:
             truncation=args.truncation,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
             last_turn_only=args.last_turn_only, train_prompt_turns=args.train_prompt_turns,
-            batch_size=args.batch_size, label_dtype=args.label_dtype,
+            batch_size=args.batch_size, batch_bytes=args.batch_bytes, label_dtype=args.label_dtype,
             special_tokens_in_content=args.special_tokens_in_content, **_shape_options(args),
             alpaca_columns=args.alpaca_columns,
             check_roles=args.check_roles, roles_to_train=args.roles_to_train, weights_by_role=args.weights_by_role,
@@ -298,6 +298,9 @@ def _add_mask_command(commands) -> None:
                       help="conversational prompt/completion rows: train the assistant turns inside the prompt too "
                            "(default: only the completion trains, as TRL's completion_only_loss does)")
     mask.add_argument("--batch-size", type=int, default=16_384, metavar="ROWS", help="rows per batch (bounds memory; default %(default)s)")
+    mask.add_argument("--batch-bytes", type=int, default=8 << 20, metavar="BYTES",
+                      help="at most about this many input bytes per batch: long rows make smaller batches, so memory "
+                           "is bounded whatever the rows' length (default %(default)s, 8 MiB)")
     mask.add_argument("--label-dtype", choices=("int64", "int32"), default="int64",
                       help="labels as int64 (the Hugging Face convention) or int32 (smaller files, faster writes)")
     mask.add_argument("--compression", default="snappy", metavar="CODEC",

@@ -48,6 +48,9 @@ ALPACA_COLUMNS = {"instruction": "instruction", "input": "input", "output": "out
                   "history": "history"}
 
 DEFAULT_BATCH_SIZE = 16_384
+# the most input bytes (Arrow) of one batch a file job renders and labels at once: a batch of long chats is cut into
+# pieces of about this size, so that a job's memory is bounded by bytes, whatever the rows' length (docs/benchmarks.md)
+DEFAULT_BATCH_BYTES = 8 << 20
 DEFAULT_MAX_DROP_FRACTION = 0.30  # the safety net's default: a job stops when more of its rows train nothing
 LABEL_DTYPES = ("int64", "int32")
 # images (docs/vision.md): the most pixels one image may hold, read from its header before it is decoded, and the
@@ -116,8 +119,9 @@ class MaskOptions:
     # what happens to rows that train nothing
     keep_dropped: bool = False
     max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION
-    # how much is read at a time
+    # how much is read at a time: at most batch_size rows, and (files) at most about batch_bytes of them
     batch_size: int = DEFAULT_BATCH_SIZE
+    batch_bytes: int = DEFAULT_BATCH_BYTES
     # chats with images, through a processor (docs/vision.md): the folder a relative image path is read from (default:
     # the folder of the data file that holds the row; the current folder for in-memory datasets), options given to
     # every call of the processor (a dict, or "do_pan_and_scan=true,max_pixels=1000000"), and the bounds above
@@ -131,6 +135,8 @@ class MaskOptions:
             raise ValueError(f"max_length={self.max_length!r} must be a positive integer (or None for no truncation)")
         if not _positive_int(self.batch_size):
             raise ValueError(f"batch_size={self.batch_size!r} must be a positive number of rows (e.g. {DEFAULT_BATCH_SIZE})")
+        if not _positive_int(self.batch_bytes):
+            raise ValueError(f"batch_bytes={self.batch_bytes!r} must be a positive number of bytes (e.g. {DEFAULT_BATCH_BYTES})")
         if isinstance(self.max_drop_fraction, bool) or not isinstance(self.max_drop_fraction, (int, float)) \
                 or not 0.0 <= self.max_drop_fraction <= 1.0:
             raise ValueError(f"max_drop_fraction={self.max_drop_fraction!r} must be a fraction in [0, 1] (e.g. 0.30)")

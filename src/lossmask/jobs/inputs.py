@@ -96,17 +96,23 @@ class InputFiles:
 
     # -- reading -------------------------------------------------------------------------------------
 
-    def batches(self, batch_size: int) -> Iterator[pa.RecordBatch]:
-        """Record batches of at most ``batch_size`` rows, in file order; each is recorded for ``name_row``."""
+    def batches(self, batch_size: int, max_bytes: int | None = None) -> Iterator[pa.RecordBatch]:
+        """Record batches of at most ``batch_size`` rows, in file order; each is recorded for ``name_row``. With
+        ``max_bytes``, a batch read larger than that (its Arrow buffers) is cut into even pieces of about that size
+        (slices, no copy): the rows' length then bounds how many of them are labelled at once."""
         row = 0
         reader = self._json_batches(batch_size) if self.format == "json" else self._dataset_batches(batch_size)
-        for batch, path, first, unit in reader:
-            if not batch.num_rows:
+        for whole, path, first, unit in reader:
+            if not whole.num_rows:
                 continue
-            self._starts.append(row)
-            self._segments.append(_Segment(row, batch.num_rows, path, first, unit))
-            row += batch.num_rows
-            yield batch
+            pieces = 1 if max_bytes is None else max(1, min(whole.num_rows, -(-whole.nbytes // max_bytes)))
+            step = -(-whole.num_rows // pieces)
+            for at in range(0, whole.num_rows, step):
+                batch = whole.slice(at, step) if pieces > 1 else whole
+                self._starts.append(row)
+                self._segments.append(_Segment(row, batch.num_rows, path, first + at, unit))
+                row += batch.num_rows
+                yield batch
 
     def _dataset_batches(self, batch_size: int):
         # Arrow reads ahead on its own threads; the UTF-8 check of each batch's text (a full pass over it, with

@@ -241,7 +241,7 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
     step = {name: value for name, value in step.items() if name != "tokenizer"}  # the workers have theirs
     parts = PartsFile(temporary, step["schema"], step["writer_options"])
     try:
-        batches = _timed_reads(_batches(dataset, batch_size, source), tally)
+        batches = _timed_reads(_batches(dataset, batch_size, step["options"]), tally)
         for batch, first_row, future in in_order(pool, batches, step, workers, tally):
             seen = len(tally.invalid_examples)
             try:
@@ -509,7 +509,7 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
     the next batch renders here. With ``label``
     (``label(batch, first_row, encoded)``), the future holds what that returns, called on the same thread. The caller
     takes ``.result()``, where an error about a row is named by its file and line."""
-    batches = _timed_reads(_batches(dataset, batch_size, source), tally)
+    batches = _timed_reads(_batches(dataset, batch_size, options), tally)
     vision = getattr(tokenizer, "processor", None) is not None  # images expand in the batch step, in this process
     if vision or not renders or tokenizer is None:
         first_row = 0
@@ -577,9 +577,10 @@ def _timed_reads(batches, tally):
         read_started = time.perf_counter()
 
 
-def _batches(dataset: InputFiles, batch_size: int, source: str):
-    """Batches of at most ``batch_size`` rows, reading ahead little so that memory stays bounded."""
-    return dataset.batches(batch_size)
+def _batches(dataset: InputFiles, batch_size: int, options: MaskOptions):
+    """Batches of at most ``batch_size`` rows and about ``options.batch_bytes`` bytes, reading ahead little, so
+    that memory stays bounded by bytes, not rows."""
+    return dataset.batches(batch_size, options.batch_bytes)
 
 
 POSITION_NOTE = "prompt/completion text: the completion tokens and EOS train, the prompt tokens do not (by position)"
