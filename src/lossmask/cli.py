@@ -252,7 +252,8 @@ def _add_mask_command(commands) -> None:
         "the output's columns (docs/outputs.md): input_ids and the trained mask, beside the input's own columns")
     output.add_argument("--labels-column", default="labels", metavar="NAME",
                         help="where the labels go (default labels); none writes no labels, with --completion-mask "
-                             "the int8 mask alone (TRL's SFTTrainer reads input_ids + completion_mask)")
+                             "the int8 mask alone (TRL's SFTTrainer reads input_ids + completion_mask with "
+                             "SFTConfig(completion_only_loss=True))")
     output.add_argument("--completion-mask", nargs="?", const=True, default=None, metavar="NAME",
                         help="also write TRL's 0/1 completion_mask, int8 (under NAME, default completion_mask)")
     output.add_argument("--keep-columns", metavar="NAME,...",

@@ -66,7 +66,7 @@ class MaskOptions:
     prompt_column: str = "prompt"
     completion_column: str = "completion"
     # the trained mask: int64/int32 labels under labels_column (None: no labels column, for a compact output of
-    # input_ids + the int8 completion_mask, which TRL's SFTTrainer reads as it reads labels)
+    # input_ids + the int8 completion_mask, which TRL's SFTTrainer reads with completion_only_loss=True)
     labels_column: str | None = "labels"
     completion_mask_column: str | None = None  # write TRL's 0/1 completion_mask under this name
     loss_weights_column: str = "loss_weights"  # float32 per token, written when weights can be fractional or asked for
