@@ -237,3 +237,30 @@ def test_the_mlx_feed_reads_the_compact_mask_as_the_labels(tmp_path):
     _, labels = lm.read_parquet(tmp_path / "default.parquet")
     ids, from_mask = lm._read_token_table(tmp_path / "out.parquet")[:2]
     assert np.array_equal(_flat(pa.chunked_array([from_mask])), _flat(pa.chunked_array([labels])))
+
+
+def test_trl_trains_what_the_compact_mask_says_with_completion_only_loss(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
+    trl = pytest.importorskip("trl")
+    pytest.importorskip("torch")
+    from lossmask.hf import mask_dataset
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_path(FAMILY)), local_files_only=True)
+    dataset = datasets.Dataset(pj.read_json(CHATS).slice(0, 8))
+    default = mask_dataset(dataset, str(tokenizer_path(FAMILY)), quiet=True)
+    compact = mask_dataset(dataset, str(tokenizer_path(FAMILY)), keep_columns=[], labels_column=None,
+                           completion_mask=True, quiet=True)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=2048))
+    # TRL reads completion_mask only with completion_only_loss=True: its default is decided from prompt/completion
+    # columns, which this output has none of (docs/inputs.md, "The output's columns")
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                         use_cpu=True, save_strategy="no", disable_tqdm=True, completion_only_loss=True)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=compact, processing_class=tok)
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    batch = trainer.data_collator(rows)
+    for r, row in enumerate(default):
+        n = len(row["input_ids"])
+        assert batch["labels"][r, :n].tolist() == row["labels"]
