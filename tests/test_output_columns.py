@@ -264,3 +264,16 @@ def test_trl_trains_what_the_compact_mask_says_with_completion_only_loss(tmp_pat
     for r, row in enumerate(default):
         n = len(row["input_ids"])
         assert batch["labels"][r, :n].tolist() == row["labels"]
+
+
+def test_an_input_column_left_out_may_share_a_name_with_an_output_column(tmp_path):
+    source = _chats(tmp_path)
+    first, _ = _mask(source, tmp_path / "first.parquet")
+    stale = first.drop_columns(["input_ids"]).set_column(first.column_names.index("labels") - 1, "labels",
+                                                           pa.array([[0]] * first.num_rows))
+    pq.write_table(stale, tmp_path / "stale.parquet")
+    with pytest.raises(ValueError, match=r"already has column\(s\) \['labels'\].*or leave them out"):
+        _mask(tmp_path / "stale.parquet", tmp_path / "out.parquet")
+    again, _ = _mask(tmp_path / "stale.parquet", tmp_path / "out.parquet", keep_columns=["messages", "id"])
+    assert again.column_names == ["messages", "id", "input_ids", "labels"]
+    assert again.column("labels").equals(first.column("labels"))

@@ -133,13 +133,15 @@ def output_schema(schema: pa.Schema, options: MaskOptions, kind: str, *, source:
         added.append(options.loss_weights_column)
     if kind != "input_ids":
         added.insert(0, options.input_ids_column)
-    clash = [name for name in added if name in schema.names and not (kind == "input_ids" and name == options.input_ids_column)]
+    kept = set(kept_columns(schema.names, options, kind, source=source))
+    # an input column that keep_columns leaves out is no clash: a labelled file can be labelled again that way
+    clash = [name for name in added if name in kept and not (kind == "input_ids" and name == options.input_ids_column)]
     if clash:
         raise ValueError(
             f"the input already has column(s) {clash}, which masking writes; drop them first or choose other names "
-            "(--labels-column / labels_column=, --completion-mask NAME)"
+            "(--labels-column / labels_column=, --completion-mask NAME), or leave them out (--keep-columns / "
+            "keep_columns=)"
         )
-    kept = set(kept_columns(schema.names, options, kind, source=source))
     fields = [field for field in schema if field.name in kept]
     if kind == "input_ids":
         large = pa.types.is_large_list(schema.field(options.input_ids_column).type)
