@@ -249,7 +249,8 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--prompt-column", default="prompt", metavar="NAME")
     mask.add_argument("--completion-column", default="completion", metavar="NAME")
     output = mask.add_argument_group(
-        "the output's columns (docs/outputs.md): input_ids and the trained mask, beside the input's own columns")
+        "the output's columns (docs/inputs.md, \"The output's columns\"): input_ids and the trained mask, beside "
+        "the input's own columns")
     output.add_argument("--labels-column", default="labels", metavar="NAME",
                         help="where the labels go (default labels); none writes no labels, with --completion-mask "
                              "the int8 mask alone (TRL's SFTTrainer reads input_ids + completion_mask with "
