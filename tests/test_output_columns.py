@@ -277,3 +277,15 @@ def test_an_input_column_left_out_may_share_a_name_with_an_output_column(tmp_pat
     again, _ = _mask(tmp_path / "stale.parquet", tmp_path / "out.parquet", keep_columns=["messages", "id"])
     assert again.column_names == ["messages", "id", "input_ids", "labels"]
     assert again.column("labels").equals(first.column("labels"))
+
+
+def test_hf_features_follow_the_new_column_where_a_stale_one_of_its_name_is_left_out():
+    datasets = pytest.importorskip("datasets")
+    from lossmask.hf import mask_dataset
+
+    rows = pj.read_json(CHATS).slice(0, 12)
+    stale = datasets.Dataset(rows.append_column("labels", pa.array([["old"]] * rows.num_rows)))
+    out = mask_dataset(stale, str(tokenizer_path(FAMILY)), keep_columns=["messages"], quiet=True)
+    assert out.features["labels"] == datasets.Features.from_arrow_schema(
+        pa.schema([("labels", pa.list_(pa.int64()))]))["labels"]
+    assert out.features["messages"] == stale.features["messages"]

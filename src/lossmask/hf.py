@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from .engine.patterns import Markers
 from .chat.turn_spans import FromRendering
-from .jobs.batch_step import input_kind, mask_batch, output_schema
+from .jobs.batch_step import input_kind, kept_columns, mask_batch, output_schema
 from .jobs.report import MaskReport, Tally
 from .options import MaskOptions
 
@@ -156,8 +156,11 @@ class _Job:
 
         check_job_drops(tally, self.tokenizer, self.options, truncation=self.truncation)
         table = pa.concat_tables([p if p.schema == out_schema else p.cast(out_schema) for p in parts]) if parts else out_schema.empty_table()
-        new = _new_features(out_schema, schema)
-        features = datasets.Features({name: dataset.features[name] if name in dataset.features else new[name]
+        # the input's columns kept keep their features; the rest are written here (a stale input column of the same
+        # name that keep_columns left out included)
+        kept = set(kept_columns(schema.names, self.options, kind))
+        new = datasets.Features.from_arrow_schema(pa.schema([f for f in out_schema if f.name not in kept]))
+        features = datasets.Features({name: dataset.features[name] if name in kept else new[name]
                                       for name in out_schema.names})
         info = dataset.info.copy()
         info.features = features
@@ -199,13 +202,6 @@ class _Job:
         elif report.rows_dropped and not (quiet or self.quiet):
             print(f"lossmask [{name}]: {report.drop_line()}", file=sys.stderr)
         return report
-
-
-def _new_features(out_schema: pa.Schema, in_schema: pa.Schema):
-    import datasets
-
-    added = pa.schema([f for f in out_schema if f.name not in in_schema.names])
-    return datasets.Features.from_arrow_schema(added)
 
 
 # -- the drop-in ------------------------------------------------------------------------------
