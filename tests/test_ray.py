@@ -127,3 +127,19 @@ def test_rows_rejected_on_workers_are_named_by_their_values(local_ray):
     _, report = lossmask.ray.mask_dataset(ds, tokenizer=tok, batch_size=8, max_drop_fraction=1.0)
     assert report.rows_in == 20 and report.dropped["invalid"] == 1
     assert "(row numbered within its Ray batch; id=13)" in report.invalid_examples[0]
+
+
+def test_the_output_chosen_comes_out_of_the_workers(local_ray):
+    rows = random_rows(1000, seed=5)
+    table = pa.table({"id": np.arange(len(rows)), "note": ["x"] * len(rows),
+                      "input_ids": pa.array(rows, type=pa.list_(pa.int32()))})
+    expected = lossmask.label_batch(table.column("input_ids"), MARKERS)
+    want = {i: [int(label != -100) for label in labels]
+            for i, (labels, keep) in enumerate(zip(expected.labels.to_pylist(), expected.keep)) if keep}
+    ds = ray.data.from_arrow([table.slice(i, 250) for i in range(0, len(rows), 250)])
+    masked, report = lossmask.ray.mask_dataset(ds, markers=MARKERS, batch_size=100, max_drop_fraction=1.0,
+                                               keep_columns=["id"], labels_column=None, completion_mask=True)
+    got = list(masked.iter_rows())
+    assert set(got[0]) == {"id", "input_ids", "completion_mask"}
+    assert {row["id"]: list(row["completion_mask"]) for row in got} == want
+    assert report.tokens_trained == expected.counts.tokens_trained

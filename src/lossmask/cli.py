@@ -60,7 +60,8 @@ def _mask_job(args: argparse.Namespace) -> int:
         options = MaskOptions.resolve(
             input_ids_column=args.input_ids_column, messages_column=args.messages_column,
             prompt_column=args.prompt_column, completion_column=args.completion_column,
-            labels_column=args.labels_column, completion_mask=args.completion_mask, max_length=args.max_length,
+            labels_column=None if args.labels_column == "none" else args.labels_column,
+            completion_mask=args.completion_mask, keep_columns=_keep_columns(args), max_length=args.max_length,
             truncation=args.truncation,
             keep_dropped=args.keep_dropped, max_drop_fraction=args.max_drop_fraction,
             last_turn_only=args.last_turn_only, train_prompt_turns=args.train_prompt_turns,
@@ -100,12 +101,22 @@ def _mask_job(args: argparse.Namespace) -> int:
             rows = "first row" if args.show == 1 else f"first {args.show} rows"
             print(f"\n{rows} of {args.output}, a line per message ({legend}):")
             print(preview_rows(args.output, tokenizer, rows=args.show, input_ids_column=args.input_ids_column,
-                               labels_column=args.labels_column, colour=colour, markers=report.markers,
+                               labels_column=options.labels_column,
+                               completion_mask_column=options.completion_mask_column, colour=colour, markers=report.markers,
                                max_tokens=args.show_tokens))
     except JobStopped as stop:
         _say(f"lossmask mask: stopped by {stop.name} after {_escaped(args.output)} was written")
         return 128 + stop.signum
     return 0
+
+
+def _keep_columns(args: argparse.Namespace) -> str | tuple | None:
+    """``--drop-input-columns`` keeps none of the input's columns; ``--keep-columns A,B`` keeps those; neither, all."""
+    if args.drop_input_columns:
+        if args.keep_columns is not None:
+            raise ValueError("--drop-input-columns and --keep-columns both say which input columns to write; pass one")
+        return ()
+    return args.keep_columns
 
 
 def _say(line: str) -> None:
@@ -237,9 +248,21 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--messages-column", default="messages", metavar="NAME")
     mask.add_argument("--prompt-column", default="prompt", metavar="NAME")
     mask.add_argument("--completion-column", default="completion", metavar="NAME")
-    mask.add_argument("--labels-column", default="labels", metavar="NAME")
-    mask.add_argument("--completion-mask", nargs="?", const=True, default=None, metavar="NAME",
-                      help="also write TRL's 0/1 completion_mask (under NAME, default completion_mask)")
+    output = mask.add_argument_group(
+        "the output's columns (docs/inputs.md, \"The output's columns\"): input_ids and the trained mask, beside "
+        "the input's own columns")
+    output.add_argument("--labels-column", default="labels", metavar="NAME",
+                        help="where the labels go (default labels); none writes no labels, with --completion-mask "
+                             "the int8 mask alone (TRL's SFTTrainer reads input_ids + completion_mask with "
+                             "SFTConfig(completion_only_loss=True))")
+    output.add_argument("--completion-mask", nargs="?", const=True, default=None, metavar="NAME",
+                        help="also write TRL's 0/1 completion_mask, int8 (under NAME, default completion_mask)")
+    output.add_argument("--keep-columns", metavar="NAME,...",
+                        help="write only these input columns beside the token columns (default: every input column, "
+                             "e.g. messages, as it is); an empty string keeps none")
+    output.add_argument("--drop-input-columns", action="store_true",
+                        help="write none of the input's columns: only input_ids, labels / completion_mask and "
+                             "loss_weights (smaller files, faster writes)")
     mask.add_argument("--max-length", type=int, metavar="N", help="truncate tokenised rows to N tokens")
     mask.add_argument("--truncation", choices=("end", "history"), default="end",
                       help="how a chat row over --max-length is cut: its tail (default), or its earliest exchanges, "
@@ -301,13 +324,14 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--batch-bytes", type=int, default=8 << 20, metavar="BYTES",
                       help="at most about this many input bytes per batch: long rows make smaller batches, so memory "
                            "is bounded whatever the rows' length (default %(default)s, 8 MiB)")
-    mask.add_argument("--label-dtype", choices=("int64", "int32"), default="int64",
-                      help="labels as int64 (the Hugging Face convention) or int32 (smaller files, faster writes)")
+    output.add_argument("--label-dtype", choices=("int64", "int32"), default="int64",
+                        help="labels as int64 (the Hugging Face convention) or int32 (smaller files, faster writes)")
     mask.add_argument("--compression", default="snappy", metavar="CODEC",
                       help="Parquet compression of OUTPUT: snappy (default), zstd, lz4, gzip, brotli or none")
     mask.add_argument("--num-proc", type=int, default=1, metavar="N",
-                      help="render messages / prompt+completion rows in up to N-1 worker processes beside this one, "
-                           "where cores and rows pay for them (one process on 2 cores)")
+                      help="label messages / prompt+completion rows in up to N worker processes, each carrying the "
+                           "whole step of a batch (render, tokenise, label, encode); at most one per core, from "
+                           "4,000 rows")
     mask.add_argument("--report", metavar="FILE.json", help="write the report as JSON")
     mask.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
     mask.add_argument("--show", type=int, default=0, metavar="N",

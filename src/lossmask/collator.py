@@ -39,7 +39,8 @@ class CompletionCollator:
     - ``padding_free``: flatten the batch into one row with ``position_ids`` and ``cu_seq_lens_q/k``,
       ``max_length_q/k`` and ``seq_idx``, as TRL's own collator does (use it with flash attention).
     - ``row_labels``: ``"rebuild"`` (default) labels every row here, ignoring a ``labels`` field (TRL's
-      dataset preparation fills one with a copy of ``input_ids``); ``"keep"`` uses the rows' own labels.
+      dataset preparation fills one with a copy of ``input_ids``); ``"keep"`` uses the rows' own labels, or, for
+      rows written without them (``labels_column=None``), their ``completion_mask``.
     - ``prompt_loss_weight``: 0 drops prompt tokens from the loss; > 0 adds ``loss_weights`` for
       ``weighted_cross_entropy`` / ``WeightedLoss`` / ``WeightedLossMixin`` (rows without their own).
 
@@ -182,7 +183,7 @@ class CompletionCollator:
                                          last_turn_only=self.last_turn_only)
         labels = torch.where(result.trained, ids, self.ignore_index)
         if self.row_labels == "keep":
-            given = _row_labels(examples, layout)
+            given = _row_labels(examples, layout, self.ignore_index)
             if given is not None:
                 kept = np.full(size, self.ignore_index, dtype=np.int64)
                 kept[layout.flatpos] = given
@@ -353,18 +354,23 @@ def _row_weights(examples, layout: _Layout, truncation_mode: str) -> _RowWeights
     return _RowWeights(values=values, has=has)
 
 
-def _row_labels(examples, layout: _Layout) -> np.ndarray | None:
-    has = ["labels" in example for example in examples]
+def _row_labels(examples, layout: _Layout, ignore_index: int = -100) -> np.ndarray | None:
+    """The rows' own labels, flat; from ``completion_mask`` (the ids where it is 1) for rows written without labels."""
+    key = "labels" if any("labels" in example for example in examples) else "completion_mask"
+    has = [key in example for example in examples]
     if not any(has):
         return None
     if not all(has):
-        raise ValueError("some rows carry 'labels' and some do not; with row_labels='keep' every row needs them")
-    given = buffers.rows_from_arrow(buffers.rows_from_pylist([example["labels"] for example in examples]))
+        raise ValueError(f"some rows carry {key!r} and some do not; with row_labels='keep' every row needs them")
+    given = buffers.rows_from_arrow(buffers.rows_from_pylist([example[key] for example in examples]))
     if not np.array_equal(given.lengths, np.diff(layout.row_offsets)):
         r = int(np.flatnonzero(given.lengths != np.diff(layout.row_offsets))[0])
-        raise ValueError(f"row {r} has {int(given.lengths[r])} labels for {int(np.diff(layout.row_offsets)[r])} input_ids")
+        raise ValueError(f"row {r} has {int(given.lengths[r])} {key} for {int(np.diff(layout.row_offsets)[r])} input_ids")
     start = int(given.starts[0])
-    return given.values[start : start + int(layout.row_offsets[-1])]
+    values = given.values[start : start + int(layout.row_offsets[-1])]
+    if key == "labels":
+        return values
+    return np.where(values != 0, layout.values, ignore_index)
 
 
 # -- loss -----------------------------------------------------------------------------------------

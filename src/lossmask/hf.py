@@ -21,12 +21,13 @@ import pyarrow as pa
 
 from .engine.patterns import Markers
 from .chat.turn_spans import FromRendering
-from .jobs.batch_step import input_kind, mask_batch, output_schema
+from .jobs.batch_step import input_kind, kept_columns, mask_batch, output_schema
 from .jobs.report import MaskReport, Tally
 from .options import MaskOptions
 
 MIN_ROWS_FOR_STREAMING_CHECK = 1_000  # an IterableDataset is checked once this many rows have gone by
 WEIGHTS = "loss_weights"  # a float per token beside labels (the collator's WEIGHTS_COLUMN)
+MASK = "completion_mask"  # TRL's 0/1 mask: what an output written without labels carries instead
 
 
 def mask_dataset(
@@ -150,7 +151,7 @@ class _Job:
             )
         schema = dataset.features.arrow_schema
         kind = input_kind(schema, self.options, source=name)
-        out_schema = output_schema(schema, self.options, kind)
+        out_schema = output_schema(schema, self.options, kind, source=name)
         tally, parts, first_row = Tally(), [], 0
         if getattr(dataset, "_indices", None) is None:  # no select/shuffle mapping: slices of the table, zero-copy
             whole = dataset.data.table  # (a slice keeps the row groups it spans as chunks: one call for many of them)
@@ -170,7 +171,12 @@ class _Job:
 
         check_job_drops(tally, self.tokenizer, self.options, truncation=self.truncation)
         table = pa.concat_tables([p if p.schema == out_schema else p.cast(out_schema) for p in parts]) if parts else out_schema.empty_table()
-        features = datasets.Features({**dataset.features, **_new_features(out_schema, schema)})
+        # the input's columns kept keep their features; the rest are written here (a stale input column of the same
+        # name that keep_columns left out included)
+        kept = set(kept_columns(schema.names, self.options, kind))
+        new = datasets.Features.from_arrow_schema(pa.schema([f for f in out_schema if f.name not in kept]))
+        features = datasets.Features({name: dataset.features[name] if name in kept else new[name]
+                                      for name in out_schema.names})
         info = dataset.info.copy()
         info.features = features
         from datasets.table import InMemoryTable
@@ -244,13 +250,6 @@ class _Job:
         return report
 
 
-def _new_features(out_schema: pa.Schema, in_schema: pa.Schema):
-    import datasets
-
-    added = pa.schema([f for f in out_schema if f.name not in in_schema.names])
-    return datasets.Features.from_arrow_schema(added)
-
-
 # -- the drop-in ------------------------------------------------------------------------------
 
 
@@ -311,6 +310,10 @@ def train_on_responses_only(
     resolved, source, messages = _resolve(markers, chat, model_name=model_name, strict=strict,
                                           response_part=response_part, instruction_part=instruction_part)
     options = MaskOptions.resolve(options, **option_fields)
+    if options.labels_column != "labels":  # the collator installed here pads the trainer's "labels" column
+        raise ValueError(f"train_on_responses_only writes the trainer's 'labels' column, so labels_column="
+                         f"{options.labels_column!r} cannot apply; leave it out (to write completion_mask alone, use "
+                         "mask_dataset(..., labels_column=None, completion_mask=True) with TRL's own collator)")
     args = getattr(trainer, "args", None)
     limit = getattr(args, "max_length", None)
     limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
@@ -602,7 +605,9 @@ class PadByPosition:
         if not features:
             raise ValueError("PadByPosition got an empty batch")
         weighted = any(f.get(WEIGHTS) is not None for f in features)
-        missing = [k for k in ("input_ids", "labels") if k not in features[0] and not (k == "labels" and weighted)]
+        compact = "labels" not in features[0] and MASK in features[0]  # written with labels_column=None
+        needed = ("input_ids",) if weighted or compact else ("input_ids", "labels")
+        missing = [k for k in needed if k not in features[0]]
         if missing:
             raise KeyError(f"rows reaching the collator lack {missing} (they have {sorted(features[0])}); "
                            "label them first with lossmask.hf.mask_dataset or train_on_responses_only")
@@ -622,7 +627,7 @@ class PadByPosition:
             weights[np.flatnonzero(lengths > 0), first] = 0.0  # nothing predicts a row's first token
             labels[real] = np.where(weights[real] > 0, input_ids[real], self.ignore_index)
         else:
-            labels[real] = np.concatenate([np.asarray(f["labels"], dtype=np.int64) for f in features])
+            labels[real] = np.concatenate([self._row_labels(f) for f in features])
         batch = {"input_ids": input_ids, "attention_mask": real.astype(np.int64), "labels": labels}
         if weighted:
             batch[WEIGHTS] = weights
@@ -632,13 +637,20 @@ class PadByPosition:
 
         return {k: torch.from_numpy(v) for k, v in batch.items()}
 
+    def _row_labels(self, row: dict[str, Any]) -> np.ndarray:
+        """A row's labels, or, from an output written without them, its ids where its completion_mask is 1."""
+        if "labels" in row:
+            return np.asarray(row["labels"], dtype=np.int64)
+        ids = np.asarray(row["input_ids"], dtype=np.int64)
+        return np.where(np.asarray(row[MASK]) != 0, ids, self.ignore_index)
+
     def _row_weights(self, row: dict[str, Any], n: int, r: int) -> np.ndarray:
         """Row ``r``'s weights, cut to its ``n`` tokens as the trainer cut them; 1 on labelled tokens when it has none."""
         given = row.get(WEIGHTS)
         if given is None:
-            if "labels" not in row:
-                raise KeyError(f"row {r} has neither labels nor loss_weights; label every row")
-            return (np.asarray(row["labels"], dtype=np.int64) != self.ignore_index).astype(np.float32)
+            if "labels" not in row and MASK not in row:
+                raise KeyError(f"row {r} has neither labels, {MASK} nor loss_weights; label every row")
+            return (self._row_labels(row) != self.ignore_index).astype(np.float32)
         weights = np.asarray(given.cpu() if hasattr(given, "cpu") else given, dtype=np.float32).reshape(-1)
         if len(weights) < n:
             raise ValueError(f"row {r} has {len(weights)} loss_weights for {n} input_ids; pass one weight per token")

@@ -10,7 +10,7 @@ What it does differently from mlx-lm's own path:
 - every assistant turn of a multi-turn row trains (per-token masks from the engine, on the batch, in
   MLX), where mlx-lm's ``--mask-prompt`` trains only the last message (``last_turn_only=True`` does that);
 - a split may also be ``lossmask mask`` output (``train.parquet`` with ``input_ids`` / ``labels``, or
-  the same columns as JSONL rows); a ``loss_weights`` column (a float per token) weights the loss:
+  ``completion_mask`` in place of labels, or the same columns as JSONL rows); a ``loss_weights`` column (a float per token) weights the loss:
   sum(w * nll) / sum(w);
 - padding targets are excluded from the loss (mlx-lm's ``default_loss`` counts one pad target per
   padded row);
@@ -477,6 +477,7 @@ def read_parquet(path: str | Path) -> tuple[pa.Array, pa.Array | None]:
 
 
 TOKENS, LABELS, WEIGHTS = "input_ids", "labels", "loss_weights"
+MASK = "completion_mask"  # an output written without labels (labels_column=None) carries its trained mask here
 
 
 def _read_token_table(path: str | Path) -> tuple[pa.Array, pa.Array | None, pa.Array | None]:
@@ -487,22 +488,43 @@ def _read_token_table(path: str | Path) -> tuple[pa.Array, pa.Array | None, pa.A
     if TOKENS not in names:
         raise ValueError(f"{path} has columns {names} but no input_ids; write it with `lossmask mask` "
                          "(or pass JSONL rows: messages, prompt/completion or text)")
-    table = pq.read_table(path, columns=[c for c in (TOKENS, LABELS, WEIGHTS) if c in names])
+    mask = MASK if LABELS not in names and MASK in names else None
+    table = pq.read_table(path, columns=[c for c in (TOKENS, LABELS, WEIGHTS, mask) if c in names])
     if table.num_rows == 0:
         raise ValueError(f"{path} has no rows")
     ids, labels, weights = (table.column(c).combine_chunks() if c in names else None for c in (TOKENS, LABELS, WEIGHTS))
+    if mask is not None:
+        labels = _labels_from_mask(ids, table.column(MASK).combine_chunks(), str(path))
     return ids, labels, weights
+
+
+def _labels_from_mask(ids: pa.Array, mask: pa.Array, name: str) -> pa.Array:
+    """Labels (the id where ``completion_mask`` is 1, -100 elsewhere) for an output written without labels."""
+    import pyarrow.compute as pc
+
+    lengths = pc.fill_null(pc.list_value_length(ids), 0).to_numpy(zero_copy_only=False)
+    mask_lengths = pc.fill_null(pc.list_value_length(mask), 0).to_numpy(zero_copy_only=False)
+    if not np.array_equal(lengths, mask_lengths):
+        r = int(np.flatnonzero(lengths != mask_lengths)[0])
+        raise ValueError(f"{name} row {r} has {int(mask_lengths[r])} {MASK} values for {int(lengths[r])} input_ids; "
+                         f"{MASK} must align with input_ids (as `lossmask mask` writes it)")
+    values = np.where(pc.list_flatten(mask).to_numpy(zero_copy_only=False) != 0,
+                      pc.list_flatten(ids).to_numpy(zero_copy_only=False), -100).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
 def _token_columns(rows: Sequence[dict], name: str) -> tuple[pa.Array, list | None, list | None]:
     """``input_ids``, ``labels`` and ``loss_weights`` of tokenised JSONL rows; every row holds the same keys."""
-    columns = [c for c in (TOKENS, LABELS, WEIGHTS) if c in rows[0]]
+    columns = [c for c in (TOKENS, LABELS, WEIGHTS, MASK) if c in rows[0]]
     for index, row in enumerate(rows):
-        if [c for c in (TOKENS, LABELS, WEIGHTS) if c in row] != columns:
+        if [c for c in (TOKENS, LABELS, WEIGHTS, MASK) if c in row] != columns:
             raise ValueError(f"{name} row {index} has keys {sorted(row)} but row 0 has {columns}; "
                              "give every tokenised row the same input_ids / labels / loss_weights keys")
     ids = buffers.rows_from_pylist([row[TOKENS] for row in rows])
     labels = buffers.rows_from_pylist([row[LABELS] for row in rows]) if LABELS in columns else None
+    if labels is None and MASK in columns:
+        labels = _labels_from_mask(ids, buffers.rows_from_pylist([row[MASK] for row in rows]), name)
     weights = [row[WEIGHTS] for row in rows] if WEIGHTS in columns else None
     return ids, labels, weights
 

@@ -68,9 +68,14 @@ class MaskOptions:
     messages_column: str = "messages"
     prompt_column: str = "prompt"
     completion_column: str = "completion"
-    labels_column: str = "labels"
+    # the trained mask: int64/int32 labels under labels_column (None: no labels column, for a compact output of
+    # input_ids + the int8 completion_mask, which TRL's SFTTrainer reads with completion_only_loss=True)
+    labels_column: str | None = "labels"
     completion_mask_column: str | None = None  # write TRL's 0/1 completion_mask under this name
     loss_weights_column: str = "loss_weights"  # float32 per token, written when weights can be fractional or asked for
+    # the input columns written beside the token columns: None all of them (passthrough), a list just those, () none.
+    # The token columns (input_ids, labels, completion_mask, loss_weights) are written whatever it says
+    keep_columns: Any = None
     # how rows are tokenised and labelled
     max_length: int | None = None
     # how a chat row longer than max_length is cut: "end" (its tail) or "history" (its earliest exchanges, whole,
@@ -184,7 +189,14 @@ class MaskOptions:
         object.__setattr__(self, "role_map", parse_role_map(self.role_map))
         object.__setattr__(self, "alpaca_columns", parse_alpaca_columns(self.alpaca_columns))
         _warn_unlikely_weights(self)
-        names = [self.labels_column] + ([self.completion_mask_column] if self.completion_mask_column else [])
+        if self.labels_column is not None and (not isinstance(self.labels_column, str) or not self.labels_column):
+            raise TypeError(f"labels_column={self.labels_column!r}: pass a column name, or None to write only "
+                            "completion_mask (with completion_mask=True)")
+        if self.labels_column is None and not self.completion_mask_column:
+            raise ValueError("labels_column=None writes no labels, so the output must carry the trained mask as "
+                             "completion_mask: pass completion_mask=True too (--labels-column none --completion-mask)")
+        object.__setattr__(self, "keep_columns", parse_keep_columns(self.keep_columns))
+        names = [n for n in (self.labels_column, self.completion_mask_column) if n]
         if len(set(names)) != len(names):
             raise ValueError(f"labels_column and completion_mask_column must differ, both are {self.labels_column!r}")
         if self.loss_weights_column in names:
@@ -271,6 +283,18 @@ def completion_mask_column(completion_mask: str | bool | None) -> str | None:
     if isinstance(completion_mask, str) and completion_mask:
         return completion_mask
     raise TypeError(f"completion_mask={completion_mask!r}: pass True, False or a column name")
+
+
+def parse_keep_columns(columns: Any) -> tuple[str, ...] | None:
+    """``keep_columns`` (None, a list of names, or the CLI's ``"a,b"``; ``""`` and ``[]`` keep none) as a tuple."""
+    if columns is None:
+        return None
+    if isinstance(columns, str):
+        columns = [c.strip() for c in columns.split(",") if c.strip()]
+    if not isinstance(columns, (list, tuple)) or not all(isinstance(c, str) and c for c in columns):
+        raise TypeError(f"keep_columns={columns!r}: pass a list of input column names such as ['id', 'source'], "
+                        "[] for none, or None for all")
+    return tuple(dict.fromkeys(columns))  # in the order given, each once
 
 
 def parse_role_map(role_map: Any) -> tuple[tuple[str, str], ...]:

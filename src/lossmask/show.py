@@ -470,7 +470,10 @@ def label_row(tokenizer: Any, values: Mapping[str, Any], *, resolution: Resoluti
     from .options import MaskOptions
 
     ct = load_tokenizer(tokenizer)
-    options = replace(options or MaskOptions(), keep_dropped=True, max_drop_fraction=1.0)
+    options = options or MaskOptions()
+    # the row is shown from its labels and ids: written whatever output the caller's options choose
+    options = replace(options, keep_dropped=True, max_drop_fraction=1.0, labels_column=options.labels_column or "labels",
+                      keep_columns=())
     with tempfile.TemporaryDirectory(prefix="lossmask-show-") as folder:
         source, labelled = os.path.join(folder, "row.parquet"), os.path.join(folder, "labelled.parquet")
         pq.write_table(pa.Table.from_pylist([dict(values)]), source)

@@ -16,8 +16,9 @@ A batch comes in as a ``pyarrow.RecordBatch`` or ``Table`` with one of three inp
 - Alpaca ``instruction`` / ``input`` / ``output`` (``system``, ``history``): read as a chat (``encode_batch``) and
   rendered like ``messages``; the outputs train.
 
-The batch goes out with its columns in their order, ``input_ids`` added when it was tokenised here,
-then ``labels`` (and ``completion_mask`` on request, and ``loss_weights`` where weights apply: docs/weights.md);
+The batch goes out with its columns in their order (those ``keep_columns`` keeps), ``input_ids`` added when it was
+tokenised here, then ``labels`` (unless ``labels_column=None``), ``completion_mask`` on request, and ``loss_weights``
+where weights apply (docs/weights.md);
 rows that train nothing are removed unless ``keep_dropped``. What happened is added to a ``Tally``.
 """
 
@@ -124,32 +125,56 @@ def _is_message(arrow_type: pa.DataType) -> bool:
     return getattr(arrow_type, "extension_name", None) == "arrow.json"
 
 
-def output_schema(schema: pa.Schema, options: MaskOptions, kind: str) -> pa.Schema:
-    """The schema every output batch has: input columns, then input_ids (when tokenised), labels, completion_mask."""
-    added = [options.labels_column] + ([options.completion_mask_column] if options.completion_mask_column else [])
+def output_schema(schema: pa.Schema, options: MaskOptions, kind: str, *, source: str = "input") -> pa.Schema:
+    """The schema every output batch has: the input columns kept (``keep_columns``; all by default), then input_ids
+    (when tokenised), labels (unless ``labels_column=None``), completion_mask, loss_weights."""
+    added = [name for name in (options.labels_column, options.completion_mask_column) if name]
     if writes_weights(schema, options, kind):
         added.append(options.loss_weights_column)
     if kind != "input_ids":
         added.insert(0, options.input_ids_column)
-    clash = [name for name in added if name in schema.names and not (kind == "input_ids" and name == options.input_ids_column)]
+    kept = set(kept_columns(schema.names, options, kind, source=source))
+    # an input column that keep_columns leaves out is no clash: a labelled file can be labelled again that way
+    clash = [name for name in added if name in kept and not (kind == "input_ids" and name == options.input_ids_column)]
     if clash:
         raise ValueError(
             f"the input already has column(s) {clash}, which masking writes; drop them first or choose other names "
-            "(--labels-column / labels_column=, --completion-mask NAME)"
+            "(--labels-column / labels_column=, --completion-mask NAME), or leave them out (--keep-columns / "
+            "keep_columns=)"
         )
-    fields = list(schema)
+    fields = [field for field in schema if field.name in kept]
     if kind == "input_ids":
         large = pa.types.is_large_list(schema.field(options.input_ids_column).type)
     else:
         large = False
         fields.append(pa.field(options.input_ids_column, pa.list_(pa.int32())))
     wrap = pa.large_list if large else pa.list_
-    fields.append(pa.field(options.labels_column, wrap(pa.from_numpy_dtype(np.dtype(options.label_dtype)))))
+    if options.labels_column:
+        fields.append(pa.field(options.labels_column, wrap(pa.from_numpy_dtype(np.dtype(options.label_dtype)))))
     if options.completion_mask_column:
         fields.append(pa.field(options.completion_mask_column, wrap(pa.int8())))
     if writes_weights(schema, options, kind):
         fields.append(pa.field(options.loss_weights_column, pa.list_(pa.float32())))
     return pa.schema(fields, metadata=schema.metadata)
+
+
+def kept_columns(names: list[str], options: MaskOptions, kind: str, *, source: str = "input") -> list[str]:
+    """The input columns written out, in the input's order: all of them unless ``keep_columns`` names some; given
+    ids (``input_ids``) are a token column and stay whatever it says. A name the input lacks is refused, naming the
+    columns it has."""
+    if options.keep_columns is None:
+        return list(names)
+    unknown = [name for name in options.keep_columns if name not in names]
+    if unknown:
+        raise ValueError(
+            f"{source}: keep_columns names {', '.join(map(repr, unknown))}, which the input does not have; its columns "
+            f"are {list(names)}; name some of those (--keep-columns A,B / keep_columns=[...]), or none to write only the "
+            "token columns (--drop-input-columns / keep_columns=[])"
+        )
+    wanted = set(options.keep_columns)
+    if kind == "input_ids":
+        wanted.add(options.input_ids_column)
+    return [name for name in names if name in wanted]
 
 
 def writes_weights(schema: pa.Schema, options: MaskOptions, kind: str, *, source: str = "input") -> bool:
@@ -330,10 +355,13 @@ def mask_batch(
     if counts.rows_dropped:
         limit = truncated_at or (options.max_length if kind != "input_ids" else None)
         _note_drops(tally, input_ids, labels, outcomes, limit, first_row, keep_valid, zeroed, has_assistant)
+    if options.keep_columns is not None:  # passthrough columns left out before the rows are kept: a zero-copy select
+        table = table.select(kept_columns(table.column_names, options, kind, source=source))
     columns = {}
     if kind != "input_ids":
         columns[options.input_ids_column] = input_ids
-    columns[options.labels_column] = labels
+    if options.labels_column:
+        columns[options.labels_column] = labels
     if options.completion_mask_column:
         columns[options.completion_mask_column] = _mask_from_labels(labels, options.ignore_index)
     if write_weights:

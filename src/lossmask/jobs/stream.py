@@ -191,7 +191,7 @@ def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, token
             markers, tokenizer=tokenizer if tokenizer is not None or markers is not None else bare,
             model_name=model_name, strict=strict,
         )
-    schema = output_schema(dataset.schema, options, kind)
+    schema = output_schema(dataset.schema, options, kind, source=source)
     messages = (*messages, *dataset.skipped, *remove_stale_partials(output),
                 *(remove_stale_partials(report) if report is not None else ()), *notes)
     tally = Tally()
@@ -711,17 +711,23 @@ def check_tokenizer_path(tokenizer: Any, *, loaded: bool | None = None) -> None:
 
 
 def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, input_ids_column: str = "input_ids",
-                 labels_column: str = "labels", ignore_index: int = -100, colour: bool = False,
-                 markers: Markers | dict | None = None, max_tokens: int = SHOW_TOKENS) -> str:
+                 labels_column: str | None = "labels", ignore_index: int = -100, colour: bool = False,
+                 markers: Markers | dict | None = None, max_tokens: int = SHOW_TOKENS,
+                 completion_mask_column: str | None = None) -> str:
     """The first ``rows`` rows of a masked Parquet file as token text, trained tokens highlighted, a line per
     message (where ``markers``' instruction and response patterns begin, and where each trained run ends). A row
     longer than ``max_tokens`` (0: no limit) shows each message's head and tail, the count of what was left out
-    where ``…`` stands (``display.preview_lines``)."""
+    where ``…`` stands (``display.preview_lines``). An output written without labels (``labels_column=None``) is
+    read from its ``completion_mask_column`` instead: 1 trains."""
     import pyarrow.parquet as pq
 
     from .display import message_starts, preview_lines
 
-    table = pq.ParquetFile(path).iter_batches(batch_size=rows, columns=[input_ids_column, labels_column])
+    mask_column = labels_column or completion_mask_column
+    if not mask_column:
+        raise ValueError("preview_rows needs the labels column, or completion_mask_column= for an output written "
+                         "without labels")
+    table = pq.ParquetFile(path).iter_batches(batch_size=rows, columns=[input_ids_column, mask_column])
     batch = next(table, None)
     if batch is None:
         return "(no rows)"
@@ -731,7 +737,7 @@ def preview_rows(path: str | os.PathLike, tokenizer: Any, *, rows: int = 2, inpu
     lines = []
     for r, (ids, labels) in enumerate(zip(batch.column(0).to_pylist()[:rows], batch.column(1).to_pylist()[:rows])):
         texts = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in ids]
-        trained = [label != ignore_index for label in labels]
+        trained = [label != ignore_index for label in labels] if labels_column else [bool(m) for m in labels]
         starts = message_starts(ids, trained, headers, texts if tokenizer is not None else None)
         texts = [repr(t)[1:-1] for t in texts]
         body, left_out = preview_lines(texts, trained, starts, max_tokens=max_tokens, colour=colour)
