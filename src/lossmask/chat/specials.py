@@ -112,8 +112,8 @@ def _text_tokenises_to(ct: Any, candidates: dict[int, str]) -> set[int]:
     (and re-encode, drop or refuse nearly every row). Such a token is no control token.
     """
     # Plain text gives only ids of the tokenizer's model (no added token is split out, no post-processor
-    # runs), so an added token outside the model's vocabulary (DeepSeek's <｜Assistant｜>, ChatML's
-    # <|im_end|> on most models) never qualifies. Asking the model is a lookup; the copy below serialises
+    # runs), so an added token outside the model's vocabulary (DeepSeek's <｜Assistant｜>, Qwen's
+    # <|im_end|>) never qualifies. Asking the model is a lookup; the copy below serialises
     # and parses the whole tokenizer (a second and more for a 128k vocabulary).
     model = getattr(getattr(ct.tokenizer, "backend_tokenizer", None), "model", None)
     if model is not None:
