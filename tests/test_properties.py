@@ -116,6 +116,11 @@ def test_the_two_schedules_are_two_functions():
     """numba caches by Python function: one body behind both would load one schedule for both."""
     from lossmask.engine.kernels import numba_kernel
 
-    parallel, serial = numba_kernel._label_rows_parallel, numba_kernel._label_rows_serial
-    assert parallel.py_func.__qualname__ != serial.py_func.__qualname__
-    assert parallel.targetoptions.get("parallel") and not serial.targetoptions.get("parallel")
+    for parallel, serial, block in ((numba_kernel._label_rows_parallel, numba_kernel._label_rows_serial,
+                                     numba_kernel._label_block),
+                                    (numba_kernel._direct_rows_parallel, numba_kernel._direct_rows_serial,
+                                     numba_kernel._direct_block)):
+        assert parallel.targetoptions.get("parallel")
+        # the serial schedule is Python around the compiled block, itself compiled without parallel=True
+        assert not hasattr(serial, "targetoptions") and not block.targetoptions.get("parallel")
+        assert parallel.py_func.__qualname__ != block.py_func.__qualname__

@@ -272,6 +272,26 @@ def test_cli_show_prints_long_rows_by_message_within_show_tokens(tmp_path, capsy
     assert not (tmp_path / "other.parquet").exists()
 
 
+
+def test_cli_show_loads_the_tokenizer_once_for_the_job_and_the_preview(tmp_path, capsys, monkeypatch):
+    import lossmask.chat.tokenizer as tokenizer_module
+
+    loads = []
+    real = tokenizer_module.auto_tokenizer
+
+    def counting(path):
+        loads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(tokenizer_module, "auto_tokenizer", counting)
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                               {"role": "assistant", "content": "Hello."}]}) + "\n")
+    tok = str(tokenizer_path("qwen2.5"))
+    assert main(["mask", str(source), str(tmp_path / "out.parquet"), "--tokenizer", tok, "--no-progress",
+                 "--show", "1"]) == 0
+    assert "[Hello] [.]" in capsys.readouterr().out and loads == [tok]
+
 # -- lossmask show reads what lossmask mask reads -------------------------------------------------------------
 
 CHAT = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]

@@ -253,3 +253,26 @@ def test_find_marker_text_flags_rows_that_quote_markers():
     assert [(h.row, h.message, h.role) for h in hits] == [(1, 0, "user"), (2, 1, "assistant")]
     assert hits[0].marker == "[/INST]" and "</s>" in hits[1].marker or "<s>" in hits[1].marker
     assert find_marker_text(rows[:1], ct, markers) == []
+
+
+def test_probes_are_labelled_in_the_layout_of_a_jobs_chat_rows(monkeypatch):
+    """The kernels compile per dtype: probes labelled as the job's rows are (list<int32>) reuse its variant."""
+    import pyarrow as pa
+
+    from conftest import detected_markers
+    from lossmask.chat.encode_batch import _as_list32
+    from lossmask.engine.kernels import numba_kernel
+
+    seen = []
+    real = numba_kernel.label_rows
+
+    def spy(values, starts, ends, *args, **kwargs):
+        seen.append((values.dtype, starts.dtype))
+        return real(values, starts, ends, *args, **kwargs)
+
+    monkeypatch.setattr(numba_kernel, "label_rows", spy)
+    markers, _ = detected_markers("qwen2.5")
+    assert verify(chat_tokenizer("qwen2.5"), markers).ok
+    rows = _as_list32(pa.array([[1, 2]], type=pa.large_list(pa.int64())))  # what a job's chat rows are cast to
+    layout = (np.dtype(rows.type.value_type.to_pandas_dtype()), np.dtype(np.int32))
+    assert seen and set(seen) == {layout}

@@ -76,8 +76,10 @@ def _mask_job(args: argparse.Namespace) -> int:
             loss_weights_column=args.loss_weights_column, source_column=args.source_column,
             **_image_options(args),
         )
+        tokenizer = _tokenizer_to_show(args)
         report = mask_files(
-            args.input, args.output, tokenizer=args.tokenizer, chat_template=args.chat_template,
+            args.input, args.output, tokenizer=tokenizer if tokenizer is not None else args.tokenizer,
+            chat_template=args.chat_template,
             model_name=args.model_name, markers=args.markers, strict=args.strict, input_format=args.input_format,
             options=options, compression=args.compression, num_proc=args.num_proc,
             progress=False if args.no_progress else None, report=args.report,
@@ -93,9 +95,6 @@ def _mask_job(args: argparse.Namespace) -> int:
     try:
         print(report.summary())
         if args.show:
-            from .jobs.stream import load_chat_tokenizer
-
-            tokenizer = load_chat_tokenizer(args.tokenizer, chat_template=args.chat_template) if args.tokenizer else None
             colour = sys.stdout.isatty()
             legend = "trained tokens highlighted" if colour else "trained tokens in [brackets]"
             rows = "first row" if args.show == 1 else f"first {args.show} rows"
@@ -117,6 +116,20 @@ def _keep_columns(args: argparse.Namespace) -> str | tuple | None:
             raise ValueError("--drop-input-columns and --keep-columns both say which input columns to write; pass one")
         return ()
     return args.keep_columns
+
+
+def _tokenizer_to_show(args: argparse.Namespace):
+    """With ``--show``, the job's tokenizer loaded once, here, for the job and then the preview (a second load
+    cost a large vocabulary's tokenizer.json again, ~0.5 CPU-s); None without ``--show``, or when it does not
+    load, so that ``mask_files`` loads the path and words any error as it always does."""
+    if not args.show or not args.tokenizer:
+        return None
+    from .jobs.stream import load_chat_tokenizer
+
+    try:
+        return load_chat_tokenizer(args.tokenizer, chat_template=args.chat_template)
+    except Exception:  # noqa: BLE001 - the job meets the same error and reports it in its own words
+        return None
 
 
 def _say(line: str) -> None:

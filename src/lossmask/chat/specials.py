@@ -111,6 +111,13 @@ def _text_tokenises_to(ct: Any, candidates: dict[int, str]) -> set[int]:
     as text changes nothing: counting them would call every newline in a message a special-token string
     (and re-encode, drop or refuse nearly every row). Such a token is no control token.
     """
+    # Plain text gives only ids of the tokenizer's model (no added token is split out, no post-processor
+    # runs), so an added token outside the model's vocabulary (DeepSeek's <｜Assistant｜>, Qwen's
+    # <|im_end|>) never qualifies. Asking the model is a lookup; the copy below serialises
+    # and parses the whole tokenizer (a second and more for a 128k vocabulary).
+    model = getattr(getattr(ct.tokenizer, "backend_tokenizer", None), "model", None)
+    if model is not None:
+        candidates = {i: s for i, s in candidates.items() if model.id_to_token(i) is not None}
     if not candidates:
         return set()
     from tokenizers import Tokenizer

@@ -62,11 +62,18 @@ class _Unbounded(Exception):
     """Why the template is not of the bounded kind (the first reason found)."""
 
 
+@functools.lru_cache(maxsize=8)
+def _parsed(template: str, environment: Any) -> Any:
+    """``environment.parse(template)``, once for both checks below (they only read the tree): lexing a large
+    template (DeepSeek-V3's) is most of what they cost."""
+    return environment.parse(template)
+
+
 @functools.lru_cache(maxsize=64)
 def runaway_reason(template: str, environment: Any) -> str | None:
     """None when ``template`` (parsed by ``environment``, with its extensions) cannot run away; else why it might."""
     try:
-        tree = environment.parse(template)
+        tree = _parsed(template, environment)
     except Exception:  # noqa: BLE001 - a template that does not parse is left to the renderer to refuse
         return "it does not parse"
     try:
@@ -82,7 +89,7 @@ def constant_turns(template: str, environment: Any) -> tuple[int, str]:
     from jinja2 import nodes
 
     try:
-        tree = environment.parse(template)
+        tree = _parsed(template, environment)
     except Exception:  # noqa: BLE001
         return 0, ""
     best = (0, "")

@@ -529,7 +529,7 @@ def check(tokenizer: Any, markers: Markers, truths: Sequence[GroundTruth | tuple
     labels: list = []
     if rows:
         masks = [t.data_mask if t.data_mask is not None else np.zeros(len(t.ids), dtype=bool) for t in rows]
-        ids = pa.array([t.ids.tolist() for t in rows], type=pa.large_list(pa.int64()))
+        ids = _as_job_rows([t.ids for t in rows], markers)
         labels = label_batch(ids, markers, data_mask=np.concatenate(masks) if masks else None).labels.to_pylist()
     by_truth = iter(labels)
     for t in truths:
@@ -549,6 +549,28 @@ def check(tokenizer: Any, markers: Markers, truths: Sequence[GroundTruth | tuple
         reports.append(ConversationReport(t.name, len(t.ids), int(t.should_train.sum()), missing, extra, truth=t,
                                           labels=got, dropped=t.dropped, beyond_markers=beyond))
     return VerifyReport(ct.name, markers, tuple(reports), decode=ct.decode)
+
+
+def _as_job_rows(ids: Sequence[np.ndarray], markers: Markers):
+    """The probes' ids as a job's chat rows hold theirs: ``list<int32>`` (``encode_batch``), when they fit.
+
+    The kernels are compiled per dtype of ids and offsets; labelled as ``large_list<int64>``, the probes
+    cost a job's first run a second compilation (seconds) that its rows never use. The labels do not
+    depend on the dtype (the ids are the same numbers). The id that stands in for message text
+    (``inert_id``, one past the markers' largest) must fit too: markers given by hand may hold any id."""
+    import pyarrow as pa
+
+    from ..engine.labels import inert_id
+
+    lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate([np.asarray(r, dtype=np.int64) for r in ids]) if len(ids) else np.zeros(0, np.int64)
+    small = np.iinfo(np.int32)
+    fits = values.size == 0 or (values.min() >= small.min and values.max() <= small.max)
+    if offsets[-1] <= small.max and fits and inert_id(markers) + 1 <= small.max:
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values.astype(np.int32)))
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
 def _as_messages_path(labels: np.ndarray, truth: GroundTruth, markers: Markers) -> np.ndarray:
