@@ -164,3 +164,29 @@ def test_batches_are_bounded_by_bytes_with_rows_named_and_labels_unchanged(tmp_p
     assert any("chats.jsonl, line 304): column 'messages' is empty" in e for e in small.invalid_examples)
     with pytest.raises(ValueError, match="batch_bytes=0 must be a positive number of bytes"):
         MaskOptions(batch_bytes=0)
+
+
+def test_workers_forked_after_the_parent_encoded_in_parallel_do_not_wait_for_its_threads(tmp_path):
+    """A fork carries none of the parent's Rust thread-pool threads: a worker that encoded in parallel waited for
+    them forever. Run in a process of its own, with a time limit, after the parent has used its pool."""
+    import subprocess
+    import sys
+
+    from conftest import tokenizer_path
+
+    script = f"""
+import warnings, lossmask.jobs.stream as stream
+warnings.simplefilter("ignore")
+stream._cores = lambda: 8
+from lossmask import mask_files
+from lossmask.chat.encode_batch import chat_tokenizer
+tok = chat_tokenizer({str(tokenizer_path("qwen2.5"))!r})
+tok.tokenizer.backend_tokenizer.encode_batch(["some text to encode " * 50] * 2000)  # the parent's pool, started
+report = mask_files({str(_chats(tmp_path, copies=40))!r}, {str(tmp_path / "out.parquet")!r}, tokenizer=tok,
+                    num_proc=2, max_drop_fraction=1.0, batch_bytes=200_000)
+print(report.rows_in)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "TOKENIZERS_PARALLELISM": "true"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "4800"

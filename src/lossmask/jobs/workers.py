@@ -49,7 +49,10 @@ def start_step_worker(threads: int, tokenizer: Any) -> None:
     than print a traceback of its own."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["RAYON_NUM_THREADS"] = str(threads)
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    # A forked worker has none of the parent's Rust thread-pool threads: a parallel encode there waits forever for
+    # them (seen). ``tokenizers`` encodes serially with parallelism off; a spawned worker starts pools of its own.
+    forked = worker_start_method() == "fork"
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 and not forked else "false"
     _STEP["tokenizer"] = tokenizer
     tokenizer.begin_job()
 
