@@ -124,9 +124,6 @@ def in_order(pool: Any, batches: Iterable[pa.RecordBatch | pa.Table], step: dict
     try:
         for batch in batches:
             started = time.perf_counter()
-            batch = batch.combine_chunks().to_batches()[0] if isinstance(batch, pa.Table) and batch.num_rows else batch
-            if isinstance(batch, pa.Table):  # an empty table
-                batch = pa.RecordBatch.from_pylist([], schema=batch.schema)
             pending.append((batch, first_row, pool.submit(step_in_worker, compact(batch), first_row, step)))
             tally.time("hand_out", time.perf_counter() - started)
             first_row += batch.num_rows
