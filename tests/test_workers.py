@@ -166,6 +166,28 @@ def test_batches_are_bounded_by_bytes_with_rows_named_and_labels_unchanged(tmp_p
         MaskOptions(batch_bytes=0)
 
 
+def test_parquet_is_read_in_batches_of_about_batch_bytes_so_no_large_read_outlives_its_slices(tmp_path):
+    """A Parquet file of long rows in one large row group is read a few rows at a time (its footer gives the mean
+    row size), not a batch of ``batch_size`` rows cut into slices that keep the whole read alive: every batch holds
+    about ``max_bytes``, and the rows come out whole, once, in order, numbered from the file's first row."""
+    from lossmask.jobs.inputs import open_inputs
+
+    rows = 600
+    path = tmp_path / "long.parquet"
+    pq.write_table(_table(rows).append_column("text", pa.array(["x" * (1_000 + i) for i in range(rows)])), path,
+                   row_group_size=rows)
+    again = tmp_path / "again.parquet"
+    again.write_bytes(path.read_bytes())
+    files = open_inputs([str(path), str(again)])
+    batches = list(files.batches(batch_size=16_384, max_bytes=50_000))
+    assert len(batches) > 20 and max(b.num_rows for b in batches) < rows // 10
+    assert max(b.nbytes for b in batches) < 2 * 50_000
+    assert pa.Table.from_batches(batches).equals(pa.concat_tables([pq.read_table(path)] * 2))
+    assert files.where(rows - 1).endswith("long.parquet, row 599")
+    assert files.where(rows + 123).endswith("again.parquet, row 123")
+    files.close()
+
+
 def test_workers_forked_after_the_parent_encoded_in_parallel_do_not_wait_for_its_threads(tmp_path):
     """A fork carries none of the parent's Rust thread-pool threads: a worker that encoded in parallel waited for
     them forever. Run in a process of its own, with a time limit, after the parent has used its pool."""

@@ -101,7 +101,8 @@ class InputFiles:
         ``max_bytes``, a batch read larger than that (its Arrow buffers) is cut into even pieces of about that size
         (slices, no copy): the rows' length then bounds how many of them are labelled at once."""
         row = 0
-        reader = self._json_batches(batch_size) if self.format == "json" else self._dataset_batches(batch_size)
+        reader = self._json_batches(batch_size) if self.format == "json" else \
+            self._dataset_batches(batch_size, max_bytes)
         for whole, path, first, unit in reader:
             if not whole.num_rows:
                 continue
@@ -114,17 +115,17 @@ class InputFiles:
                 row += batch.num_rows
                 yield batch
 
-    def _dataset_batches(self, batch_size: int):
+    def _dataset_batches(self, batch_size: int, max_bytes: int | None):
         # Arrow reads ahead on its own threads; the UTF-8 check of each batch's text (a full pass over it, with
         # the GIL released) runs on the read-ahead thread too, off the thread that renders
-        return _read_ahead(self._checked_dataset_batches(batch_size))
+        return _read_ahead(self._checked_dataset_batches(batch_size, max_bytes))
 
-    def _checked_dataset_batches(self, batch_size: int):
+    def _checked_dataset_batches(self, batch_size: int, max_bytes: int | None):
         named = {self._local(path): path for path in self.paths}
         if self.format == "parquet" and all(s.equals(self.schema) for s in self.file_schemas):
             # files of the job's own schema stream batch by batch: the scanner decodes a whole row group before its
             # first batch, which the renderer then waits for (a 4,000-row file of chats: 30-110 ms against 10)
-            iterator = _parquet_batches(named, batch_size)
+            iterator = _parquet_batches(named, batch_size, max_bytes)
         else:
             iterator = _scanned_batches(named, self.format, self.schema, batch_size)
         text = [i for i, field in enumerate(self.schema) if _holds_text(field.type)]
@@ -207,14 +208,25 @@ class InputFiles:
         return _ROW.sub(named, text, count=count)
 
 
-def _parquet_batches(named: dict[str, str], batch_size: int) -> Iterator[tuple[str, pa.RecordBatch]]:
-    """``(local path, batch)`` for Parquet files read one after another, a batch at a time."""
+def _parquet_batches(named: dict[str, str], batch_size: int,
+                     max_bytes: int | None = None) -> Iterator[tuple[str, pa.RecordBatch]]:
+    """``(local path, batch)`` for Parquet files read one after another, a batch at a time. With ``max_bytes``,
+    a file's batches hold as many rows as its mean row (from the footer's uncompressed sizes) fits in that many
+    bytes: a batch cut from a larger one would keep the whole decoded read alive until its last slice is written."""
     import pyarrow.parquet as pq
 
     for local in named:
         with pq.ParquetFile(local, pre_buffer=False) as parquet:
-            for batch in parquet.iter_batches(batch_size=batch_size, use_threads=True):
+            rows = batch_size if max_bytes is None else min(batch_size, _rows_in_bytes(parquet.metadata, max_bytes))
+            for batch in parquet.iter_batches(batch_size=rows, use_threads=True):
                 yield local, batch
+
+
+def _rows_in_bytes(metadata: Any, max_bytes: int) -> int:
+    """How many of a Parquet file's rows fit in ``max_bytes``, by the mean of its row groups' uncompressed sizes."""
+    rows = metadata.num_rows
+    size = sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups))
+    return max(1, int(max_bytes * rows // size)) if rows and size else max(1, rows)
 
 
 def _scanned_batches(named: dict[str, str], fmt: Any, schema: pa.Schema,
