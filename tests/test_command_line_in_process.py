@@ -52,3 +52,51 @@ def test_during_a_job_only_lossmask_warnings_are_one_line():
             "lossmask mask: warning: a role no template writes\n"
         other = warnings.formatwarning("deprecated", FutureWarning, "/elsewhere/library.py", 9)
     assert other.startswith("/elsewhere/library.py:9: FutureWarning: deprecated")
+
+
+def test_only_the_program_sets_the_allocator_for_a_long_job(monkeypatch):
+    """``lossmask`` (the program) keeps glibc's heaps small before it runs; ``main`` from Python changes nothing
+    process-wide."""
+    calls = []
+    monkeypatch.setattr("lossmask.jobs.allocator.keep_heaps_small", lambda: calls.append(1) or True)
+    monkeypatch.setattr(cli, "main", lambda argv=None: 0)
+    assert cli.command() == 0 and calls == [1]
+
+
+_BLOCK_MAPPED_AGAIN = """
+import ctypes, sys
+from lossmask.jobs.allocator import keep_heaps_small
+set_now = keep_heaps_small()
+libc = ctypes.CDLL(None)
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+# glibc raises its mmap threshold past a mapped block once that block is freed: the next one of that size then
+# comes from the heap, and stays there when freed, unless the threshold was fixed
+libc.free(libc.malloc(3 << 20))
+mapped = libc.mallinfo2().hblks
+block = libc.malloc((3 << 20) - (64 << 10))
+print(set_now, libc.mallinfo2().hblks > mapped)
+"""
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's allocator")
+@pytest.mark.parametrize("environment, expected", [({}, "True True"), ({"MALLOC_ARENA_MAX": "4"}, "False False"),
+                                                   ({"LOSSMASK_MALLOC": "default"}, "False False")])
+def test_the_allocator_setting_holds_and_the_environment_wins(environment, expected):
+    import ctypes
+    import subprocess
+    import sys
+
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("not glibc 2.33 or later")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LOSSMASK_MALLOC"}
+    out = subprocess.run([sys.executable, "-c", _BLOCK_MAPPED_AGAIN], env={**env, **environment},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert " ".join(out) == expected

@@ -431,6 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command() -> int:
+    """The ``lossmask`` program (and ``python -m lossmask``): ``main`` in a process of its own, whose allocator is
+    set for a long job first (``jobs.allocator``), which a caller of ``main`` from Python is spared."""
+    from .jobs.allocator import keep_heaps_small
+
+    keep_heaps_small()
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``) and return its exit status. Called from Python (a
     test, a notebook), it leaves the process as it found it: warning format, signal handlers, environment."""
