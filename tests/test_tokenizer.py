@@ -42,6 +42,37 @@ def test_load_from_path_and_from_tokenizer_agree():
     assert from_path.encode(from_path.render(CHAT)) == from_object.encode(from_object.render(CHAT))
 
 
+def test_a_folder_naming_the_generic_class_loads_as_auto_tokenizer_would_without_importing_torch(tmp_path):
+    """A folder whose config names ``PreTrainedTokenizerFast`` is loaded by that class, as ``AutoTokenizer`` would
+    load it (the same class, pipeline, template and special tokens) but without the torch import that
+    ``AutoTokenizer`` brings; a folder naming a model's own class still goes through ``AutoTokenizer``."""
+    import json
+    import shutil
+
+    from conftest import tokenizer_families
+    from lossmask.chat.tokenizer import _names_the_generic_class, auto_tokenizer
+
+    for family in tokenizer_families():
+        path = str(tokenizer_path(family))
+        if not _names_the_generic_class(path):
+            continue
+        direct, auto = auto_tokenizer(path), _hf(family)
+        assert type(direct) is type(auto), family
+        assert direct.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str(), family
+        assert (direct.chat_template, direct.special_tokens_map, direct.added_tokens_decoder) == \
+            (auto.chat_template, auto.special_tokens_map, auto.added_tokens_decoder), family
+    own_class = tmp_path / "own-class"
+    shutil.copytree(tokenizer_path("qwen2.5"), own_class)
+    config = json.loads((own_class / "tokenizer_config.json").read_text())
+    (own_class / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    assert not _names_the_generic_class(str(own_class))
+    assert auto_tokenizer(str(own_class)).encode("Hello") == _hf("qwen2.5").encode("Hello")
+    code = (f"import sys; from lossmask import load_tokenizer; load_tokenizer({str(tokenizer_path('qwen2.5'))!r}); "
+            "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
+        == "False"
+
+
 def test_load_from_missing_path_says_what_to_pass(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json"):
         load_tokenizer(tmp_path / "nowhere")
