@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 from contextlib import contextmanager
 from types import ModuleType
 
@@ -75,6 +76,14 @@ def get_backend(name: str | None) -> ModuleType:
         raise ImportError(f"backend {name!r} needs {exc.name or 'a missing package'}: {hint}") from exc
 
 
+_calling_thread = threading.local()
+
+
+def serial_here() -> bool:
+    """True inside ``one_thread()`` on this thread: a kernel loaded there runs its serial driver."""
+    return getattr(_calling_thread, "serial", 0) > 0
+
+
 @contextmanager
 def one_thread():
     """Label on the calling thread alone, for a job whose other threads already keep every core busy.
@@ -82,13 +91,18 @@ def one_thread():
     There, numba's thread pool waits on threads the OS has parked behind the tokeniser's: over the eight
     batches of a 20,000-chat job, labelling took a median 0.40 s with the pool and 0.26 s on one thread
     (most of what is left is waiting for the GIL; alone, the kernel takes 0.03 s). numba's thread count
-    is per calling thread, so other threads keep theirs.
+    is per calling thread, so other threads keep theirs. numba is loaded only once something is labelled with it
+    (``lossmask.engine.labels``, "Tiers"): until then a flag on this thread asks for the serial driver, and numba's
+    thread count is set only where numba is loaded.
     """
-    import numba
-
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
+    _calling_thread.serial = getattr(_calling_thread, "serial", 0) + 1
+    numba = sys.modules.get("numba")
+    before = numba.get_num_threads() if numba is not None else None
+    if numba is not None:
+        numba.set_num_threads(1)
     try:
         yield
     finally:
-        numba.set_num_threads(before)
+        _calling_thread.serial -= 1
+        if numba is not None:
+            numba.set_num_threads(before)

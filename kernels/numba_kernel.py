@@ -47,6 +47,7 @@ from ..automaton import (CLOSE_AT_START, CLOSE_NEXT, DIRECT_END as _D_END, DIREC
                          DIRECT_RESPONSE as _D_RESPONSE, MASK, OPEN_NEXT)
 from ..outcomes import Outcome
 from ..patterns import Markers
+from . import serial_here
 
 _TRAINED = np.int8(Outcome.TRAINED)
 _NO_RESPONSE = np.int8(Outcome.NO_RESPONSE)
@@ -753,7 +754,7 @@ def label_rows(values, starts, ends, markers: Markers, *, last_turn_only, ignore
     # anchored where these tokens make the engine stop least (CompiledMarkers.automaton_for)
     automaton = markers.compiled().automaton_for(values)
     prefilter, use_prefilter, groups = scan_inputs(automaton, values.dtype)
-    parallel = values.shape[0] >= PARALLEL_MIN_TOKENS and numba.get_num_threads() > 1
+    parallel = values.shape[0] >= PARALLEL_MIN_TOKENS and numba.get_num_threads() > 1 and not serial_here()
     if use_prefilter and not last_turn_only:  # each pattern checked at its anchor (see _direct_block)
         kernel = _direct_rows_parallel if parallel else _direct_rows_serial
         return kernel(

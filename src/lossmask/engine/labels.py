@@ -13,11 +13,41 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+import sys
+import threading
+
 from . import buffers
 from .buffers import TokenRows
 from .kernels import get_backend
 from .outcomes import Outcome, OutcomeCounts
 from .patterns import Markers
+
+
+# Tiers. The default backend is numba, whose kernel costs about 4 CPU-s to compile on a fresh install and about 0.8
+# to import numba and load it from numba's cache later: more than the NumPy reference (kernels/reference.py, the
+# oracle every backend is tested against, so the labels are the same) takes for tens of thousands of tokens. So the
+# first REFERENCE_TOKENS tokens a process labels by default go to the reference, until numba's kernel is loaded
+# (by a larger batch, or an explicit backend="numba"): the README's example, a marker check or a notebook's few rows
+# never compile, and a large job pays the compile once, as before, for at most this many tokens of slower labelling
+# (the reference runs about 150,000 tokens a second on Qwen's 31 marker variants, faster on fewer).
+REFERENCE_TOKENS = 65_536
+_NUMBA_KERNEL = "lossmask.engine.kernels.numba_kernel"
+_tier_lock = threading.Lock()
+_reference_left = REFERENCE_TOKENS
+
+
+def _kernel_for(backend: str | None, rows: TokenRows):
+    """The kernel module for ``rows``: ``backend``'s, or by the tiers above when it is None."""
+    global _reference_left
+    if backend is not None or _NUMBA_KERNEL in sys.modules:
+        return get_backend(backend)
+    tokens = int(rows.lengths.sum())
+    with _tier_lock:
+        if tokens <= _reference_left:
+            _reference_left -= tokens
+            return get_backend("numpy")
+        _reference_left = 0
+    return get_backend(backend)
 
 
 @dataclass(frozen=True)
@@ -148,7 +178,7 @@ def _label_with_data(input_ids, markers, backend, last_turn_only, ignore_index, 
     scratch = np.array(rows.values, copy=True)
     inert = inert_id(markers)
     scratch[where] = inert if inert != ignore_index else inert + 1  # never read as "untrained"
-    kernel = get_backend(backend)
+    kernel = _kernel_for(backend, rows)
     buffer = _label_buffer(input_ids, rows, out_dtype)
     out = np.frombuffer(buffer, dtype=out_dtype)
     trained, outcomes, first_bad = kernel.label_rows(
@@ -168,12 +198,13 @@ def _label(input_ids, markers, backend, last_turn_only, ignore_index, out_dtype,
             f"markers must be a lossmask.Markers, got {type(markers).__name__}; "
             "build one with Markers(response=[[...]], ...) or Markers.from_json(path)"
         )
-    kernel = get_backend(backend)
+    if backend is not None:
+        get_backend(backend)  # an unknown or uninstalled backend says so before any input is read
 
     def run(rows: TokenRows, out: np.ndarray):
         if not write_mask:
             buffers.check_label_range(rows, out.dtype)
-        trained, outcomes, first_bad = kernel.label_rows(
+        trained, outcomes, first_bad = _kernel_for(backend, rows).label_rows(
             rows.values, rows.starts, rows.ends, markers,
             last_turn_only=last_turn_only, ignore_index=ignore_index, out=out, write_mask=write_mask,
         )
