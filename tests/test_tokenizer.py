@@ -42,10 +42,11 @@ def test_load_from_path_and_from_tokenizer_agree():
     assert from_path.encode(from_path.render(CHAT)) == from_object.encode(from_object.render(CHAT))
 
 
-def test_a_folder_naming_the_generic_class_loads_as_auto_tokenizer_would_without_importing_torch(tmp_path):
-    """A folder whose config names ``PreTrainedTokenizerFast`` is loaded by that class, as ``AutoTokenizer`` would
-    load it (the same class, pipeline, template and special tokens) but without the torch import that
-    ``AutoTokenizer`` brings; a folder naming a model's own class still goes through ``AutoTokenizer``."""
+def test_a_tokenizer_only_folder_naming_the_generic_class_loads_as_auto_tokenizer_would_without_torch(tmp_path):
+    """A tokenizer-only folder whose config names ``PreTrainedTokenizerFast`` is loaded by that class, as
+    ``AutoTokenizer`` would load it (the same class, pipeline, template and special tokens) but without the torch
+    import that ``AutoTokenizer`` brings; a folder naming a model's own class, or holding a model's config, still
+    goes through ``AutoTokenizer``."""
     import json
     import shutil
 
@@ -66,6 +67,10 @@ def test_a_folder_naming_the_generic_class_loads_as_auto_tokenizer_would_without
     config = json.loads((own_class / "tokenizer_config.json").read_text())
     (own_class / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
     assert not _names_the_generic_class(str(own_class))
+    with_model = tmp_path / "with-model"  # transformers may swap the declared class for the model type's own
+    shutil.copytree(tokenizer_path("qwen2.5"), with_model)
+    (with_model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert not _names_the_generic_class(str(with_model))
     assert auto_tokenizer(str(own_class)).encode("Hello") == _hf("qwen2.5").encode("Hello")
     code = (f"import sys; from lossmask import load_tokenizer; load_tokenizer({str(tokenizer_path('qwen2.5'))!r}); "
             "print('torch' in sys.modules)")

@@ -539,10 +539,12 @@ class _ClassNoteFilter:
 def auto_tokenizer(path: str):
     """``AutoTokenizer.from_pretrained(path, local_files_only=True)``, without transformers' note on the class name.
 
-    A folder whose ``tokenizer_config.json`` names the generic ``PreTrainedTokenizerFast`` (Llama 3's, and every
-    folder built from a bare ``tokenizer.json``), with no custom code, is loaded by that class directly: it is the
-    class ``AutoTokenizer`` resolves that name to, and importing ``AutoTokenizer`` imports torch where it is
-    installed (transformers' model configurations), 210 MiB and 1.5 CPU-s that no tokenizer needs."""
+    A tokenizer-only folder (no model ``config.json``) whose ``tokenizer_config.json`` names the generic
+    ``PreTrainedTokenizerFast``, with no custom code, is loaded by that class directly: with no model type to
+    overrule the name, it is the class ``AutoTokenizer`` resolves it to, and importing ``AutoTokenizer`` imports
+    torch where it is installed (transformers' model configurations), 270 MiB and 1.3 CPU-s that no tokenizer
+    needs. Next to a ``config.json``, ``AutoTokenizer`` decides: transformers swaps the declared class for the
+    model type's own on some models (Qwen2, Phi-3...)."""
     import logging
 
     if _names_the_generic_class(path):
@@ -560,11 +562,11 @@ def auto_tokenizer(path: str):
 
 
 def _names_the_generic_class(path: str) -> bool:
-    """True for a folder with ``tokenizer.json`` whose ``tokenizer_config.json`` names ``PreTrainedTokenizerFast``
-    and no ``auto_map`` (custom code, which only ``AutoTokenizer`` runs)."""
+    """True for a folder with ``tokenizer.json`` and no ``config.json`` whose ``tokenizer_config.json`` names
+    ``PreTrainedTokenizerFast`` and no ``auto_map`` (custom code, which only ``AutoTokenizer`` runs)."""
     import json
 
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.exists(os.path.join(path, "config.json")):
         return False
     try:
         with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as file:
