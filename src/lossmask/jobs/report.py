@@ -245,7 +245,7 @@ class MaskReport:
         line += ")"
         lines = [line]
         if self.rows_in < 100_000:
-            lines.append("  (a small job: loading, marker detection and the first call of the compiled kernel dominate; "
+            lines.append("  (a small job: loading the tokenizer and resolving the markers dominate; "
                          "the throughput figures in docs/benchmarks.md are measured on a million rows)")
         return lines
 
