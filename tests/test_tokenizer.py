@@ -53,7 +53,9 @@ def test_a_tokenizer_only_folder_naming_the_generic_class_loads_as_auto_tokenize
     from conftest import tokenizer_families
     from lossmask.chat.tokenizer import _names_the_generic_class, auto_tokenizer
 
-    for family in tokenizer_families():
+    # one of each kind of pipeline: byte-level BPE, SentencePiece with Metaspace or ByteFallback, a Punctuation split
+    kinds = ("qwen2.5", "llama-2", "gemma-3", "mistral-v3", "falcon")
+    for family in [f for f in tokenizer_families() if f in kinds]:
         path = str(tokenizer_path(family))
         if not _names_the_generic_class(path):
             continue
