@@ -5,14 +5,14 @@ The chats are the first 4,000 alternating conversations of the ``sharegpt-datase
 groups (``messages`` only). The program runs as a user runs it, in a child process:
 ``lossmask mask IN OUT --tokenizer DIR --max-drop-fraction 1`` at every other setting's default; its peak RSS is
 the child's ``ru_maxrss``. The same command on the first ten chats is the yardstick: what the process holds once
-the tokenizer, the fast tokeniser and the kernel are loaded, before any volume of rows. The job's own share is
-the difference.
+the tokenizer is loaded and its markers resolved, before any volume of rows (ten chats are labelled without numba,
+``engine/labels.py``, so its import is part of the difference). The job's own share is the difference.
 
 Run: ``python benchmarks/bench_memory.py --chats 1000000`` (``--lossmask`` picks the program, e.g. a venv's
 ``bin/lossmask`` built with ``pip install '.[fast]'``; ``--tokenizer`` a folder, default qwen2.5 from
-``$LOSSMASK_TOKENIZERS`` or ``../shared/tokenizers``; ``--env NAME=VALUE`` adds to the child's environment, e.g. ``LOSSMASK_MALLOC=default``). A million
-chats take 2.5 GB of input, 6.9 GB of output and about 4 minutes on two cores. Figures: docs/benchmarks.md,
-"Memory".
+``$LOSSMASK_TOKENIZERS`` or ``../shared/tokenizers``; ``--env NAME=VALUE`` adds to the child's environment, e.g.
+``LOSSMASK_MALLOC=default``; ``--option ARG`` adds to the command line). A million chats take 2.5 GB of input,
+6.9 GB of output and about 4 minutes on two cores. Figures: docs/benchmarks.md, "Memory".
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ def write_chats(path: Path, chats: int) -> None:
     import pyarrow.parquet as pq
 
     base = pa.table({"messages": sharegpt_chats(4_000)})
+    repeated = pa.concat_tables([base] * 3)  # chunks of base, no copy: room for a 10,000-row group
     with pq.ParquetWriter(path, base.schema) as writer:
         left = chats
         while left:
-            part = pa.concat_tables([base] * 3).slice(0, min(left, 10_000))
+            part = repeated.slice(0, min(left, 10_000))
             writer.write_table(part, row_group_size=10_000)
             left -= part.num_rows
 

@@ -54,11 +54,12 @@ def test_during_a_job_only_lossmask_warnings_are_one_line():
     assert other.startswith("/elsewhere/library.py:9: FutureWarning: deprecated")
 
 
-def test_only_the_program_sets_the_allocator_for_a_long_job(monkeypatch):
+def test_only_the_program_sets_the_allocator_for_a_long_job(monkeypatch, capsys):
     """``lossmask`` (the program) keeps glibc's heaps small before it runs; ``main`` from Python changes nothing
     process-wide."""
     calls = []
     monkeypatch.setattr("lossmask.jobs.allocator.keep_heaps_small", lambda: calls.append(1) or True)
+    assert main([]) == 2 and calls == []  # (no command: usage, exit status 2)
     monkeypatch.setattr(cli, "main", lambda argv=None: 0)
     assert cli.command() == 0 and calls == [1]
 

@@ -7,16 +7,15 @@ structure it was given.
 
 from __future__ import annotations
 
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-import sys
-import threading
-
-from . import buffers
+from . import buffers, kernels
 from .buffers import TokenRows
 from .kernels import get_backend
 from .outcomes import Outcome, OutcomeCounts
@@ -31,7 +30,7 @@ from .patterns import Markers
 # never compile, and a large job pays the compile once, as before, for at most this many tokens of slower labelling
 # (the reference runs about 150,000 tokens a second on Qwen's 31 marker variants, faster on fewer).
 REFERENCE_TOKENS = 65_536
-_NUMBA_KERNEL = "lossmask.engine.kernels.numba_kernel"
+_NUMBA_KERNEL = f"{kernels.__name__}.{kernels.BACKENDS['numba'][0]}"  # in sys.modules once numba's kernel is loaded
 _tier_lock = threading.Lock()
 _reference_left = REFERENCE_TOKENS
 

@@ -2,10 +2,9 @@
 
 A job renders, tokenises and writes on threads of their own. glibc gives each thread that contends for the heap an
 arena of its own (up to 8 per core) and serves allocations up to 32 MiB from those arenas once its threshold has
-adapted; an arena keeps what it once held. A million chats from Parquet then peaked near 1.5 GiB, most of it heap
-that was free but kept. Two arenas and a fixed 1 MiB threshold (larger blocks, such as Arrow's batch buffers, are
-mapped and returned on free) took the peak down by about a third at the same speed (``docs/benchmarks.md``,
-Memory).
+adapted; an arena keeps what it once held, free or not. Two arenas and a fixed 1 MiB threshold (larger blocks,
+such as Arrow's batch buffers, are mapped and returned on free) took the peak of 100,000 real chats from 973-990 to
+780-846 MiB, at the same speed within the noise (``docs/benchmarks.md``, Memory).
 
 Only the command-line program calls this: the settings are process-wide and cannot be put back, so a library call
 (``mask_files`` in a notebook or a trainer) leaves the allocator as its caller has it. The environment's own
