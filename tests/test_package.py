@@ -18,16 +18,15 @@ def test_import_pulls_no_heavy_dependency():
 
 
 def test_numba_loads_only_when_labelling_more_than_the_reference_takes():
-    """A few rows are labelled by the NumPy reference (no compile); past ``REFERENCE_TOKENS`` numba's kernel loads
-    and labels from then on, with the same labels; ``backend="numba"`` loads it at once."""
+    """A few rows are labelled by the NumPy reference (no compile); past ``REFERENCE_SECONDS`` of estimated reference
+    work numba's kernel loads and labels from then on, with the same labels; ``backend="numba"`` loads it at once."""
     code = """
 import sys, numpy as np, lossmask
-from lossmask.engine.labels import REFERENCE_TOKENS
 markers = lossmask.Markers(response=[[1]], instruction=[[5]])
 assert 'numba' not in sys.modules
 small = lossmask.make_labels([[1, 2, 3, 5, 6]], markers)
 assert 'numba' not in sys.modules and small == [[-100, 2, 3, -100, -100]], small
-rows = np.random.default_rng(0).integers(0, 8, size=(REFERENCE_TOKENS // 64 + 1, 64))
+rows = np.random.default_rng(0).integers(0, 8, size=(4_000, 64))  # an estimated 1.3 s in the reference
 by_default = lossmask.make_labels(rows, markers, lengths=np.full(len(rows), 64))
 assert 'numba' in sys.modules
 assert np.array_equal(by_default, lossmask.make_labels(rows, markers, lengths=np.full(len(rows), 64), backend="numpy"))

@@ -24,28 +24,33 @@ from .patterns import Markers
 
 # Tiers. The default backend is numba, whose kernel costs about 4 CPU-s to compile on a fresh install and about 0.8
 # to import numba and load it from numba's cache later: more than the NumPy reference (kernels/reference.py, the
-# oracle every backend is tested against, so the labels are the same) takes for tens of thousands of tokens. So the
-# first REFERENCE_TOKENS tokens a process labels by default go to the reference, until numba's kernel is loaded
-# (by a larger batch, or an explicit backend="numba"): the README's example, a marker check or a notebook's few rows
-# never compile, and a large job pays the compile once, as before, for at most this many tokens of slower labelling
-# (the reference runs about 150,000 tokens a second on Qwen's 31 marker variants, faster on fewer).
-REFERENCE_TOKENS = 65_536
+# oracle every backend is tested against, so the labels are the same) takes for a few hundred rows. So what a process
+# labels by default goes to the reference until its estimated cost would pass REFERENCE_SECONDS, or numba's kernel
+# is loaded (by a larger batch, or an explicit backend="numba"): the README's example, a marker check or a notebook's
+# few rows never compile, and a large job pays the compile once, as before, after at most that much slower labelling.
+# The reference's cost, fitted on real rows (0.7-1.5x of what it spent): 0.2 ms a row, 45 us a row and pattern
+# (a response pattern counts twice: it opens and closes), 0.04 us a token and pattern. Qwen2.5's 69 patterns: 900-token
+# ShareGPT rows 5.6 ms each, 30-token rows 3.2 ms; DeepSeek-V3's 5 on the README example: 116 rows in 74 ms.
+REFERENCE_SECONDS = 0.25
+_ROW_SECONDS, _ROW_PATTERN_SECONDS, _TOKEN_PATTERN_SECONDS = 200e-6, 45e-6, 0.04e-6
 _NUMBA_KERNEL = f"{kernels.__name__}.{kernels.BACKENDS['numba'][0]}"  # in sys.modules once numba's kernel is loaded
 _tier_lock = threading.Lock()
-_reference_left = REFERENCE_TOKENS
+_reference_left = REFERENCE_SECONDS
 
 
-def _kernel_for(backend: str | None, rows: TokenRows):
+def _kernel_for(backend: str | None, rows: TokenRows, markers: Markers):
     """The kernel module for ``rows``: ``backend``'s, or by the tiers above when it is None."""
     global _reference_left
     if backend is not None or _NUMBA_KERNEL in sys.modules:
         return get_backend(backend)
-    tokens = int(rows.lengths.sum())
+    patterns = 2 * len(markers.response) + len(markers.instruction) + len(markers.end) + len(markers.mask_out)
+    cost = (len(rows.starts) * (_ROW_SECONDS + patterns * _ROW_PATTERN_SECONDS)
+            + int(rows.lengths.sum()) * patterns * _TOKEN_PATTERN_SECONDS)
     with _tier_lock:
-        if tokens <= _reference_left:
-            _reference_left -= tokens
+        if cost <= _reference_left:
+            _reference_left -= cost
             return get_backend("numpy")
-        _reference_left = 0
+        _reference_left = 0.0
     return get_backend(backend)
 
 
@@ -177,7 +182,7 @@ def _label_with_data(input_ids, markers, backend, last_turn_only, ignore_index, 
     scratch = np.array(rows.values, copy=True)
     inert = inert_id(markers)
     scratch[where] = inert if inert != ignore_index else inert + 1  # never read as "untrained"
-    kernel = _kernel_for(backend, rows)
+    kernel = _kernel_for(backend, rows, markers)
     buffer = _label_buffer(input_ids, rows, out_dtype)
     out = np.frombuffer(buffer, dtype=out_dtype)
     trained, outcomes, first_bad = kernel.label_rows(
@@ -203,7 +208,7 @@ def _label(input_ids, markers, backend, last_turn_only, ignore_index, out_dtype,
     def run(rows: TokenRows, out: np.ndarray):
         if not write_mask:
             buffers.check_label_range(rows, out.dtype)
-        trained, outcomes, first_bad = _kernel_for(backend, rows).label_rows(
+        trained, outcomes, first_bad = _kernel_for(backend, rows, markers).label_rows(
             rows.values, rows.starts, rows.ends, markers,
             last_turn_only=last_turn_only, ignore_index=ignore_index, out=out, write_mask=write_mask,
         )
