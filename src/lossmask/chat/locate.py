@@ -261,6 +261,10 @@ class _Arguments(str):
         self.forms = tuple(dict.fromkeys(forms))
         self.leaves = [_leaf_pattern(v) for v in _leaves(value)] if isinstance(value, (Mapping, list)) and value else []
         self.leaves = [p for p in self.leaves if p is not None]
+        # the values in the order of their sorted keys, for templates that write an object's keys sorted (Gemma-4)
+        ordered = [_leaf_pattern(v) for v in _leaves(_sorted_keys(value))] if self.leaves else []
+        ordered = [p for p in ordered if p is not None]
+        self.orders = [self.leaves] + ([ordered] if ordered != self.leaves else [])
         self.name = name if isinstance(value, (Mapping, list)) and not self.leaves else ""
         # the string values, which templates copy verbatim (the raw text when it is not a JSON object or list)
         self.strings = ([v for v in _leaves(value) if isinstance(v, str) and v.strip()]
@@ -268,17 +272,32 @@ class _Arguments(str):
         return self
 
 
+def _sorted_keys(value: Any) -> Any:
+    """A JSON value with every object's keys sorted, at every depth."""
+    if isinstance(value, Mapping):
+        return {k: _sorted_keys(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, (list, tuple)):
+        return [_sorted_keys(v) for v in value]
+    return value
+
+
 def _leaf_pattern(value: Any) -> re.Pattern | None:
-    """How a template may print one argument value: a string quoted as JSON or between markup (``>v<``),
-    a number as JSON or Python writes it, a boolean or null as JSON or Python; a number or word is
+    """How a template may print one argument value: a string quoted as JSON or Python, or raw between markup
+    (``>v<``, whitespace around it allowed), a number as JSON or Python writes it, a boolean or null as JSON or
+    Python; a number or word is
     matched whole (``1`` is not found inside ``10``); an empty object or list as ``{}`` or ``[]``. Empty strings print
     as nothing: None."""
     if isinstance(value, str):
         if not value.strip():
             return None
-        forms = {json.dumps(value, ensure_ascii=False), json.dumps(value), f">{value}<", f">{value.strip()}<",
-                 f"'{value}'"}
-        return re.compile("|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)))
+        # quoted as JSON or as Python writes it (pythonic calls: ``f(city='Paris')``), or raw between markup, with
+        # any whitespace around it: ``<arg_value>v</arg_value>`` (GLM-4), ``<parameter=city>\nv\n</parameter>``
+        # (Qwen3-Coder, Nemotron-3), ``<city>v]<]minimax[>[</city>`` (MiniMax-M3); the markup is the template's,
+        # outside the match
+        forms = {json.dumps(value, ensure_ascii=False), json.dumps(value), f"'{value}'", repr(value)}
+        quoted = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
+        raw = "|".join(re.escape(f) for f in sorted({value, value.strip()}, key=len, reverse=True))
+        return re.compile(rf"{quoted}|(?<=[>\]])\s*(?:{raw})\s*(?=[<\[\]])")
     if isinstance(value, (Mapping, list, tuple)):  # an empty object or list, as JSON or Python writes it
         return re.compile(r"\{\s*\}" if isinstance(value, Mapping) else r"\[\s*\]")
     if isinstance(value, bool) or value is None:
@@ -307,14 +326,17 @@ def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
             return found
         # each value in order, after the last: the call's own text (an earlier look-alike is not the call); it wins
         # over the JSON text when it ends before that (a later tool result that echoes the arguments as JSON)
-        at, first = start, None
-        for leaf in piece.leaves:
-            match = leaf.search(text, at, found[0] if found is not None else len(text))
-            if match is None:
-                return found
-            first = match.start() if first is None else first
-            at = match.end()
-        return first, at
+        for leaves in piece.orders:
+            at, first = start, None
+            for leaf in leaves:
+                match = leaf.search(text, at, found[0] if found is not None else len(text))
+                if match is None:
+                    break
+                first = match.start() if first is None else first
+                at = match.end()
+            else:
+                return first, at
+        return found
     return _find_text(text, piece, start)
 
 
