@@ -515,7 +515,7 @@ def _struct_messages(column: pa.Array) -> list[list[dict] | None]:
     structs = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     offsets = (offsets - offsets[0]).tolist()
     names = [structs.type.field(i).name for i in range(structs.type.num_fields)]
-    fields = [field.to_pylist() for field in structs.flatten()]
+    fields = [json_values(field) for field in structs.flatten()]  # (``arrow.json`` fields decoded)
     if names:
         messages = [{name: value for name, value in zip(names, values) if value is not None} for values in zip(*fields)]
     else:
@@ -533,14 +533,36 @@ def _struct_messages(column: pa.Array) -> list[list[dict] | None]:
 
 
 def json_values(column: pa.Array | pa.ChunkedArray) -> list:
-    """A column as Python values, with JSON text (``arrow.json``, or a list of it) decoded."""
+    """A column as Python values, with JSON text (``arrow.json``) decoded at any depth: ``datasets`` stores a field
+    whose keys differ from row to row as JSON text (a tool's ``properties``, a call's ``arguments``)."""
     values = column.to_pylist()
-    arrow_type = column.type
+    if not _holds_json(column.type):
+        return values
+    return [_decoded(v, column.type) for v in values]
+
+
+def _holds_json(arrow_type: pa.DataType) -> bool:
     if getattr(arrow_type, "extension_name", None) == "arrow.json":
-        return [None if v is None else json.loads(v) for v in values]
-    if pa.types.is_list(arrow_type) and getattr(arrow_type.value_type, "extension_name", None) == "arrow.json":
-        return [None if v is None else [None if item is None else json.loads(item) for item in v] for v in values]
-    return values
+        return True
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        return _holds_json(arrow_type.value_type)
+    if pa.types.is_struct(arrow_type):
+        return any(_holds_json(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
+    return False
+
+
+def _decoded(value: Any, arrow_type: pa.DataType) -> Any:
+    """A Python value of ``arrow_type`` with its ``arrow.json`` parts decoded."""
+    if value is None:
+        return None
+    if getattr(arrow_type, "extension_name", None) == "arrow.json":
+        return json.loads(value) if isinstance(value, str) else value
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        return [_decoded(v, arrow_type.value_type) for v in value]
+    if pa.types.is_struct(arrow_type) and isinstance(value, dict):
+        return {k: _decoded(v, arrow_type.field(k).type) if arrow_type.get_field_index(k) >= 0 else v
+                for k, v in value.items()}
+    return value
 
 
 def _message(message: Any) -> Any:
@@ -561,5 +583,6 @@ def chats_of_rows(ct: Any, table: Any, kind: str, options: Any, rows: Sequence[i
     conversations = conversations_of(table.take(take), kind, options, processor=ct.processor is not None)[0]
     tools = json_values(table.column("tools").take(take)) if "tools" in table.column_names else [None] * len(take)
     shaped = normalise_shapes(conversations, options, takes_parts=takes_content_parts(ct), call_ids=needs_call_ids(ct))
-    return [(messages, tool or None) for messages, tool in zip(shaped.conversations, tools)]
+    return [(messages, read_tools(tool) if tool is not None else None)
+            for messages, tool in zip(shaped.conversations, tools)]
 

@@ -160,10 +160,27 @@ def _role(message: Any) -> Any:
     return message.get("role") if isinstance(message, dict) else None
 
 
+def without_nulls(value: Any) -> Any:
+    """``value`` with every null-valued key of its objects left out, at every depth (lists keep their items).
+
+    Arrow stores tool calls and tools as structs unified across rows: each call's arguments (and each tool's
+    schema) get every key any other one has, as null (``get_time`` gets ``"unit": null``). No template can tell
+    such a key from data, and one that writes it trains an argument the data never had. So null keys of tool
+    calls given as objects, and of tools, are not data (docs/inputs.md); arguments given as JSON text keep theirs."""
+    if type(value) is dict:
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if type(value) is list:
+        return [without_nulls(v) for v in value]
+    return value
+
+
 def _read_messages(messages: list, roles: dict[str, str], takes_parts: bool, changed: set[str]) -> list:
-    """ShareGPT messages as ``{role, content}``, and text parts joined where the template takes strings only."""
+    """ShareGPT messages as ``{role, content}``, text parts joined where the template takes strings only, and the
+    null keys of tool calls left out (``without_nulls``)."""
     out = []
     for index, message in enumerate(messages):
+        if type(message) is dict and type(message.get("tool_calls")) is list:
+            message = {**message, "tool_calls": without_nulls(message["tool_calls"])}
         if isinstance(message, dict) and "role" not in message and "from" in message:
             speaker = message["from"]
             role = speaker_role(speaker, roles)
@@ -339,7 +356,7 @@ def _tool_calls(index: int, value: Any, kind: str = "function_call") -> list[dic
 
 def read_tools(value: Any) -> list | None:
     """A row's ``tools`` as the template takes them: JSON text decoded (LLaMA-Factory stores the list as a string,
-    ``"[]"`` when there is none), and a bare function schema ``{"name", "parameters", ...}`` wrapped as OpenAI's
+    ``"[]"`` when there is none), null keys left out (``without_nulls``), and a bare function schema ``{"name", "parameters", ...}`` wrapped as OpenAI's
     ``{"type": "function", "function": ...}``. None when the row has none; ValueError when it is not a list of them."""
     if isinstance(value, str):
         if not value.strip():
@@ -355,6 +372,7 @@ def read_tools(value: Any) -> list | None:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
         raise ValueError(f"holds a {type(value).__name__}, not a list of function schemas")
+    value = without_nulls(value)  # the keys Arrow's struct unification added
     return [{"type": "function", "function": tool} if "name" in tool and "function" not in tool else tool
             for tool in value] or None
 

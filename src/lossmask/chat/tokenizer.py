@@ -439,7 +439,7 @@ class ChatTokenizer:
         """
         from ..options import MaskOptions
         from .encode_rendered import encode_rendered
-        from .shapes import needs_call_ids, normalise_shapes, takes_content_parts
+        from .shapes import needs_call_ids, normalise_shapes, takes_content_parts, without_nulls
 
         if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
             raise ValueError(f"max_length={max_length!r} must be a positive integer or None")
@@ -459,7 +459,8 @@ class ChatTokenizer:
                     read.append((None, None))
                     continue
                 messages, row_tools = conversation["messages"], conversation.get("tools") or tools
-            read.append((list(messages) if messages is not None else None, row_tools))
+            # (the null keys Arrow adds to tools: a datasets column read as Python keeps them)
+            read.append((list(messages) if messages is not None else None, without_nulls(row_tools)))
         shaped_dropped: list[tuple[int, str, str]] = []
         unusual = [False] * len(read)
         shapes: dict = {}
