@@ -46,7 +46,10 @@ WEATHER_TOOL = {
     "function": {
         "name": "get_weather",
         "description": "Current weather for a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        # (each parameter described, as real schemas are: Command-R+ writes a parameter's description, and raises
+        # without one)
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city's name."}},
+                       "required": ["city"]},
     },
 }
 

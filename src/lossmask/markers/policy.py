@@ -300,9 +300,10 @@ PROBE = (
 )
 
 
-PROBE_TOOL = {"type": "function", "function": {
+PROBE_TOOL = {"type": "function", "function": {  # (described, as real schemas are: Command-R+ raises without)
     "name": "get_time", "description": "The time now in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city's name."}},
+                   "required": ["city"]}}}
 
 
 def _from_rendering(ct: Any, messages: list[str], tried: str | None) -> Resolution | None:
