@@ -84,10 +84,12 @@ def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: 
     starts, ends = offsets[:, 0], offsets[:, 1]
     special = np.isin(ids, special_id_array(ct))
     trained = np.zeros(ids.shape[0], dtype=bool)
-    for start, content_end, end, follows in spans:
-        # a special token the span's start cuts into is written by the model (``<think>`` in the prompt,
-        # ``</think>`` in the history: they share their first character)
-        cut = np.flatnonzero(special & (starts < start) & (ends > start))
+    for start, content_end, end, follows, parted in spans:
+        # a token the span's start cuts into is written by the model where the prompt goes on otherwise there: the
+        # prompt's ``<|channel>`` and the reply's ``<think>`` share "<"; a special token so always (``<think>`` in
+        # the prompt, ``</think>`` in the history). Where the prompt ends inside a token (a header's last space
+        # merged with the reply's first word) the token is the header's.
+        cut = np.flatnonzero((special | parted) & (starts < start) & (ends > start))
         first = int(starts[cut[0]]) if cut.size else start
         # (a special token that only begins in the span is not the turn's: the renderings parted inside it, as
         # <|user|> and <|endoftext|> share "<|")
@@ -95,19 +97,23 @@ def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: 
         if not inside.size:
             continue
         stops = inside[special[inside] & (ends[inside] > content_end)]
-        if stops.size:  # the turn's own stop: its last special token after the text
+        if stops.size and closes_turns(ct):  # the turn's own stop: its last special token after the text
             last = int(stops[-1])
         else:
-            last_char = start + len(text[start:end].rstrip())
-            kept = inside[starts[inside] < last_char]
-            if not kept.size:
-                continue
-            last = int(kept[-1])
+            # no stop of its own: the model stops by writing the next message's first token (GLM's <|user|>, and its
+            # <|observation|> after a call's own </tool_call>), or the history closes the turn with a special token
+            # that the turn rendered last leaves out (Apriel)
+            if stops.size:
+                last = int(stops[-1])
+            else:
+                last_char = start + len(text[start:end].rstrip())
+                kept = inside[starts[inside] < last_char]
+                if not kept.size:
+                    continue
+                last = int(kept[-1])
             after = last + 1
             while after < ids.shape[0] and not special[after] and not text[starts[after]:ends[after]].strip():
                 after += 1
-            # no stop of its own: the model stops by writing the next message's first token (GLM's <|user|>), or
-            # the history closes the turn with a special token that the turn rendered last leaves out (Apriel)
             if follows and after < ids.shape[0] and special[after] and not text[end:starts[after]].strip():
                 last = after
         trained[int(inside[0]): last + 1] = True
@@ -122,8 +128,9 @@ def _render(ct: Any, messages: list, tools: Any, add_generation_prompt: bool) ->
     return ct.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
 
-def _start_after(ct: Any, messages: list, i: int, prompt: str, text: str, ends_by_message: dict) -> int | None:
-    """Where turn ``i`` starts in ``text``, from the generation prompt's tail after the text of the last message before
+def _start_after(ct: Any, messages: list, i: int, prompt: str, text: str, ends_by_message: dict
+                 ) -> tuple[int, int] | None:
+    """Where turn ``i`` starts in ``text`` (and where in ``prompt`` that is), from the generation prompt's tail after the text of the last message before
     the turn that has text in both: that tail (the header) followed in ``text`` as far as it agrees."""
     earlier = [m for m in ends_by_message if m < i]
     if not earlier:
@@ -134,7 +141,32 @@ def _start_after(ct: Any, messages: list, i: int, prompt: str, text: str, ends_b
     if own.missing is not None or in_prompt is None:
         return None
     after = ends_by_message[last]
-    return after + common_prefix(prompt[in_prompt:], text[after:])
+    shared = common_prefix(prompt[in_prompt:], text[after:])
+    return after + shared, in_prompt + shared
+
+
+def closes_turns(ct: Any) -> bool:
+    """Does the template close an assistant's reply with a control token of its own (``<|im_end|>``, ``<|eot_id|>``)?
+    Where it does not (GLM-4: the model stops by writing the next role's token, ``<|user|>``, ``<|observation|>``), a
+    control token inside a turn (``</tool_call>``) closes a call, not the turn, and the turn's stop is the next
+    message's first token. Read once per tokenizer off what the template writes after a reply that ends the chat."""
+    cached = getattr(ct, "_closes_turns", None)
+    if cached is not None:
+        return cached
+    exchange = [{"role": "user", "content": "Qz7p1"}, {"role": "assistant", "content": "Qz7p2"}]
+    result = True  # a template that cannot render the probe: as before, the last control token stops the turn
+    try:
+        through = _render(ct, exchange, None, False)
+        closing = through[through.rindex("Qz7p2") + len("Qz7p2"):]
+        result = bool(closing.strip()) and bool(
+            np.isin(np.asarray(ct.encode_with_offsets(closing)[0]), special_id_array(ct)).any())
+    except (ChatTemplateError, ValueError):
+        pass
+    try:
+        ct._closes_turns = result
+    except AttributeError:
+        pass
+    return result
 
 
 def special_id_array(ct: Any) -> np.ndarray:
@@ -155,10 +187,11 @@ def special_id_array(ct: Any) -> np.ndarray:
 
 
 def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
-               tools: Any = None, located: Any = None) -> list[tuple[int, int, int, bool]] | None:
-    """``(start, text end, end, followed)`` in ``text`` for each assistant turn of ``turns``: where the model starts
-    writing it (past what the generation prompt supplies), where its own text ends, where the turn ends, and
-    whether another message follows it. None when a turn cannot be found so.
+               tools: Any = None, located: Any = None) -> list[tuple[int, int, int, bool, bool]] | None:
+    """``(start, text end, end, followed, parted)`` in ``text`` for each assistant turn of ``turns``: where the model
+    starts writing it (past what the generation prompt supplies), where its own text ends, where the turn ends,
+    whether another message follows it, and whether the prompt goes on otherwise at the start (rather than ending
+    there). None when a turn cannot be found so.
 
     The start is where the conversation before the turn, rendered with the generation prompt, stops agreeing
     with ``text``; it must lie past every earlier message's text (else the template rewrites the history as the
@@ -183,13 +216,20 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
         except ChatTemplateError:
             return None
         # (a prompt that goes on past the header can share the reply's first characters: "Here are" / "Hello")
-        start = min(common_prefix(prompt, text), starts_by_message.get(i, len(text)))
+        opens = starts_by_message.get(i, len(text))
+        agreed = common_prefix(prompt, text)
+        start, in_prompt = min(agreed, opens), min(agreed, opens)
         before = max((e for m, e in ends_by_message.items() if m < i), default=0)
         if start < before:  # the history is written otherwise as the chat goes on (Mistral moves the system prompt
             # into the last user turn): the prompt's tail after the last text before the turn, where the row has it
-            start = _start_after(ct, messages, i, prompt, text, ends_by_message)
-            if start is None or start < before or start > starts_by_message.get(i, len(text)):
+            found = _start_after(ct, messages, i, prompt, text, ends_by_message)
+            if found is None or found[0] < before or found[0] > opens:
                 return None
+            start, in_prompt = found
+        # the header as the prompt writes it, whitespace runs allowed to differ from the history's (Hermes writes
+        # ``</tool_response><|im_end|>`` in the prompt, ``</tool_response>\n<|im_end|>`` in the history)
+        in_prompt, start = agree_but_whitespace(prompt, in_prompt, text, start, opens)
+        parted = in_prompt < len(prompt) and start < opens
         content_end = max(ends_by_message.get(i, start), start)
         end = start + common_prefix(through[start:], text[start:]) if through.startswith(text[:start]) else start
         if end < content_end:
@@ -198,6 +238,11 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
             if own.missing is not None or own_end is None:
                 return None
             end = content_end + common_prefix(through[own_end:], text[content_end:])
+        if i + 1 < len(messages) and content_end <= end < len(through) and not through.startswith(text[:len(through)]):
+            # the turn rendered last closes otherwise than the history does after its text (Apriel writes the call's
+            # id only when a result follows): the turn ends at the stop that its own closing ends with, found in the
+            # history before the next message
+            end = _through_stop(ct, through[end:], text, end, starts_by_message.get(i + 1, len(text)))
         if i + 1 == len(messages) and end > content_end:
             # the row's last message: what the template writes after it only when the conversation ends (Phi-3's
             # <|endoftext|> after the stop) is not the turn's; the chat rendered going on with a user message parts there
@@ -207,8 +252,40 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
                 going_on = None
             if going_on is not None and going_on.startswith(text[:content_end]):
                 end = max(content_end, min(end, common_prefix(going_on, text)))
-        spans.append((start, content_end, end, i + 1 < len(messages)))
+        spans.append((start, content_end, end, i + 1 < len(messages), parted))
     return spans
+
+
+def _through_stop(ct: Any, closing: str, text: str, at: int, limit: int) -> int:
+    """Past the first occurrence in ``text[at:limit]`` of the last control token of ``closing`` (the tail of the turn
+    rendered last, from where it parts from the history); ``at`` when there is none."""
+    ids, offsets = ct.encode_with_offsets(closing)
+    special = np.flatnonzero(np.isin(np.asarray(ids), special_id_array(ct)))
+    if not special.size:
+        return at
+    a, b = (int(x) for x in np.asarray(offsets)[special[-1]])
+    found = text.find(closing[a:b], at, limit)
+    return at if found < 0 else found + (b - a)
+
+
+def agree_but_whitespace(a: str, i: int, b: str, j: int, limit: int) -> tuple[int, int]:
+    """How far ``a`` from ``i`` and ``b`` from ``j`` (up to ``limit``) agree when a whitespace run in either may differ
+    from the other's, as ``(i, j)`` past the agreement. Advanced only where it gets past a character other than
+    whitespace of ``a``, or to its end: whitespace alone that leads a reply stays the reply's. A header's length of
+    characters, not the row's."""
+    i0, j0 = i, j
+    while i < len(a) and j < limit:
+        if a[i] == b[j]:
+            i, j = i + 1, j + 1
+        elif a[i].isspace():
+            i += 1
+        elif b[j].isspace():
+            j += 1
+        else:
+            break
+    if i < len(a) and not a[i0:i].strip():
+        return i0, j0
+    return i, j
 
 
 def label_row_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: np.ndarray, *, tools: Any = None,
@@ -344,6 +421,55 @@ def role_breaks(trained: np.ndarray, roles: Any, last_turn_only: bool = False) -
     return bad
 
 
+def message_gaps(trained: np.ndarray, roles: Any, row_of: np.ndarray) -> np.ndarray:
+    """Per token: inside a run of untrained tokens, none of them message text, between two trained runs of one assistant
+    message (the template's text inside one turn: muse-glimmer's ``<|eom|><|start|>assistant to=get_time`` between
+    two calls, gpt-oss's header between analysis and answer). The run after it holds that message's text; the run
+    before it holds it too, or no message text at all (reasoning, which the role tokens leave out). NumPy passes over
+    the batch, no loop over tokens."""
+    n = trained.shape[0]
+    gaps = np.zeros(n, dtype=bool)
+    if "assistant" not in roles.names or n < 3:
+        return gaps
+    assistant = roles.names.index("assistant") + 1
+    text = roles.role > 0
+    positions = np.arange(n)
+    # the nearest message-text token at or before / at or after each token, and the nearest untrained one
+    text_before = np.maximum.accumulate(np.where(text, positions, -1))
+    text_after = np.minimum.accumulate(np.where(text, positions, n)[::-1])[::-1]
+    untrained_before = np.maximum.accumulate(np.where(~trained, positions, -1))
+    untrained_after = np.minimum.accumulate(np.where(~trained, positions, n)[::-1])[::-1]
+    texts_so_far = np.cumsum(text)
+    # the untrained runs: [start, end)
+    starts = np.flatnonzero(~trained & np.concatenate([[True], trained[:-1]]))
+    ends = np.minimum.accumulate(np.where(trained, positions, n)[::-1])[::-1][starts]
+    keep = (starts > 0) & (ends < n)
+    starts, ends = starts[keep], ends[keep]
+    if not starts.size:
+        return gaps
+    before, after = starts - 1, ends
+    no_text = texts_so_far[ends - 1] - texts_so_far[before] == 0
+    same_row = (row_of[before] == row_of[after])
+    nxt = text_after[after]
+    has_next = nxt < n
+    nxt_c = np.where(has_next, nxt, 0)
+    # the run after the gap reaches the assistant message's text
+    ok_after = has_next & (roles.role[nxt_c] == assistant) & (untrained_after[after] > nxt_c) & (row_of[nxt_c] == row_of[after])
+    prv = text_before[before]
+    prv_c = np.maximum(prv, 0)
+    same_message = (prv >= 0) & (roles.message[prv_c] == roles.message[nxt_c]) & (roles.role[prv_c] == assistant) \
+        & (row_of[prv_c] == row_of[before])
+    # before the gap: a run of the same message's text, or a run holding no message text at all
+    ok_before = np.where(same_message, untrained_before[before] < prv_c, untrained_before[before] > prv)
+    join = no_text & same_row & ok_after & ok_before
+    if join.any():
+        delta = np.zeros(n + 1, dtype=np.int64)
+        np.add.at(delta, starts[join], 1)
+        np.add.at(delta, ends[join], -1)
+        gaps = np.cumsum(delta)[:-1] > 0
+    return gaps
+
+
 def breaks_message(roles: Any, at: int, row_start: int) -> str:
     """Why a row is dropped as ``template_breaks_roles``: its first token ``at`` (in the batch) that breaks it."""
     role = roles.names[int(roles.role[at]) - 1]
@@ -376,14 +502,18 @@ def label_encoded(encoded: Any, markers: Any, *, backend: str | None = None, las
     if roles is None or not roles.role.any():
         return result
     flat = pc.list_flatten(result.labels).to_numpy(zero_copy_only=False)
-    bad = role_breaks(flat != ignore_index, roles, last_turn_only)
-    if not bad.any():
-        return result
     lengths = pc.fill_null(pc.list_value_length(ids), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
+    # the runs of one assistant message with only the template's text between them are one turn, as mask_files joins
+    # them (engine.weights, step 2): a header the model writes between its calls trains
+    gaps = message_gaps(flat != ignore_index, roles, row_of)
+    bad = role_breaks((flat != ignore_index) | gaps, roles, last_turn_only)
+    if not bad.any() and not gaps.any():
+        return result
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     flat_ids = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
-    row_of = np.repeat(np.arange(lengths.shape[0]), lengths)
     flat = flat.copy()
+    flat[gaps] = flat_ids[gaps]
     rejected, from_rendering = [], []
     null = ~np.asarray(ids.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
     for r in np.unique(row_of[bad]).tolist():

@@ -102,6 +102,13 @@ class WeightReader:
         return known
 
 
+def _several_calls(messages: Sequence[Any]) -> bool:
+    """Does an assistant message hold more than one tool call, or text beside its calls?"""
+    return any(type(m) is dict and m.get("role") == "assistant" and type(m.get("tool_calls")) is list
+               and (len(m["tool_calls"]) > 1 or (type(m.get("content")) is str and m["content"].strip()))
+               for m in messages)
+
+
 def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row: int = 0,
              trained_from: int | None = None) -> RowPlan | None:
     """The weights of one rendered row (None: every assistant turn weighs 1 and nothing else applies).
@@ -112,7 +119,12 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
     fields, detail_key = reader.fields, reader.detail_key
     has_reasoning = not REASONING_KINDS.isdisjoint(located.kinds)
     carries = _carries(messages, reader.keys, detail_key)  # "fields", True (spans or parts too) or False
-    if reader.plain_roles and not has_reasoning and not reader.mask_empty_think and not carries and trained_from is None:
+    # an assistant message of several calls (or text and calls): the template may write a header between them that the
+    # model writes too
+    # (muse-glimmer: ``<|eom|><|start|>assistant to=get_time``), and its runs are joined (engine/weights, step 2)
+    joins = _several_calls(messages)
+    if reader.plain_roles and not has_reasoning and not reader.mask_empty_think and not carries and trained_from is None \
+            and not joins:
         return None
     shared, by_role, roles = reader.by_roles(_roles(messages))
     weights = _with_fields(messages, by_role, roles, reader, row) if carries else by_role
@@ -120,13 +132,13 @@ def plan_row(text: str, messages: Sequence[Any], located: Any, options: Any, row
         weights = [0.0 if index < trained_from and role == "assistant" else weight
                    for index, (weight, role) in enumerate(zip(weights, roles))]
     characters = has_reasoning or reader.mask_empty_think or carries is True  # something to place within a message
-    if weights is by_role and not characters:  # roles alone (no field changed a weight): most rows of a role option
+    if weights is by_role and not characters and not joins:  # roles alone (no field changed a weight): most rows
         return shared if shared is not None else RowPlan(reader.assistant_weight, True, by_role, roles,
                                                          sorted(located.pieces))
     turns = {w for w, r in zip(weights, roles) if r == "assistant"}
     uniform = next(iter(turns)) if len(turns) == 1 else reader.assistant_weight
     others = any(w > 0 for w, r in zip(weights, roles) if r != "assistant")
-    if len(turns) <= 1 and not others and not characters:
+    if len(turns) <= 1 and not others and not characters and not joins:
         return RowPlan(uniform=uniform)  # one weight for every turn: no characters to look at
     plan = RowPlan(uniform, False, weights, roles, sorted(located.pieces), [], [])
     if not characters:
