@@ -45,6 +45,7 @@ def measure(name: str, template: str, folder: Path) -> dict:
     row = {"name": name, "source": resolution.source, "chats": len(chats), "kept": 0, "trained": 0, "tokens": 0,
            "problems": []}
     if not chats:
+        row["agents"] = measure_agents(name, tok, folder)
         return row
     source = folder / f"{name}.jsonl"
     source.write_text("\n".join(json.dumps({"messages": c}) for c in chats) + "\n")
@@ -55,7 +56,34 @@ def measure(name: str, template: str, folder: Path) -> dict:
     row.update(kept=report.rows_out, trained=report.tokens_trained, tokens=report.tokens_in)
     for chat, ids, labels in zip(chats, table["input_ids"].to_pylist(), table["labels"].to_pylist()):
         row["problems"] += collection.problems(tok, chat, ids, labels)
+    row["agents"] = measure_agents(name, tok, folder)
     return row
+
+
+def measure_agents(name: str, tok, folder: Path) -> dict[str, str]:
+    """Per agent kind (``collection.agent_chats``): "exact" (kept, every token as the oracle says), "dropped: why",
+    a problem, or "-" where ``apply_chat_template`` renders no such chat (no oracle)."""
+    import pyarrow.parquet as pq
+
+    import lossmask
+
+    out = {kind: "-" for kind in collection.agent_chats()}
+    rows = [(kind, *chat) for kind in out for chat in [collection.agent_chat(tok, kind)] if chat is not None]
+    if not rows:
+        return out
+    for kind, messages, tools in rows:  # one row a file: each kept or dropped on its own
+        one = folder / f"{name}.agent.jsonl"
+        one.write_text(json.dumps({"messages": messages, "tools": tools}) + "\n")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = lossmask.mask_files(one, folder / f"{name}.agent.parquet", tokenizer=tok, max_drop_fraction=1.0)
+        if not report.rows_out:
+            out[kind] = "dropped: " + ", ".join(sorted(k for k, n in report.dropped.items() if n))
+            continue
+        table = pq.read_table(folder / f"{name}.agent.parquet")
+        found = collection.agent_problems(tok, messages, tools, table["input_ids"][0].as_py(), table["labels"][0].as_py())
+        out[kind] = "exact" if not found else found[0]
+    return out
 
 
 def section(rows: list[dict]) -> str:
@@ -86,6 +114,26 @@ def section(rows: list[dict]) -> str:
         rules = "–" if not r["chats"] else ("hold" if not r["problems"] else "; ".join(sorted(set(r["problems"]))))
         trained = f"{r['trained']} of {r['tokens']}" if r["chats"] else "–"
         lines.append(f"| {r['name']} | {r['source']} | {r['chats']} of 3 | {r['kept']} | {trained} | {rules} |")
+    kinds = list(collection.agent_chats())
+    cells = [c for r in rows for c in r["agents"].values()]
+    lines += [
+        "", "### Agent data", "",
+        "The same templates on agent chats (`agent_chats` in `tests/fixtures/template_collection.py`): a call with its "
+        "result, parallel calls, reasoning as a field and as `<think>` text, and system + tools, each given the tools, "
+        "read from JSON Lines as Arrow (so each call's arguments carry the other calls' keys as null). *exact*: the row "
+        "is kept and every token trains as the oracle says, which is written from `apply_chat_template`'s prefix "
+        "renders and each token's bytes: a turn trains from the model's first token, past the header the generation "
+        "prompt writes (whitespace allowed to differ), through its stop or closing, every call included; no header, "
+        "user, system or tool text trains. *-*: `apply_chat_template` does not render that chat with every call "
+        "written (the template raises on it, or writes no tool calls), so there is no oracle. "
+        f"**{cells.count('exact')} of {sum(c != '-' for c in cells)} rendered agent chats are exact.** "
+        "`tests/test_template_collection_agents.py` also checks that `hf.mask_dataset` and `encode_chats` + "
+        "`label_batch` give the same labels.", "",
+        "| template | " + " | ".join(kinds) + " |",
+        "| --- |" + " --- |" * len(kinds),
+    ]
+    for r in rows:
+        lines.append(f"| {r['name']} | " + " | ".join(r["agents"][k].replace("|", "\\|") for k in kinds) + " |")
     return "\n".join(lines) + "\n"
 
 
