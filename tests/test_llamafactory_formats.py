@@ -102,6 +102,23 @@ def test_alpaca_rows_without_a_string_output_or_with_a_broken_history_are_invali
                                          "output] pairs of strings" in broken_history
 
 
+def test_alpaca_parts_that_are_neither_text_nor_null_make_the_row_invalid_and_named(tmp_path):
+    rows = [{"instruction": "Double it.", "input": 42, "output": "84", "system": ""},
+            {"instruction": "Hi.", "input": "", "output": "Hello.", "system": 7},
+            {"instruction": "Hi.", "input": True, "output": "Hello.", "system": ""},
+            {"instruction": {"text": "Hi."}, "input": "", "output": "Hello.", "system": ""},
+            {"instruction": "Hi.", "input": None, "output": "Hello.", "system": None},  # null: left out, as empty
+            {"instruction": "Hi.", "input": "", "output": "Hello.", "system": ""}]
+    report, table = _mask(tmp_path, "qwen2.5", rows)
+    assert report.rows_in == 6 and report.rows_out == 2 and report.dropped["invalid"] == 4
+    number, system, boolean, mapping = report.invalid_examples
+    assert "line 1" in number and "column 'input' (the Alpaca input) is a number (42), not a string" in number
+    assert "line 2" in system and "column 'system' (the Alpaca system) is a number (7), not a string" in system
+    assert "line 3" in boolean and "column 'input' (the Alpaca input) is true, not a string" in boolean
+    assert "line 4" in mapping and "column 'instruction' (the Alpaca instruction) is an object" in mapping
+    assert all(_trained("qwen2.5", table, r).startswith("Hello.") for r in (0, 1))
+
+
 def test_alpaca_named_as_prompt_and_completion_keeps_the_text_pairs_reading(tmp_path):
     report, table = _mask(tmp_path, "qwen2.5", ALPACA[:1], prompt_column="instruction", completion_column="output")
     tok = chat_tokenizer("qwen2.5")
