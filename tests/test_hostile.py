@@ -580,3 +580,22 @@ def test_roles_speakers_and_template_errors_print_as_one_escaped_line(tmp_path):
         (example,) = report.invalid_examples + report.dropped_examples
         assert example.isprintable() and len(example) < MAX_LINE + 200, example[:300]
         assert "\x1b" not in report.summary() and "\nFORGED" not in report.summary()
+
+
+def test_an_error_quoting_a_long_value_prints_one_short_line(tmp_path, monkeypatch):
+    from lossmask.jobs.display import MAX_ERROR_LINE
+
+    lines = [json.dumps({"input_ids": CHAT}) for _ in range(30)]
+    lines[20] = json.dumps({"input_ids": CHAT, "k" * 200_000: 1})  # a key first seen after the rows that fix the columns
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(lossmask.jobs.inputs, "INFER_LINES", 10)
+    MARKERS.to_json(tmp_path / "m.json")
+    code, _, err = run_cli(tmp_path / "a.jsonl", tmp_path / "out.parquet", "--markers", tmp_path / "m.json")
+    assert code == 1 and err.count("\n") == 1 and "line 21: key 'kkkk" in err and "(200,000 characters)" in err
+    assert len(err) < 400
+    # a value no message shortens where it quotes it (an option), the line is cut: never as long as the value
+    code, _, err = run_cli(tmp_path / "a.jsonl", tmp_path / "out.parquet", "--markers", tmp_path / "m.json",
+                           "--input-ids-column", "i" * 200_000, "--messages-column", "\x1b[2J")
+    assert code == 1 and err.count("\n") == 1 and "characters more" in err and len(err) <= MAX_ERROR_LINE + 100
+    assert "\x1b" not in err
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "m.json"]

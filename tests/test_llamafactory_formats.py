@@ -102,6 +102,23 @@ def test_alpaca_rows_without_a_string_output_or_with_a_broken_history_are_invali
                                          "output] pairs of strings" in broken_history
 
 
+def test_alpaca_parts_that_are_neither_text_nor_null_make_the_row_invalid_and_named(tmp_path):
+    rows = [{"instruction": "Double it.", "input": 42, "output": "84", "system": ""},
+            {"instruction": "Hi.", "input": "", "output": "Hello.", "system": 7},
+            {"instruction": "Hi.", "input": True, "output": "Hello.", "system": ""},
+            {"instruction": {"text": "Hi."}, "input": "", "output": "Hello.", "system": ""},
+            {"instruction": "Hi.", "input": None, "output": "Hello.", "system": None},  # null: left out, as empty
+            {"instruction": "Hi.", "input": "", "output": "Hello.", "system": ""}]
+    report, table = _mask(tmp_path, "qwen2.5", rows)
+    assert report.rows_in == 6 and report.rows_out == 2 and report.dropped["invalid"] == 4
+    number, system, boolean, mapping = report.invalid_examples
+    assert "line 1" in number and "column 'input' (the Alpaca input) is a number (42), not a string" in number
+    assert "line 2" in system and "column 'system' (the Alpaca system) is a number (7), not a string" in system
+    assert "line 3" in boolean and "column 'input' (the Alpaca input) is true, not a string" in boolean
+    assert "line 4" in mapping and "column 'instruction' (the Alpaca instruction) is an object" in mapping
+    assert all(_trained("qwen2.5", table, r).startswith("Hello.") for r in (0, 1))
+
+
 def test_alpaca_named_as_prompt_and_completion_keeps_the_text_pairs_reading(tmp_path):
     report, table = _mask(tmp_path, "qwen2.5", ALPACA[:1], prompt_column="instruction", completion_column="output")
     tok = chat_tokenizer("qwen2.5")
@@ -173,6 +190,24 @@ def test_a_registered_sharegpt_dataset_reads_its_tags_as_the_role_map(tmp_path):
     ({"file_name": "x.json", "formatting": "sharegpt", "columns": {"messages": "m", "audios": "audios"}},
      "holds audio (columns.audios)"),
     ({"file_name": "x.json", "subset": "en"}, "has 'subset', which lossmask does not read"),
+    # an entry of another shape than LLaMA-Factory's: the key named, and what it holds instead
+    ({"file_name": "x.json", "formatting": "sharegpt", "tags": ["from"]}, "tags is a list (['from']), where "
+     "LLaMA-Factory's dataset_info.json gives an object of role_tag, content_tag, user_tag"),
+    ({"file_name": "x.json", "formatting": "sharegpt", "tags": "from"}, "tags is a string ('from')"),
+    ({"file_name": "x.json", "formatting": "sharegpt", "columns": {"messages": ["conversations"]}},
+     "columns.messages is a list (['conversations']), where LLaMA-Factory's dataset_info.json gives a string"),
+    ({"file_name": "x.json", "columns": {"prompt": 5, "response": "output"}}, "columns.prompt is a number (5)"),
+    ({"file_name": "x.json", "columns": {"prompt": "q", "response": ["a", "b"]}}, "columns.response is a list"),
+    ({"file_name": "x.json", "columns": {"prompt": "q", "respones": "a"}},
+     "columns has 'respones', which LLaMA-Factory does not read; its columns are prompt, query, response"),
+    ({"file_name": "x.json", "formatting": "sharegpt", "tags": {"user_tag": {"a": 1}}}, "tags.user_tag is an object"),
+    ({"file_name": "x.json", "ranking": "no"}, "ranking is a string ('no'), where LLaMA-Factory's dataset_info.json "
+     "gives true or false"),
+    ({"file_name": 3}, "file_name is a number (3)"),
+    ({"file_name": "x.json", "formatting": ["alpaca"]}, "formatting is a list (['alpaca'])"),
+    # a split other than the one a local file has is refused, never left unread
+    ({"file_name": "x.json", "split": "test"}, "split 'test'; lossmask reads the file whole, as its one split 'train'"),
+    ({"file_name": "x.json", "split": "train[:10]"}, "split 'train[:10]'"),
 ])
 def test_a_registered_dataset_lossmask_cannot_read_as_llamafactory_does_is_refused_in_one_line(tmp_path, entry, said):
     info = _registered(tmp_path, {"it": entry}, {})
@@ -180,6 +215,58 @@ def test_a_registered_dataset_lossmask_cannot_read_as_llamafactory_does_is_refus
         mask_files(None, tmp_path / "out.parquet", tokenizer=chat_tokenizer("qwen2.5"), dataset_info=info, dataset="it")
     assert said in str(caught.value) and f"{info}, dataset 'it'" in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_a_registered_dataset_with_split_train_is_read_whole(tmp_path):
+    info = _registered(tmp_path, {"it": {"file_name": "rows.json", "split": "train"}}, {"rows.json": ALPACA[:2]})
+    report, _ = _mask_registered(tmp_path, info, "it")
+    assert report.rows_in == report.rows_out == 2
+
+
+def _cli_error(*args) -> str:
+    """What ``lossmask mask ARGS`` prints on stderr, checked to be one line of an error (no traceback)."""
+    import contextlib
+    import io
+
+    from lossmask.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["mask", *map(str, args), "--no-progress"]) == 1
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lossmask mask: error: "), lines
+    return lines[0]
+
+
+def test_a_dataset_info_that_is_no_regular_file_or_too_large_or_too_deep_is_refused_in_one_line(tmp_path):
+    import os
+
+    from lossmask.jobs.dataset_info import MAX_DATASET_INFO_BYTES
+
+    out = tmp_path / "out.parquet"
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # no writer: opening it to read would wait for one
+    large = tmp_path / "large.json"
+    large.write_text(json.dumps({"it": {"file_name": "x.json", "pad": "x" * MAX_DATASET_INFO_BYTES}}))
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"a":' * 200_000 + "1" + "}" * 200_000)
+    for info, said in (("/dev/zero", "/dev/zero is a device, not a file"), (fifo, f"{fifo} is a pipe, not a file"),
+                       (tmp_path, f"{tmp_path} is a folder, not a file"),
+                       (large, f"{large} is larger than {MAX_DATASET_INFO_BYTES >> 20} MiB"),
+                       (deep, f"{deep}: JSON nested deeper than Python's JSON reader goes")):
+        assert said in _cli_error("--dataset-info", info, "--dataset", "it", out)
+    assert not out.exists() and sorted(os.listdir(tmp_path)) == ["deep.json", "fifo.json", "large.json"]
+
+
+def test_errors_about_a_dataset_info_quote_long_values_shortened(tmp_path):
+    info = _registered(tmp_path, {"it": {"file_name": "x.json", "formatting": "x" * 200_000},
+                                  **{f"{k}{'y' * 2_000_000}": {"file_name": "x.json"} for k in range(1)}}, {})
+    out = tmp_path / "out.parquet"
+    line = _cli_error("--dataset-info", info, "--dataset", "it", out)
+    assert "formatting 'xxxxxxxx" in line and "(200,000 characters)" in line and len(line) < 400
+    line = _cli_error("--dataset-info", info, "--dataset", "z" * 200_000, out)
+    assert "no dataset 'zzzz" in line and "(200,000 characters)" in line and "(2,000,001 characters)" in line
+    assert len(line) < 500
 
 
 def test_the_cli_reads_a_registered_dataset_and_names_the_ones_it_has(tmp_path, capsys):

@@ -328,6 +328,23 @@ def _chat_forms(folder):
     return out
 
 
+def test_show_escapes_control_characters_of_the_chat_on_a_terminal_and_through_a_pipe(tmp_path, capsys):
+    hostile = "clear\x1b[2J title\x1b]0;pwned\x07 cr\rend"
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps([{"role": "user", "content": hostile}, {"role": "assistant", "content": "Red\x1b[31m."}]))
+    assert main(["show", str(tokenizer_path("qwen2.5")), str(chat)]) == 0  # captured: not a terminal
+    piped = capsys.readouterr().out
+    shown = label_conversation(chat_tokenizer("qwen2.5"), json.loads(chat.read_text()))
+    coloured = io.StringIO()
+    print_shown(shown, out=coloured, colour=True)
+    for out in (piped, coloured.getvalue()):
+        assert "\x07" not in out and "\r" not in out and "\x1b[2J" not in out and "\x1b]0;" not in out
+        assert "\x1b[31m" not in out
+        text = re.sub(r"\x1b\[[0-9;]*m", "", out)  # the colours rich writes around each token
+        assert r"clear\x1b[2J title\x1b]0;pwned\x07 cr\rend" in text and r"Red\x1b[31m." in text
+    assert "<|im_start|>user\n" in piped  # the chat's own line breaks print as they are
+
+
 def test_show_reads_every_chat_form_that_mask_reads(tmp_path, capsys):
     tok = str(tokenizer_path("qwen2.5"))
     bodies = {}

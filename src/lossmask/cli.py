@@ -145,7 +145,7 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 def format_warning(message, category, filename, lineno, line=None) -> str:
     """A warning of lossmask's as ``lossmask mask`` prints it: one line, ``lossmask mask: warning: ...``."""
-    return f"lossmask mask: warning: {_escaped(message)}\n"
+    return f"lossmask mask: warning: {_bounded(message)}\n"
 
 
 @contextmanager
@@ -172,6 +172,14 @@ def _escaped(text: str) -> str:
     return escaped(str(text))
 
 
+def _bounded(text: str) -> str:
+    """A line of an error or a warning, escaped, and cut at ``MAX_ERROR_LINE`` characters: a message quoting a value
+    whole (a 200,000-character name) still prints as one line of bounded length."""
+    from .jobs.display import MAX_ERROR_LINE, one_line
+
+    return one_line(text, MAX_ERROR_LINE)
+
+
 def _error_text(exc: BaseException) -> str:
     """An error as the command line prints it: one line, a file name with a newline in it escaped as ``repr`` does.
     The messages written as several lines (too many dropped rows, markers that cannot be resolved) keep their line
@@ -180,7 +188,7 @@ def _error_text(exc: BaseException) -> str:
     from .markers.policy import MarkerResolutionError
 
     lines = str(exc).split("\n") if isinstance(exc, (TooManyDroppedRows, MarkerResolutionError)) else [str(exc)]
-    return "\n".join(map(_escaped, lines))
+    return "\n".join(map(_bounded, lines))
 
 
 @contextmanager

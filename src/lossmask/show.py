@@ -30,7 +30,7 @@ from .chat.probes import WEATHER_TOOL
 from .engine.labels import make_labels
 from .engine.patterns import KINDS, Markers
 from .chat.turn_spans import FromRendering
-from .jobs.display import escaped
+from .jobs.display import escaped, quoted
 from .markers.policy import Resolution, resolve_markers
 
 _CALL = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
@@ -234,7 +234,17 @@ def _header_lines(shown: Shown) -> list[str]:
     lines += [f"  {m}" for m in r.messages]
     lines += [f"note: {n}" for n in shown.notes]
     lines.append(f"{shown.n_trained} of {len(shown.ids)} tokens trained")
-    return lines
+    return [escaped(line, keep=_KEPT) for line in lines]
+
+
+_KEPT = "\n\t"  # a chat's line breaks and tabs print as they are; every other control character escaped, as `repr`
+
+
+def _printed(piece: str) -> str:
+    """A piece of the chat as ``show`` prints it: an escape sequence, a bell or a carriage return from the data is
+    written as ``repr`` writes it (``\\x1b[2J``), as ``lossmask mask --show`` does, so that printing a chat can
+    neither clear the terminal nor set its title, on a terminal or through a pipe."""
+    return escaped(piece, keep=_KEPT)
 
 
 def format_text(shown: Shown) -> str:
@@ -244,7 +254,7 @@ def format_text(shown: Shown) -> str:
         if trained != inside:
             out.append("[" if trained else "]")
             inside = trained
-        out.append(piece)
+        out.append(_printed(piece))
     if inside:
         out.append("]")
     legend = "trained text is between [ and ]"
@@ -272,7 +282,7 @@ def print_shown(shown: Shown, *, out: TextIO | None = None, colour: bool | None 
                   Text("masked", style="grey50") + Text(" tokens dim; shades alternate at token boundaries\n"))
     body = Text()
     for k, (piece, trained) in enumerate(zip(shown.pieces, shown.trained.tolist())):
-        shown_piece = piece.replace("\n", "↵\n") if trained else piece
+        shown_piece = _printed(piece).replace("\n", "↵\n") if trained else _printed(piece)
         if trained:
             style = "black on green" if k % 2 == 0 else "black on bright_green"
         else:
@@ -417,7 +427,7 @@ def row_kind(values: Mapping[str, Any], options: Any, where: str) -> str:
         return "chat"
     if isinstance(prompt, str) and isinstance(completion, str):
         return "text"
-    raise ValueError(f"{where} has {sorted(values)}: a row is {options.messages_column!r} (messages), 'conversations' "
+    raise ValueError(f"{where} has {quoted(sorted(values))}: a row is {options.messages_column!r} (messages), 'conversations' "
                      f"(ShareGPT's {{from, value}}), prompt + completion (messages or text), or "
                      f"{options.input_ids_column!r} (token ids)")
 

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from ..engine.outcomes import SPECIAL_TOKENS
 from .encode_rendered import LocatedRows, encode_located, encode_rendered, locate_rendered, text_can_match
+from .quoting import described
 from .render import plain_arrow_type
 from .shapes import (PLACEHOLDERS, needs_call_ids, normalise_shapes, read_placeholders, read_tools,
                      takes_content_parts)
@@ -464,7 +465,8 @@ def alpaca_conversations(table: pa.Table, options: Any) -> tuple[list, str, list
     ``[instruction, output]`` pair of ``history`` an earlier user and assistant message, the non-empty ones of
     ``instruction`` and ``input`` joined with ``"\n"`` the user message, ``output`` the assistant message.
 
-    A row whose output is not a string, or whose history is not a list of pairs of strings, is unreadable (named)."""
+    A row whose output is not a string, whose instruction, input or system is neither a string nor null (LLaMA-Factory's
+    converter fails on a number there), or whose history is not a list of pairs of strings, is unreadable (named)."""
     names = options.alpaca()
     present = [part for part in ("instruction", "input", "output", "system", "history") if names[part] in table.column_names]
     values = {part: json_values(table.column(names[part])) for part in present}
@@ -473,9 +475,12 @@ def alpaca_conversations(table: pa.Table, options: Any) -> tuple[list, str, list
     unread: list[tuple[int, str]] = []
     rows = zip(*(values.get(part, empty) for part in ("instruction", "input", "output", "system", "history")))
     for r, (instruction, given, output, system, history) in enumerate(rows):
-        if not isinstance(output, str):
-            unread.append((r, f"column {names['output']!r} (the Alpaca output) is "
-                              f"{'null' if output is None else 'a ' + type(output).__name__}, not a string"))
+        parts = {"output": output, "instruction": instruction, "input": given, "system": system}
+        wrong = next((part for part, value in parts.items()
+                      if not isinstance(value, str) and (value is not None or part == "output")), None)
+        if wrong is not None:  # a null output trains nothing; null or absent other parts are left out, as empty
+            unread.append((r, f"column {names[wrong]!r} (the Alpaca {wrong}) is {described(parts[wrong])}, not a "
+                              "string"))
             conversations.append(None)
             continue
         messages = [{"role": "system", "content": system}] if isinstance(system, str) and system else []

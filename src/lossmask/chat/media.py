@@ -41,6 +41,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .locate import message_pieces
+from .quoting import quoted, shortened
 
 # where a content part carries its image, in the forms chat formats use
 IMAGE_PART_KEYS = ("image", "path", "url", "image_url")
@@ -256,7 +257,7 @@ def _unread(value: Any, media_dir: str | None, where: str) -> tuple[Any, bool]:
                 return _open(io.BytesIO(base64.b64decode(text.split(",", 1)[1]))), True
             if "://" in text:
                 raise MediaError(
-                    f"{where} is a URL ({text[:80]}); lossmask never fetches: put the image itself in the row "
+                    f"{where} is a URL ({shortened(text)}); lossmask never fetches: put the image itself in the row "
                     "(a path, bytes or a PIL image, in the 'images' column or the part's 'image')")
             return _open(_regular_file(text, media_dir, where)), True
         if value is None:
@@ -447,8 +448,8 @@ def video_token_counts(grid: VideoGrid, videos: Sequence[Any], options: Any,
             raise MediaError(f"{where}: a video part has no video (give its frames as a list of images, in the part's "
                              "'video' or a 'videos' column)")
         if isinstance(frames, (str, os.PathLike, bytes, dict)):
-            shown = os.fspath(frames)[:80] if isinstance(frames, (str, os.PathLike)) else type(frames).__name__
-            raise MediaError(f"{where} is a file ({shown!r}); lossmask decodes no video file: pass the video as a list "
+            shown = quoted(os.fspath(frames)) if isinstance(frames, (str, os.PathLike)) else type(frames).__name__
+            raise MediaError(f"{where} is a file ({shown}); lossmask decodes no video file: pass the video as a list "
                              "of its frames (paths, bytes or images), the frames the processor is to see")
         if not isinstance(frames, (list, tuple)) or not frames:
             raise MediaError(f"{where}: a video is a non-empty list of frames (paths, bytes or images), got "

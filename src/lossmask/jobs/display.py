@@ -11,6 +11,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..chat.quoting import SHORT, described, escaped, json_kind, quoted, shortened  # noqa: F401 (their home for jobs/)
+
 SHOW_TOKENS = 200  # the tokens ``lossmask mask --show`` prints of a row, at most (``--show-tokens``)
 _MESSAGE_MIN = 8  # past the budget, a message keeps at least its first 4 and last 4 tokens, else it is left out whole
 
@@ -122,6 +124,7 @@ def _dim(text: str, colour: bool) -> str:
 
 
 MAX_LINE = 600  # characters of one line of data or template text in a report or a message
+MAX_ERROR_LINE = 2000  # characters of one line of an error or a warning the commands print, whatever it quotes
 
 
 def one_line(text: str, limit: int = MAX_LINE) -> str:
@@ -131,17 +134,9 @@ def one_line(text: str, limit: int = MAX_LINE) -> str:
     return line if len(line) <= limit else f"{line[:limit - 40]}... ({len(line) - limit + 40:,} characters more)"
 
 
-def escaped(text: str) -> str:
-    """``text`` with every character that is not printable (a newline, a tab, an escape) written the way ``repr``
-    writes it, so that a file name (or any value) printed in an error or warning line keeps the line one line."""
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
-
-
 def warnings_on_one_line(command: str) -> None:
     """Each warning a command gives is one line on stderr (``lossmask mask: warning: ...``), as its errors are: no
     source line, no file and line number of the code that warned."""
     import warnings
 
-    warnings.formatwarning = lambda message, *_, **__: f"{command}: warning: {escaped(str(message))}\n"
+    warnings.formatwarning = lambda message, *_, **__: f"{command}: warning: {one_line(message, MAX_ERROR_LINE)}\n"

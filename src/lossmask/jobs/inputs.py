@@ -40,7 +40,7 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
-from .display import escaped
+from .display import escaped, json_kind, quoted, shortened
 
 FORMATS = {
     ".parquet": "parquet", ".pq": "parquet",
@@ -813,7 +813,7 @@ def _array_items(fh, name: str) -> Iterator[tuple[int, bytes]]:
             except RecursionError:
                 raise _too_deep(name, "row", index) from None
         if not isinstance(value, dict):
-            raise ValueError(f"{name}, row {index}: holds {_json_kind(value)}, not a JSON object (one row per item)")
+            raise ValueError(f"{name}, row {index}: holds {json_kind(value)}, not a JSON object (one row per item)")
         # JSON text holds no raw line break inside a string: as one line, the item is read as JSON Lines are
         yield index, text[pos:end].replace("\n", " ").replace("\r", " ").encode()
         index, pos = index + 1, end
@@ -881,7 +881,7 @@ def _json_table(path: str, lines: list[bytes], first: int, schema: pa.Schema, un
         extra = [key for key in row if key not in known]
         if extra:
             raise ValueError(
-                f"{path}, {unit} {first + i}: key {extra[0]!r} appears here but in none of the first {INFER_LINES:,} "
+                f"{path}, {unit} {first + i}: key {quoted(extra[0])} appears here but in none of the first {INFER_LINES:,} "
                 f"rows of the file, which fix its columns; give every row the key (null where absent), "
                 "or convert the file to Parquet"
             )
@@ -1056,7 +1056,7 @@ def _json_column(path: str, first: int, field: pa.Field, values: list, unit: str
         if pa.types.is_list(field.type):
             for i, value in enumerate(values):
                 if value is not None and not isinstance(value, list):
-                    raise ValueError(f"{path}, {unit} {first + i}: {field.name!r} is {_json_kind(value)}, "
+                    raise ValueError(f"{path}, {unit} {first + i}: {field.name!r} is {json_kind(value)}, "
                                      f"not a list as in the file's first rows")
             texts = [None if v is None else [json.dumps(item, ensure_ascii=False) for item in v] for v in values]
             storage = pa.array(texts, type=pa.list_(pa.string()))
@@ -1074,8 +1074,7 @@ def _json_column(path: str, first: int, field: pa.Field, values: list, unit: str
         try:
             pa.array([value], type=field.type)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
-            shown = json.dumps(value)
-            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            shown = shortened(json.dumps(value, ensure_ascii=False), 60)
             raise ValueError(
                 f"{path}, {unit} {first + i}: {field.name!r} holds {shown}, which does not fit {field.type} "
                 f"(its type in the file's first rows); fix the row, or convert the file to Parquet with one type"
@@ -1093,7 +1092,7 @@ def _check_message_keys(path: str, first: int, field: pa.Field, values: list, un
             extra = [key for key in item if key not in known] if isinstance(item, dict) else []
             if extra:
                 raise ValueError(
-                    f"{path}, {unit} {first + i}: an object of {field.name!r} has key {extra[0]!r}, which none has in the "
+                    f"{path}, {unit} {first + i}: an object of {field.name!r} has key {quoted(extra[0])}, which none has in the "
                     f"first {INFER_LINES:,} rows of the file, whose objects fix its fields; give it to an object of the "
                     "first rows (null where absent), or convert the file to Parquet"
                 )
@@ -1120,7 +1119,7 @@ def _parse_line(path: str, line: int, raw: bytes, unit: str = "line") -> dict:
     except RecursionError:
         raise _too_deep(path, unit, line) from None
     if not isinstance(value, dict):
-        raise ValueError(f"{path}, {unit} {line}: holds {_json_kind(value)}, not a JSON object (one row per line)")
+        raise ValueError(f"{path}, {unit} {line}: holds {json_kind(value)}, not a JSON object (one row per line)")
     if _SURROGATE.search(raw):
         _check_surrogates(path, unit, line, value)
     return value
@@ -1133,7 +1132,7 @@ def _check_surrogates(path: str, unit: str, line: int, row: dict) -> None:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as exc:
             raise ValueError(
-                f"{path}, {unit} {line}: {key!r} holds a lone UTF-16 surrogate (\\u{ord(exc.object[exc.start]):04x}), "
+                f"{path}, {unit} {line}: {quoted(key)} holds a lone UTF-16 surrogate (\\u{ord(exc.object[exc.start]):04x}), "
                 "half of a pair that is not text; remove it or write the whole character"
             ) from None
 
@@ -1141,11 +1140,6 @@ def _check_surrogates(path: str, unit: str, line: int, row: dict) -> None:
 def _too_deep(path: str, unit: str, line: int) -> ValueError:
     return ValueError(f"{path}, {unit} {line}: nested too deep to read (Python's JSON reader stops at about "
                       f"{sys.getrecursionlimit():,} levels of arrays and objects); flatten it, or store it as a string")
-
-
-def _json_kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 # -- strings in Parquet and Arrow files -----------------------------------------------------------------
