@@ -365,3 +365,75 @@ def test_tool_calls_without_ids_get_deterministic_ids_where_the_template_require
 def test_a_chat_with_no_assistant_message_counts_as_no_response_on_every_family(tmp_path, family):
     report, _ = _mask(tmp_path, family, [{"messages": [U("Is anyone there?")]}, {"messages": [U("Hi."), A("Hello.")]}])
     assert report.rows_out == 1 and report.dropped["no_response"] == 1 and report.dropped["empty_response"] == 0
+
+
+def test_a_registered_sharegpt_dataset_takes_its_system_prompt_from_columns_system(tmp_path):
+    """LLaMA-Factory's converter: the system column is the system prompt, unless the chat opens with a system message
+    (which then wins); an empty value adds none."""
+    rows = [
+        {"conversations": [{"from": "human", "value": "Name a prime."}, {"from": "gpt", "value": "Seven."}],
+         "sys": "You are terse."},
+        {"conversations": [{"from": "system", "value": "Answer in French."}, {"from": "human", "value": "Hello?"},
+                           {"from": "gpt", "value": "Bonjour."}], "sys": "You are terse."},
+        {"conversations": [{"from": "human", "value": "And an even one?"}, {"from": "gpt", "value": "Two."}], "sys": ""},
+    ]
+    info = _registered(tmp_path, {
+        "with_system": {"file_name": "chats.jsonl", "formatting": "sharegpt",
+                        "columns": {"messages": "conversations", "system": "sys"}},
+        "openai": {"file_name": "openai.jsonl", "formatting": "openai",
+                   "columns": {"messages": "messages", "system": "system"},
+                   "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                            "assistant_tag": "assistant"}},
+    }, {"chats.jsonl": rows, "openai.jsonl": [{"messages": [U("Name a prime."), A("Seven.")], "system": "Be brief."}]})
+    report, table = _mask_registered(tmp_path, info, "with_system")
+    assert report.rows_out == 3
+    expected = [[S("You are terse."), U("Name a prime."), A("Seven.")],
+                [S("Answer in French."), U("Hello?"), A("Bonjour.")],
+                [U("And an even one?"), A("Two.")]]
+    _, chats = _mask(tmp_path, "qwen2.5", [{"messages": chat} for chat in expected], name="expected.jsonl")
+    assert table.column("input_ids").to_pylist() == chats.column("input_ids").to_pylist()
+    assert table.column("labels").to_pylist() == chats.column("labels").to_pylist()
+    report, table = _mask_registered(tmp_path, info, "openai")
+    text = chat_tokenizer("qwen2.5").decode(table.column("input_ids")[0].as_py())
+    assert report.rows_out == 1 and text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    with pytest.raises(ValueError, match="system_column='nope' is not a column of the rows"):
+        _mask(tmp_path, "qwen2.5", rows, name="missing.jsonl", system_column="nope")
+
+
+def test_hf_mask_dataset_reads_a_registered_dataset_as_mask_files_does(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from lossmask.hf import mask_dataset
+
+    info = _registered(tmp_path, {"alpaca_demo": {"file_name": "rows.json"},
+                                  "chats": {"file_name": "chats.jsonl", "formatting": "sharegpt",
+                                            "columns": {"messages": "dialogue"}}},
+                       {"rows.json": ALPACA[:3],
+                        "chats.jsonl": [{"dialogue": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}]})
+    for name in ("alpaca_demo", "chats"):
+        report, files = _mask_registered(tmp_path, info, name)
+        loaded = mask_dataset(None, chat_tokenizer("qwen2.5"), dataset_info=info, dataset_name=name)
+        assert list(loaded["labels"]) == files.column("labels").to_pylist(), name
+        given = datasets.load_dataset("json", data_files=str(tmp_path / ("rows.json" if name == "alpaca_demo"
+                                                                         else "chats.jsonl")), split="train")
+        assert list(mask_dataset(given, chat_tokenizer("qwen2.5"), dataset_info=info, dataset_name=name)["labels"]) == \
+            files.column("labels").to_pylist(), name
+    with pytest.raises(ValueError, match="dataset_info= and dataset_name= go together"):
+        mask_dataset(None, chat_tokenizer("qwen2.5"), dataset_info=info)
+
+
+def test_a_placeholder_for_a_medium_the_row_has_no_item_of_makes_the_row_invalid_for_audio_as_for_images(tmp_path):
+    rows = [
+        {"messages": [U("<audio>What's that sound?"), A("Glass shattering.")], "images": []},  # no audios column
+        {"messages": [U("<image>Who is this?"), A("A red square.")], "images": [], "videos": []},  # no image in the row
+        {"messages": [U("<video>What happens?"), A("It rains.")], "images": []},  # no videos column
+        {"messages": [U("Hi."), A("Hello.")], "images": []},
+    ]
+    report, _ = _mask(tmp_path, "qwen2.5", rows)
+    assert report.rows_out == 1 and report.dropped["invalid"] == 3, report.summary()
+    audio, image, video = report.invalid_examples
+    assert "holds 1 <audio> placeholder but no item in column 'audios'" in audio
+    assert "holds 1 <image> placeholder but no item in column 'images'" in image
+    assert "holds 1 <video> placeholder but no item in column 'videos'" in video
+    # rows with no media column at all are plain chats: the same text is text there, for every medium alike
+    report, _ = _mask(tmp_path, "qwen2.5", [{"messages": row["messages"]} for row in rows], name="plain.jsonl")
+    assert report.rows_out == 4

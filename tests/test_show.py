@@ -462,3 +462,43 @@ def test_show_labels_token_ids_and_text_pairs_as_the_job_does(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "prompt and completion text (no chat template)" in out
     assert "\nCapital of France?[ Paris." in out and "]" == out.rstrip()[-1]  # the completion and its EOS train
+
+
+# one story with mask: a row the job drops shows its reason and nothing trained; a row it keeps, the job's labels
+TOOL_ROW = {"messages": [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "minus three, snowing"},
+    {"role": "assistant", "content": "It is -3 and snowing."}]}
+# a trailing space Llama-3 trims, whose trimmed text recurs later (as in real chats): kept by mask, so by show
+TRIMMED_ROW = {"messages": [
+    {"role": "user", "content": "How old is the youngest?"}, {"role": "assistant", "content": "7 "},
+    {"role": "user", "content": "Brother or sister?"}, {"role": "assistant", "content": "Sister."},
+    {"role": "user", "content": "7 year old boys are the worst"}, {"role": "assistant", "content": "They are."}]}
+
+
+@pytest.mark.parametrize("family, row, dropped", [("phi-3", TOOL_ROW, "content_dropped"),
+                                                  ("llama-3.1", TRIMMED_ROW, None)])
+def test_show_tells_the_story_mask_tells_for_the_same_row(tmp_path, capsys, family, row, dropped):
+    import pyarrow.parquet as pq
+
+    from lossmask import mask_files
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    report = mask_files(path, tmp_path / "out.parquet", tokenizer=chat_tokenizer(family), max_drop_fraction=1.0)
+    assert main(["show", str(tokenizer_path(family)), str(path)]) == 0
+    out = capsys.readouterr().out
+    if dropped is not None:
+        assert report.dropped[dropped] == 1 and report.rows_out == 0
+        assert f"note: lossmask mask drops this row, so nothing of it trains: {dropped}: message 1 (assistant)" in out
+        assert "\n0 of " in out and "[" not in out.split("trained text is between [ and ]", 1)[1]
+        return
+    assert report.rows_out == 1, report.summary()
+    table = pq.read_table(tmp_path / "out.parquet")
+    ct = chat_tokenizer(family)
+    ids, labels = table.column("input_ids")[0].as_py(), table.column("labels")[0].as_py()
+    trained = "".join(f"[{ct.decode([t])}]" if label != -100 else ct.decode([t]) for t, label in zip(ids, labels))
+    assert out.rstrip("\n").endswith(trained.replace("][", "").rstrip("\n"))
+    assert "[7<|eot_id|>]" in out and "[Sister.<|eot_id|>]" in out and "[They are.<|eot_id|>]" in out

@@ -11,6 +11,7 @@ position, so a pad id equal to EOS never masks the real EOS.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from dataclasses import dataclass, field, replace
@@ -44,6 +45,8 @@ def mask_dataset(
     verbose: bool = False,
     quiet: bool = False,
     num_proc: int = 1,
+    dataset_info: str | os.PathLike | None = None,
+    dataset_name: str | None = None,
     **option_fields: Any,
 ):
     """Add ``labels`` to a Hugging Face ``Dataset``, ``DatasetDict`` or ``IterableDataset``.
@@ -70,6 +73,10 @@ def mask_dataset(
     a function that returns the report of the rows iterated so far). Dropped rows are logged in one
     line on stderr (``quiet=True`` silences it); ``verbose`` prints the whole summary.
 
+    ``dataset_info`` (LLaMA-Factory's ``dataset_info.json``) and ``dataset_name`` (a dataset it registers) read the
+    rows as ``mask_files(dataset_info=, dataset=)`` reads them: the entry's ``formatting``, ``columns`` and ``tags``
+    apply to ``dataset``, and with ``dataset=None`` the entry's local file is loaded (``datasets.load_dataset``).
+
     ``num_proc`` > 1 labels a ``Dataset``'s chat and prompt/completion rows in up to ``num_proc`` worker processes,
     each carrying the whole step of a batch, as ``mask_files(num_proc=)`` does (same rows, labels and report as one
     process); an ``IterableDataset`` streams through this process.
@@ -79,6 +86,8 @@ def mask_dataset(
     from .jobs.stream import load_chat_tokenizer
 
     options = MaskOptions.resolve(options, **option_fields)
+    if dataset_info is not None or dataset_name is not None:
+        dataset, options = _registered(dataset, dataset_info, dataset_name, options)
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"num_proc={num_proc!r} must be a positive number of processes")
     if num_proc > 1 and isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
@@ -96,6 +105,33 @@ def mask_dataset(
         return (out, {split: result[1] for split, result in results.items()}) if return_report else out
     out, report = job.run(dataset, name=getattr(dataset, "split", None) or "dataset")
     return (out, report) if return_report else out
+
+
+# the loader of ``datasets.load_dataset`` for each file suffix LLaMA-Factory registers
+_LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow", ".txt": "text"}
+
+
+def _registered(dataset: Any, dataset_info: Any, name: str | None, options: MaskOptions) -> tuple[Any, MaskOptions]:
+    """``dataset`` (or the entry's file, loaded) and ``options`` reading it as the ``dataset_info.json`` entry says."""
+    from .jobs.dataset_info import dataset_entry
+
+    if dataset_info is None or name is None:
+        raise ValueError("dataset_info= and dataset_name= go together: the dataset_info.json and the name of a dataset "
+                         "it registers")
+    entry = dataset_entry(dataset_info, name)
+    options = replace(options, **entry.fields)
+    if dataset is not None:
+        return dataset, options
+    import datasets
+
+    files = sorted(os.path.join(entry.input, f) for f in os.listdir(entry.input)) if os.path.isdir(entry.input) \
+        else [entry.input]
+    loaders = {_LOADERS.get(os.path.splitext(f)[1].lower()) for f in files}
+    if len(loaders) != 1 or None in loaders:
+        raise ValueError(f"{os.fspath(dataset_info)}, dataset {name!r}: {entry.input} holds files of "
+                         f"{sorted(os.path.splitext(f)[1] for f in files)}; load it yourself (datasets.load_dataset) and "
+                         "pass it as dataset")
+    return datasets.load_dataset(loaders.pop(), data_files=files, split="train"), options
 
 
 def _will_encode(dataset: Any, options: MaskOptions) -> bool:

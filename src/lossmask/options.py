@@ -100,6 +100,9 @@ class MaskOptions:
     drop_system_message: bool = False  # system messages removed before rendering (axolotl's and LLaMA-Factory's meaning)
     # ShareGPT ``{from, value}`` messages: speaker -> role, over SHAREGPT_ROLES (a dict, or "human=user,gpt=assistant")
     role_map: Any = None
+    # chat rows: the column holding each row's system prompt (LLaMA-Factory's columns.system), put first as a system
+    # message unless the chat opens with one; an empty or null value adds none
+    system_column: str | None = None
     # Alpaca rows: part -> column (None: not read), over ALPACA_COLUMNS (a dict, or "instruction=question,output=answer")
     alpaca_columns: Any = None
     # weights (docs/weights.md): a float per token; labels train where it is > 0. Sources, applied in this order:
@@ -188,6 +191,9 @@ class MaskOptions:
         # a hashable, checked form: a tuple of (speaker, role) pairs, the user's over the defaults
         object.__setattr__(self, "role_map", parse_role_map(self.role_map))
         object.__setattr__(self, "alpaca_columns", parse_alpaca_columns(self.alpaca_columns))
+        if self.system_column is not None and (not isinstance(self.system_column, str) or not self.system_column):
+            raise TypeError(f"system_column={self.system_column!r}: pass the name of the column that holds the system "
+                            "prompt, or None")
         _warn_unlikely_weights(self)
         if self.labels_column is not None and (not isinstance(self.labels_column, str) or not self.labels_column):
             raise TypeError(f"labels_column={self.labels_column!r}: pass a column name, or None to write only "

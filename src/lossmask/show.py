@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass, replace
@@ -470,34 +471,76 @@ def label_row(tokenizer: Any, values: Mapping[str, Any], *, resolution: Resoluti
               model_name: str | None = None) -> Shown:
     """A row of token ids or of prompt + completion text, labelled by the job itself (``mask_files`` on this one
     row, rows that train nothing kept), each token shown as its own decoded text."""
+    from .chat.tokenizer import load_tokenizer
+    from .options import MaskOptions
+
+    ct = load_tokenizer(tokenizer)
+    options = options or MaskOptions()
+    ids, trained, _ = _labelled_by_the_job(ct, values, resolution, options, model_name)
+    pieces = tuple(ct.decode([int(t)]) for t in ids)
+    kind = "token ids" if options.input_ids_column in values else "prompt and completion text (no chat template)"
+    return Shown(ct.name, "".join(pieces), ids, pieces, trained, resolution, describe_markers(ct, resolution.markers),
+                 (f"a row of {kind}, labelled by lossmask mask itself; each token is shown as its own text",))
+
+
+def _labelled_by_the_job(ct: Any, values: Mapping[str, Any], resolution: Resolution, options: Any,
+                         model_name: str | None, *, as_json: bool = False) -> tuple[np.ndarray, np.ndarray, str | None]:
+    """``(ids, trained, dropped)`` of one row as ``mask_files`` labels it (rows that train nothing kept): ``dropped`` is
+    the job's line for a row it drops (``"content_dropped: ..."``), and then nothing trains. ``as_json``: the row is
+    given to the job as a JSON Lines row (a chat, read as ``mask`` reads JSON), else as a Parquet row."""
     import tempfile
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .chat.tokenizer import load_tokenizer
     from .jobs.stream import mask_files
-    from .options import MaskOptions
 
-    ct = load_tokenizer(tokenizer)
-    options = options or MaskOptions()
     # the row is shown from its labels and ids: written whatever output the caller's options choose
     options = replace(options, keep_dropped=True, max_drop_fraction=1.0, labels_column=options.labels_column or "labels",
                       keep_columns=())
     with tempfile.TemporaryDirectory(prefix="lossmask-show-") as folder:
-        source, labelled = os.path.join(folder, "row.parquet"), os.path.join(folder, "labelled.parquet")
-        pq.write_table(pa.Table.from_pylist([dict(values)]), source)
+        source = os.path.join(folder, "row.jsonl" if as_json else "row.parquet")
+        labelled = os.path.join(folder, "labelled.parquet")
+        if as_json:
+            with open(source, "w", encoding="utf-8") as fh:
+                fh.write(json.dumps(dict(values), ensure_ascii=False) + "\n")
+        else:
+            pq.write_table(pa.Table.from_pylist([dict(values)]), source)
         with warnings.catch_warnings():  # the policy's messages are printed with the page or text, once
             warnings.simplefilter("ignore")
-            mask_files(source, labelled, tokenizer=ct, markers=resolution.markers, model_name=model_name,
-                       options=options, progress=False)
-        out = pq.read_table(labelled, columns=[options.input_ids_column, options.labels_column]).to_pylist()[0]
-    ids = np.asarray(out[options.input_ids_column], dtype=np.int64)
-    trained = np.asarray(out[options.labels_column], dtype=np.int64) != options.ignore_index
-    pieces = tuple(ct.decode([int(t)]) for t in ids)
-    kind = "token ids" if options.input_ids_column in values else "prompt and completion text (no chat template)"
-    return Shown(ct.name, "".join(pieces), ids, pieces, trained, resolution, describe_markers(ct, resolution.markers),
-                 (f"a row of {kind}, labelled by lossmask mask itself; each token is shown as its own text",))
+            report = mask_files(source, labelled, tokenizer=ct, markers=resolution.markers, model_name=model_name,
+                                options=options, progress=False)
+        rows = pq.read_table(labelled, columns=[options.input_ids_column, options.labels_column]).to_pylist()
+    # the job's line names the row of its one-row file ("content_dropped: row 0: ..."): the reason and what it says
+    dropped = next((re.sub(r"^(\w+): row \d+: ", r"\1: ", line) for line in report.dropped_examples), None)
+    out = rows[0] if rows else {}
+    ids = np.asarray(out.get(options.input_ids_column) or [], dtype=np.int64)
+    labels = out.get(options.labels_column)
+    trained = np.zeros(len(ids), dtype=bool) if labels is None or dropped is not None \
+        else np.asarray(labels, dtype=np.int64) != options.ignore_index
+    return ids, trained, dropped
+
+
+def _as_the_job_decides(ct: Any, shown: Shown, values: Mapping[str, Any], resolution: Resolution, options: Any,
+                        model_name: str | None) -> Shown:
+    """``shown`` (a chat row labelled for display) with the labels ``lossmask mask`` gives the same row, so that the
+    two tell one story: a row the job drops is shown with its reason and nothing trained."""
+    from .options import MaskOptions
+
+    options = options or MaskOptions()
+    try:
+        ids, trained, dropped = _labelled_by_the_job(ct, values, resolution, options, model_name, as_json=True)
+    except (TypeError, ValueError):  # a row JSON cannot carry (bytes of an image): the display's own labels
+        return shown
+    if dropped is not None:
+        return replace(shown, trained=np.zeros(len(shown.ids), dtype=bool),
+                       notes=tuple(shown.notes) + (f"lossmask mask drops this row, so nothing of it trains: {dropped}",))
+    if len(ids) == len(shown.ids) and np.array_equal(ids, shown.ids):
+        return replace(shown, trained=trained)
+    pieces = tuple(ct.decode([int(t)]) for t in ids)  # the job encodes message text apart (special-token strings)
+    return replace(shown, text="".join(pieces), ids=ids, pieces=pieces, trained=trained,
+                   notes=tuple(shown.notes) + ("the job's token ids differ from the rendering's (message text encoded "
+                                               "as text); each token is shown as its own text",))
 
 
 SHAPE_NOTES = {
@@ -579,6 +622,7 @@ def run_show(tokenizer: Any, conversation_path: str | os.PathLike | None = None,
         if row_kind(values, options or MaskOptions(), where) == "chat":
             conversation, notes = read_chat(ct, values, where, options=options)
             shown = replace(label_conversation(ct, conversation, resolution=resolution), notes=notes)
+            shown = _as_the_job_decides(ct, shown, values, resolution, options, model_name)
         else:
             shown = label_row(ct, values, resolution=resolution, options=options, model_name=model_name)
     if html_path is not None:

@@ -19,7 +19,7 @@ from ..engine.outcomes import SPECIAL_TOKENS
 from .encode_rendered import LocatedRows, encode_located, encode_rendered, locate_rendered, text_can_match
 from .quoting import described
 from .render import plain_arrow_type
-from .shapes import (PLACEHOLDERS, needs_call_ids, normalise_shapes, read_placeholders, read_tools,
+from .shapes import (PLACEHOLDERS, needs_call_ids, normalise_shapes, read_placeholders, read_tools, speaker_role,
                      takes_content_parts)
 from .turn_spans import FromRendering
 
@@ -438,6 +438,8 @@ def conversations_of(table: pa.Table, kind: str, options: Any, *,
     if kind == "messages":
         column = options.chat_column(table.column_names)
         conversations = messages_from_arrow(table.column(column))
+        if options.system_column is not None:
+            system_first(conversations, table, options)
         media = {name: _item_counts(table.column(name)) for name in PLACEHOLDERS if name in table.column_names}
         unread = read_placeholders(conversations, media, processor=processor) if media else []
         return conversations, column, [column], [(r, f"column {column!r}: {message}") for r, message in unread]
@@ -448,6 +450,27 @@ def conversations_of(table: pa.Table, kind: str, options: Any, *,
     conversations = [None if p is None or c is None else p + c for p, c in zip(prompts, completions)]
     return (conversations, f"{options.prompt_column}+{options.completion_column}",
             [options.prompt_column, options.completion_column], [])
+
+
+def system_first(conversations: list, table: pa.Table, options: Any) -> None:
+    """Each row's system prompt from ``options.system_column`` put first, as LLaMA-Factory reads ``columns.system``:
+    a chat that opens with a system message keeps its own; an empty or null value adds nothing. In place."""
+    name = options.system_column
+    if name not in table.column_names:
+        raise ValueError(f"system_column={name!r} is not a column of the rows (they have {table.column_names}); name "
+                         "the column that holds the system prompt")
+    roles = options.roles()
+    for r, (messages, system) in enumerate(zip(conversations, json_values(table.column(name)))):
+        if system is None or (isinstance(system, str) and not system.strip()) or not isinstance(messages, list):
+            continue
+        if not isinstance(system, str):
+            raise ValueError(f"column {name!r} (the system prompt) holds a {type(system).__name__} in row {r}; "
+                             "it must hold text")
+        first = messages[0] if messages else None
+        if isinstance(first, dict) and ("system" == first.get("role") or
+                                        ("role" not in first and speaker_role(first.get("from"), roles) == "system")):
+            continue
+        conversations[r] = [{"role": "system", "content": system}, *messages]
 
 
 def _item_counts(column: pa.ChunkedArray) -> list[int]:

@@ -19,7 +19,11 @@ message's pieces in the rendered text, in order:
 A piece is looked for as written, then stripped (Llama-3 trims contents), then with every
 whitespace run allowed to be any whitespace run (Falcon rewrites blank lines and CRLF); where a string
 is also written through ``tojson`` (Llama-3.1's tool results), the nearest of its forms wins, so that a
-later reply quoting the raw text does not take the message's place. The pieces of one message never
+later reply quoting the raw text does not take the message's place. A text with edge whitespace that a
+template trims may also occur as written later in the row (``"7 "`` trimmed to ``7``, then ``"7 year olds"`` in
+a later reply): found there, it would take the later text's place and leave the messages between unfound; so a
+row with a message missing is located again with each such text looked for trimmed first, and that reading is
+used when it finds every message. The pieces of one message never
 share characters: gpt-oss drops the second of two parallel calls, and the second call's arguments must
 not be found inside the first's (when equal) nor, by their values, inside the reasoning it writes before
 the call (which may name the second call and quote its values).
@@ -171,10 +175,16 @@ def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool
         pieces.append((*spans[-1], index, True))
     else:
         return Located(_merge(spans), None, tuple(pieces), ("content",) * len(pieces))
-    return _locate_pieces(text, messages, system_optional)
+    located = _locate_pieces(text, messages, system_optional)
+    if located.missing is not None:  # text a template trims may recur later as written: look for it trimmed first
+        trimmed = _locate_pieces(text, messages, system_optional, trimmed=True)
+        if trimmed.missing is None:
+            return trimmed
+    return located
 
 
-def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, skip: frozenset = frozenset()) -> Located:
+def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, skip: frozenset = frozenset(),
+                   trimmed: bool = False) -> Located:
     spans: list[tuple[int, int]] = []
     pieces: list[tuple[int, int, int, bool]] = []
     kinds: list[str] = []
@@ -191,6 +201,8 @@ def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, sk
         # its reasoning (gpt-oss drops a second parallel call, and reasoning that names it is not the call)
         mine: list[tuple[int, int]] = []
         for piece, required, what in message_pieces(message):
+            if trimmed and type(piece) is str:
+                piece = piece.strip()
             found = _find_clear(text, piece, after, mine)
             if found is None and after != cursor:  # pieces out of the usual order
                 found = _find_clear(text, piece, cursor, mine)
@@ -200,7 +212,7 @@ def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, sk
                     if blamed is not None and system_optional and blamed[1] == "system":
                         # a system prompt the template leaves out, quoted by a later message (Mistral v3
                         # writes it only when the chat ends with a user turn): it is absent, not there
-                        return _locate_pieces(text, messages, system_optional, skip | {blamed[0]})
+                        return _locate_pieces(text, messages, system_optional, skip | {blamed[0]}, trimmed)
                     missing = blamed or (index, role, what)
                 continue
             mine.append(found)

@@ -286,11 +286,18 @@ def read_placeholders(conversations: list, media: dict[str, list], *, processor:
     each string content that holds a placeholder becomes parts (``{"type": "image"}`` ...), in order, which the path
     of a processor matches with the column (``chat/encode_media.py``); ``conversations`` is changed in place. Returns
     ``(row, message)`` for the rows that cannot be read so, which are never kept as text: a row with audio, a row with
-    placeholders and media but no processor, and a row whose placeholders and media differ in number."""
+    placeholders and media but no processor, a row whose placeholders and media differ in number, and a row with a
+    placeholder for a medium it has no item of (no such column, or none in this row: ``<audio>`` beside images only)."""
     invalid: list[tuple[int, str]] = []
     for r, messages in enumerate(conversations):
         given = {column: values[r] for column, values in media.items() if values[r]}
-        if not given or not messages:
+        if not messages:
+            continue
+        orphan = _orphan_placeholder(messages, given)
+        if orphan is not None:
+            invalid.append((r, orphan))
+            continue
+        if not given:
             continue
         if "audios" in given:
             invalid.append((r, "holds audio (column 'audios'); lossmask reads text, images and videos, and never keeps "
@@ -314,6 +321,20 @@ def read_placeholders(conversations: list, media: dict[str, list], *, processor:
             continue
         conversations[r] = [_placeholder_parts(m) for m in messages]
     return invalid
+
+
+def _orphan_placeholder(messages: list, given: dict) -> str | None:
+    """What to say of a row whose text holds a placeholder for a medium it has no item of (None: there is none)."""
+    texts = [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+    for column, placeholder in PLACEHOLDERS.items():
+        if column in given:
+            continue
+        n = sum(text.count(placeholder) for text in texts)
+        if n:
+            return (f"holds {n} {placeholder} placeholder{'s' * (n != 1)} but no item in column {column!r}: the "
+                    f"row's {column} are missing, and the placeholder would train as text; give the {column}, or "
+                    "remove the placeholder")
+    return None
 
 
 def _placeholder_parts(message: Any) -> Any:

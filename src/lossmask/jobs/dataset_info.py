@@ -196,12 +196,11 @@ def _sharegpt_fields(where: str, columns: dict | None, tags: dict | None) -> dic
     messages = "conversations" if columns is None else columns.get("messages")
     if not messages:
         raise ValueError(f"{where} names no messages column; name it with columns.messages")
-    if columns and columns.get("system"):
-        raise ValueError(f"{where}: columns.system ({quoted(columns['system'])}) is a system prompt kept apart from the "
-                         "chat, which lossmask does not read; put it in the chat as its first message (system)")
     named = dict(_TAGS_DEFAULT) if tags is None else {tag: tags.get(tag) for tag in _TAGS_DEFAULT}
     keys = (named["role_tag"], named["content_tag"])
     fields: dict[str, Any] = {"messages_column": messages}
+    if columns and columns.get("system"):  # the system prompt kept apart from the chat, first unless the chat has one
+        fields["system_column"] = columns["system"]
     if keys == ("from", "value"):
         if named["function_tag"] not in (None, "function_call"):
             raise ValueError(f"{where}: tags.function_tag is {quoted(named['function_tag'])}; lossmask reads tool calls "

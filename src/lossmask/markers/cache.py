@@ -1,7 +1,9 @@
 """Resolved markers kept on disk, so that a job on a tokenizer seen before skips detection (~0.8 s).
 
 The key is a SHA-256 of everything the resolution depends on: the tokenizer as it is serialised
-(``tokenizer.json``, added tokens included), the chat template(s), template name and kwargs, the
+(``tokenizer.json``, added tokens included), what resolution reads off the tokenizer object instead
+(``object_facts``: Unsloth Studio's marker strings, the special tokens, the table family of its name), the
+chat template(s), template name and kwargs, the
 arguments of ``resolve_markers`` (model name, strict, user strings), the versions of ``transformers``
 and ``tokenizers`` (they render and tokenise the probes) and the bytes of lossmask's own detection
 code and template table, so a change to any of them is a miss, never a stale answer. What is stored is
@@ -106,10 +108,32 @@ def cache_key(ct: Any, arguments: dict) -> str:
     facts = {
         "format": FORMAT, "templates": ct.templates, "template_name": ct.template_name,
         "template_kwargs": ct.template_kwargs, "arguments": arguments, "versions": versions,
+        "object": object_facts(ct),
     }
     digest.update(json.dumps(facts, sort_keys=True, default=repr).encode("utf-8"))
     digest.update(code_digest())
     return digest.hexdigest()
+
+
+def object_facts(ct: Any) -> dict:
+    """What a resolution reads off the tokenizer object rather than its serialised vocabulary (``tokenizer_json``):
+    Unsloth Studio's marker strings set on it (``_unsloth_output_part`` / ``_unsloth_input_part``, read as the
+    policy reads them), its special tokens (the template renders ``bos_token`` / ``eos_token``, the stop token
+    trains), the decoding and splitting switches, and the template-table family its name picks (the table is
+    tried by that name when detection fails; the name itself is left out, so that the same files in another
+    folder hit)."""
+    from .policy import unsloth_parts
+    from .templates import match_template
+
+    tokenizer = ct.tokenizer
+    match = match_template(ct.name) if isinstance(ct.name, str) and ct.name else None
+    return {
+        "unsloth_parts": unsloth_parts(ct),
+        "special_tokens": getattr(tokenizer, "special_tokens_map", None),
+        "clean_up_tokenization_spaces": getattr(tokenizer, "clean_up_tokenization_spaces", None),
+        "split_special_tokens": getattr(tokenizer, "split_special_tokens", None),
+        "table_family": None if match is None else [match.pattern, match.template],
+    }
 
 
 _CODE: list[bytes] = []

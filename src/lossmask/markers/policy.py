@@ -126,7 +126,7 @@ def resolve_markers(
     from ..chat.tokenizer import ChatTemplateError, load_tokenizer
 
     if response_part is None and instruction_part is None:
-        response_part, instruction_part = _unsloth_parts(tokenizer)
+        response_part, instruction_part = unsloth_parts(tokenizer)
     user_strings = response_part is not None or instruction_part is not None
     try:
         ct = load_tokenizer(tokenizer)
@@ -184,7 +184,7 @@ def _resolve_chat(ct: Any, model_name: str | None, strict: bool, steps: Steps) -
     return Resolution(markers, "detected", (reason,), reason, report=report)
 
 
-def _unsloth_parts(tokenizer: Any) -> tuple[str | None, str | None]:
+def unsloth_parts(tokenizer: Any) -> tuple[str | None, str | None]:
     """The marker strings Unsloth Studio sets on a tokenizer it prepared (``_unsloth_output_part`` opens a reply,
     ``_unsloth_input_part`` a user turn), on the tokenizer or the processor's tokenizer; ``(None, None)`` without."""
     for obj in (tokenizer, getattr(tokenizer, "tokenizer", None), getattr(tokenizer, "_tokenizer", None)):
