@@ -36,7 +36,7 @@ from .outputs import (OutputError, as_output_error, check_compression, check_out
 from .report import MaskReport, Tally
 from .safety import TooManyDroppedRows, check_drop_fraction
 from .stopping import kernel_call
-from .workers import worker_pool
+from .workers import WorkerDied, worker_pool
 
 
 def mask_files(
@@ -224,7 +224,7 @@ def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, token
         show(None, tally)
         remove_quietly(temporary)
         remove_quietly(report_partial)
-        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
+        if isinstance(exc, OSError) and not isinstance(exc, (OutputError, WorkerDied)):
             raise _os_error(exc, output, report, report_partial) from None
         raise
     return result
@@ -234,6 +234,8 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
     """The job's batches through the ``workers`` processes of ``pool``, each carrying the whole step
     (``jobs/workers.py``); this process adds their tallies in input order and joins their Parquet parts into
     ``temporary``."""
+    from concurrent.futures.process import BrokenProcessPool
+
     from .parquet_parts import PartsFile
     from .workers import in_order
 
@@ -248,6 +250,10 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
                 part, kept, batch_tally = future.result()
             except (ValueError, TypeError) as exc:
                 raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
+            except BrokenProcessPool:  # a worker died: one line naming the signal and the rows it held
+                died = pool.died()
+                raise WorkerDied(died.status, died.first_row, died.rows,
+                                 where=rows_where(dataset, died.first_row, died.rows)) from None
             tally += batch_tally  # in input order
             tally.invalid_examples[seen:] = [dataset.name_rows(e, count=1) for e in tally.invalid_examples[seen:]]
             if part is not None:
@@ -261,6 +267,21 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
     except BaseException:
         parts.abandon()
         raise
+
+
+def rows_where(dataset: InputFiles, first_row: int, rows: int) -> str | None:
+    """Where rows ``first_row`` to ``first_row + rows - 1`` of a job are: ``chats.jsonl, lines 4001-4512`` (None
+    when they are not named by more than their numbers, as the rows of one Parquet file are)."""
+    if rows <= 0:
+        return None
+    first, last = dataset.where(first_row), dataset.where(first_row + rows - 1)
+    if first is None or last is None:
+        return first or last
+    head, _, start = first.rpartition(" ")
+    last_head, _, end = last.rpartition(" ")
+    if head == last_head:
+        return f"{head}s {start}-{end}"  # "file, line" + "s"
+    return f"{first} to {last}"
 
 
 def _job_in_process(dataset, batch_size, source, tally, kind, options, tokenizer, resolved, renders, schema,
