@@ -213,3 +213,27 @@ print(report.rows_in)
                           env={**__import__("os").environ, "TOKENIZERS_PARALLELISM": "true"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "4800"
+
+
+def test_workers_reading_their_own_parquet_row_groups_write_the_file_and_report_of_one_process(tmp_path, eight_cores):
+    """Parquet files of several row groups (a glob of two) are read by the workers themselves, a run of row groups
+    each: the same file and report as one process, and a bad row named by its file and row."""
+    from conftest import chat_tokenizer
+
+    tokenizer = chat_tokenizer("qwen2.5")
+    rows = [json.loads(line) for line in _chats(tmp_path, copies=40).read_text().splitlines()]
+    (tmp_path / "chats.jsonl").unlink()
+    table = pa.table({"id": list(range(len(rows))), "messages": [r["messages"] for r in rows]})
+    (tmp_path / "in").mkdir()
+    pq.write_table(table.slice(0, 2_600), tmp_path / "in" / "a.parquet", row_group_size=700)
+    pq.write_table(table.slice(2_600), tmp_path / "in" / "b.parquet", row_group_size=300)
+    kwargs = dict(tokenizer=tokenizer, keep_dropped=True, max_drop_fraction=1.0, max_length=300, row_group_size=500)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = mask_files(str(tmp_path / "in" / "*.parquet"), tmp_path / "one.parquet", **kwargs)
+        two = mask_files(str(tmp_path / "in" / "*.parquet"), tmp_path / "two.parquet", num_proc=2, **kwargs)
+    assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
+    assert _report(one) == _report(two) and two.rows_in == len(rows)
+    assert one.invalid_examples == two.invalid_examples
+    assert any("a.parquet, row 63): column 'messages' is empty" in e for e in two.invalid_examples)
+    assert two.seconds["read"] > 0 and two.seconds.get("hand_out", 0) < two.seconds["worker"]

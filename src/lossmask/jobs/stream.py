@@ -243,7 +243,13 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
     step = {name: value for name, value in step.items() if name != "tokenizer"}  # the workers have theirs
     parts = PartsFile(temporary, step["schema"], step["writer_options"])
     try:
-        batches = _timed_reads(_batches(dataset, batch_size, step["options"]), tally)
+        if dataset.sliceable():  # the workers read their rows themselves: this process plans slices
+            from .slices import parquet_slices
+
+            step["input_schema"] = dataset.schema
+            batches = parquet_slices(dataset, batch_size)
+        else:
+            batches = _timed_reads(_batches(dataset, batch_size, step["options"]), tally)
         for batch, first_row, future in in_order(pool, batches, step, workers, tally):
             seen = len(tally.invalid_examples)
             try:

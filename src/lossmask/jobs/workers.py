@@ -33,6 +33,7 @@ from ..engine import one_thread
 from .batch_step import mask_batch
 from .parquet_parts import encode_part
 from .report import Tally
+from .slices import ParquetSlice
 from .stopping import kernel_call
 
 _STEP: dict[str, Any] = {}
@@ -114,31 +115,47 @@ def worker_started() -> int:
     return os.getpid()
 
 
-def step_in_worker(batch: pa.Buffer, first_row: int, step: dict[str, Any]) -> tuple[pa.Buffer | None, int, Tally]:
+def step_in_worker(batch: Any, first_row: int, step: dict[str, Any]) -> tuple[pa.Buffer | None, int, Tally]:
     """One batch through the whole step in a worker: ``(Parquet part or None when no row is kept, rows kept,
-    tally)``. ``step``: what every batch of the job shares (``markers``, ``options``, ``kind``, ``source``,
-    ``write_weights``, ``schema``, ``writer_options``, ``row_group_size``: a few kB). An error about a row is
-    raised as it is; the parent names the row's file and line."""
+    tally)``. ``batch``: the rows as an Arrow IPC stream, or a slice of the input that this worker reads itself
+    (``jobs/slices.py``), in pieces of about ``options.batch_bytes``. ``step``: what every batch of the job shares
+    (``markers``, ``options``, ``kind``, ``source``, ``write_weights``, ``schema``, ``input_schema``,
+    ``writer_options``, ``row_group_size``: a few kB). An error about a row is raised as it is; the parent names the
+    row's file and line."""
     started = time.perf_counter()
-    table = pa.ipc.open_stream(batch).read_all()
-    _hold(first_row, table.num_rows)
     tally = Tally()
-    with one_thread(), kernel_call():  # the step every path shares (jobs/batch_step.py)
-        out = mask_batch(table, step["markers"], step["options"], tally, tokenizer=_STEP["tokenizer"],
-                         kind=step["kind"], first_row=first_row, source=step["source"],
-                         write_weights=step["write_weights"], truncated_at=step.get("truncated_at"))
-    part = None
-    if out.num_rows:
+    if isinstance(batch, ParquetSlice):
+        from .slices import read_slice
+
+        _hold(first_row, batch.num_rows)
+        tables: Iterable[pa.Table] = read_slice(batch, step["input_schema"], step["options"].batch_size,
+                                                step["options"].batch_bytes)
+    else:
+        tables = [pa.ipc.open_stream(batch).read_all()]
+        _hold(first_row, tables[0].num_rows)
+    outs = []
+    read_started = time.perf_counter()
+    for table in tables:
+        tally.time("read", time.perf_counter() - read_started)
+        with one_thread(), kernel_call():  # the step every path shares (jobs/batch_step.py)
+            out = mask_batch(table, step["markers"], step["options"], tally, tokenizer=_STEP["tokenizer"],
+                             kind=step["kind"], first_row=first_row, source=step["source"],
+                             write_weights=step["write_weights"], truncated_at=step.get("truncated_at"))
+        first_row += table.num_rows
+        if out.num_rows:
+            outs.append(out if out.schema == step["schema"] else out.cast(step["schema"]))
+        read_started = time.perf_counter()
+    part, kept = None, sum(out.num_rows for out in outs)
+    if kept:
         encoding = time.perf_counter()
-        if out.schema != step["schema"]:
-            out = out.cast(step["schema"])
+        out = outs[0] if len(outs) == 1 else pa.concat_tables(outs)
         if step.get("writer_options") is not None:  # a file's share: Parquet, joined by the parent
             part = encode_part(out, step["writer_options"], step["row_group_size"])
         else:  # a dataset's share: the table itself, read back by the parent without a copy
             part = compact(out)
         tally.time("encode_part", time.perf_counter() - encoding)
     tally.time("worker", time.perf_counter() - started)
-    return part, out.num_rows, tally
+    return part, kept, tally
 
 
 def _claim_slot(held: Any) -> None:
@@ -236,10 +253,11 @@ def worker_pool(workers: int, tokenizer: Any, threads: int) -> Iterator[Any]:
     pool.shutdown(wait=True)
 
 
-def in_order(pool: Any, batches: Iterable[pa.RecordBatch | pa.Table], step: dict[str, Any], workers: int,
+def in_order(pool: Any, batches: Iterable[Any], step: dict[str, Any], workers: int,
              tally: Tally) -> Iterator[tuple[Any, int, Any]]:
     """``(batch, first_row, future of step_in_worker's result)`` in input order, with at most ``2 * workers``
-    batches handed out and not yet taken; the futures not taken are cancelled when the caller stops early."""
+    batches handed out and not yet taken; the futures not taken are cancelled when the caller stops early. A batch
+    is a record batch or table (sent as Arrow IPC) or a slice of the input (sent as it is: the worker reads it)."""
     import collections
 
     pending: collections.deque = collections.deque()
@@ -247,7 +265,8 @@ def in_order(pool: Any, batches: Iterable[pa.RecordBatch | pa.Table], step: dict
     try:
         for batch in batches:
             started = time.perf_counter()
-            pending.append((batch, first_row, pool.submit(step_in_worker, compact(batch), first_row, step)))
+            rows = batch if isinstance(batch, ParquetSlice) else compact(batch)
+            pending.append((batch, first_row, pool.submit(step_in_worker, rows, first_row, step)))
             tally.time("hand_out", time.perf_counter() - started)
             first_row += batch.num_rows
             while len(pending) >= 2 * workers:
