@@ -2,9 +2,11 @@
 
 Each worker reads a batch (an Arrow IPC stream), renders, locates, tokenises and labels it (``mask_batch``, the
 step every path shares), and encodes the rows it keeps as a Parquet part (``parquet_parts.encode_part``). It sends
-back the part's bytes and the batch's tally. The parent reads the input, hands batches out, and then only orders
-the results, adds the tallies in input order, copies each part's bytes into the output and commits it: it does
-no per-row or per-token work, so a job scales with its workers (docs/benchmarks.md, "Workers").
+back the part's bytes and the batch's tally. Parquet input in row groups that slices can be made of is read by the
+workers themselves: the parent plans the slices from the files' footers (``jobs/slices.py``) and sends only where
+they are. Other input is read by the parent and handed out as batches. Then the parent only orders the results,
+adds the tallies in input order, copies each part's bytes into the output and commits it: it does no per-row or
+per-token work, so a job scales with its workers (docs/benchmarks.md, "Workers").
 
 Workers are forked on Linux (``worker_start_method``): they start with the tokenizer and the compiled kernels in
 memory. A forked worker labels with the serial kernels (``one_thread``), never numba's thread pool, which the
