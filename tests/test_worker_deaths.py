@@ -142,9 +142,17 @@ def _tokenizer() -> Path:
     return tokenizer_path("qwen2.5")
 
 
-@pytest.mark.parametrize("joined", [False, True], ids=["while-labelling", "while-parts-are-joined"])
-def test_sigkill_of_a_worker_ends_the_job_with_one_line_and_leaves_nothing(tmp_path, chats, joined):
+@pytest.mark.parametrize("joined, parquet", [(False, False), (True, False), (True, True)],
+                         ids=["while-labelling", "while-parts-are-joined", "reading-its-own-row-groups"])
+def test_sigkill_of_a_worker_ends_the_job_with_one_line_and_leaves_nothing(tmp_path, chats, joined, parquet):
     out = tmp_path / "out.parquet"
+    if parquet:  # row groups small enough for the workers to read them themselves (jobs/slices.py)
+        import pyarrow.json as pj
+        import pyarrow.parquet as pq
+
+        pq.write_table(pj.read_json(chats), tmp_path / "chats.parquet", row_group_size=1_000)
+        chats.unlink()
+        chats = tmp_path / "chats.parquet"
     job = _job(chats, out, "--report", str(tmp_path / "report.json"))
     workers = _started(job, tmp_path, joined=joined)
     os.kill(workers[0], signal.SIGKILL)
@@ -160,8 +168,9 @@ def test_sigkill_of_a_worker_ends_the_job_with_one_line_and_leaves_nothing(tmp_p
     assert job.returncode == 1, err[-2000:]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    assert "killed by signal 9 (SIGKILL" in lines[0] and "chats.jsonl, lines " in lines[0], lines[0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]
+    assert "killed by signal 9 (SIGKILL" in lines[0] and " while it held rows " in lines[0], lines[0]
+    assert parquet or "chats.jsonl, lines " in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [chats.name]
 
 
 def test_the_line_of_a_killed_worker_names_the_signal_and_the_rows_it_held():

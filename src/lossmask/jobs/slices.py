@@ -2,9 +2,10 @@
 
 A slice of a Parquet file is a run of whole row groups (``ParquetSlice``): its rows are known from the file's footer
 before anything is read, so the parent knows the job's row of each slice, and names a row (``row 70 (data.parquet,
-row 70)``) as it does when it reads the file itself. A row group larger than a slice should be is read by one worker
-all the same: splitting it would make every worker that reads a part of it decode the rows before that part
-(Parquet pages are decoded from the start of their row group). A worker reads its slice in batches of about
+row 70)``) as it does when it reads the file itself. A row group is never split between workers: each worker that read a
+part of it would decode the rows before that part (Parquet pages are decoded from the start of their row group),
+which costs about as much as the parent reading the file. So files written in row groups much larger than a slice
+(one row group for the whole file, as ``pandas.to_parquet`` writes a small one) are read by the parent. A worker reads its slice in batches of about
 ``batch_bytes``, each checked as the parent checks what it reads (strings that are UTF-8), and labels them one
 after another (``jobs/workers.py``).
 
@@ -33,14 +34,17 @@ class ParquetSlice:
     num_rows: int
 
 
-def parquet_slices(files: Any, rows_per_slice: int) -> Iterator[ParquetSlice]:
+def parquet_slices(files: Any, rows_per_slice: int, workers: int) -> list[ParquetSlice] | None:
     """The slices of a job's Parquet files, in input order: consecutive row groups of one file, together about
-    ``rows_per_slice`` rows (a larger row group alone). Each is recorded with ``files`` (``InputFiles.record``) as
-    it is planned, so that its rows can be named."""
+    ``rows_per_slice`` rows. None when the row groups are too large for slices to keep ``workers`` busy and their
+    memory bounded (fewer than two slices a worker, or a row group of more than twice ``rows_per_slice`` rows: a
+    file written in one row group): the parent then reads the rows and hands them out as batches. A slice is
+    recorded with ``files`` (``InputFiles.record``) when it is handed out, so that its rows can be named."""
     import pyarrow.parquet as pq
 
     from .inputs import _first_line
 
+    plan: list[ParquetSlice] = []
     row = 0
     for path in files.paths:
         local = files._local(path)
@@ -52,15 +56,18 @@ def parquet_slices(files: Any, rows_per_slice: int) -> Iterator[ParquetSlice]:
         first, groups, rows = 0, [], 0
         for g in range(metadata.num_row_groups):
             n = metadata.row_group(g).num_rows
+            if n > 2 * rows_per_slice:
+                return None
             if groups and rows + n > rows_per_slice:
-                yield files.record(ParquetSlice(path, local, tuple(groups), first, row, rows))
+                plan.append(ParquetSlice(path, local, tuple(groups), first, row, rows))
                 row, first, groups, rows = row + rows, first + rows, [], 0
             if n:
                 groups.append(g)
                 rows += n
         if groups:
-            yield files.record(ParquetSlice(path, local, tuple(groups), first, row, rows))
+            plan.append(ParquetSlice(path, local, tuple(groups), first, row, rows))
             row += rows
+    return plan if len(plan) >= 2 * workers else None
 
 
 def read_slice(piece: ParquetSlice, schema: pa.Schema, max_rows: int, max_bytes: int | None) -> Iterator[pa.Table]:

@@ -193,6 +193,7 @@ def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, token
         )
     schema = output_schema(dataset.schema, options, kind, source=source)
     messages = (*messages, *dataset.skipped, *remove_stale_partials(output),
+                *remove_stale_partials(f"{output}.parts"),
                 *(remove_stale_partials(report) if report is not None else ()), *notes)
     tally = Tally()
     tally.time("setup", time.perf_counter() - started)  # open, load the tokenizer, choose and verify the markers
@@ -205,6 +206,7 @@ def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, token
             step = dict(tokenizer=tokenizer, markers=resolved, options=options, kind=kind, source=source,
                         write_weights=write_weights, schema=schema, row_group_size=row_group_size,
                         writer_options=writer_options(schema, options, compression))
+            step["parts"] = partial_name(f"{output}.parts")  # a folder the workers write their parts in
             _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, show)
         else:
             _job_in_process(dataset, batch_size, source, tally, kind, options, tokenizer, resolved, renders,
@@ -233,7 +235,8 @@ def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, token
 def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, show) -> None:
     """The job's batches through the ``workers`` processes of ``pool``, each carrying the whole step
     (``jobs/workers.py``); this process adds their tallies in input order and joins their Parquet parts into
-    ``temporary``."""
+    ``temporary``. The workers write their parts as files in the folder ``step["parts"]`` (a partial beside the
+    output, removed with the job), which are copied into ``temporary`` in the kernel, never read here."""
     from concurrent.futures.process import BrokenProcessPool
 
     from .parquet_parts import PartsFile
@@ -243,11 +246,15 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
     step = {name: value for name, value in step.items() if name != "tokenizer"}  # the workers have theirs
     parts = PartsFile(temporary, step["schema"], step["writer_options"])
     try:
+        os.mkdir(step["parts"])
+        plan = None
         if dataset.sliceable():  # the workers read their rows themselves: this process plans slices
             from .slices import parquet_slices
 
+            plan = parquet_slices(dataset, batch_size, workers)
+        if plan is not None:
             step["input_schema"] = dataset.schema
-            batches = parquet_slices(dataset, batch_size)
+            batches = map(dataset.record, plan)
         else:
             batches = _timed_reads(_batches(dataset, batch_size, step["options"]), tally)
         for batch, first_row, future in in_order(pool, batches, step, workers, tally):
@@ -273,6 +280,8 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
     except BaseException:
         parts.abandon()
         raise
+    finally:
+        remove_quietly(step["parts"])
 
 
 def rows_where(dataset: InputFiles, first_row: int, rows: int) -> str | None:

@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from ..engine import one_thread
 from .batch_step import mask_batch
-from .parquet_parts import encode_part
+from .parquet_parts import encode_part, write_part
 from .report import Tally
 from .slices import ParquetSlice
 from .stopping import kernel_call
@@ -122,9 +122,10 @@ def step_in_worker(batch: Any, first_row: int, step: dict[str, Any]) -> tuple[pa
     tally)``. ``batch``: the rows as an Arrow IPC stream, or a slice of the input that this worker reads itself
     (``jobs/slices.py``), in pieces of about ``options.batch_bytes``. ``step``: what every batch of the job shares
     (``markers``, ``options``, ``kind``, ``source``, ``write_weights``, ``schema``, ``input_schema``,
-    ``writer_options``, ``row_group_size``: a few kB). An error about a row is raised as it is; the parent names the
+    ``writer_options``, ``row_group_size``, ``parts``: a few kB). With ``parts`` (a folder), the Parquet part is
+    written there and its path returned: the parent copies it into the output without reading it. An error about a row is raised as it is; the parent names the
     row's file and line."""
-    started = time.perf_counter()
+    started, start = time.perf_counter(), first_row
     tally = Tally()
     if isinstance(batch, ParquetSlice):
         from .slices import read_slice
@@ -151,7 +152,10 @@ def step_in_worker(batch: Any, first_row: int, step: dict[str, Any]) -> tuple[pa
     if kept:
         encoding = time.perf_counter()
         out = outs[0] if len(outs) == 1 else pa.concat_tables(outs)
-        if step.get("writer_options") is not None:  # a file's share: Parquet, joined by the parent
+        if step.get("parts") is not None:  # a file's share, as a file the parent copies in the kernel
+            part = write_part(out, step["writer_options"], step["row_group_size"],
+                              os.path.join(step["parts"], f"{start}.parquet"))
+        elif step.get("writer_options") is not None:  # a file's share: Parquet, joined by the parent
             part = encode_part(out, step["writer_options"], step["row_group_size"])
         else:  # a dataset's share: the table itself, read back by the parent without a copy
             part = compact(out)
