@@ -237,3 +237,37 @@ def test_workers_reading_their_own_parquet_row_groups_write_the_file_and_report_
     assert one.invalid_examples == two.invalid_examples
     assert any("a.parquet, row 63): column 'messages' is empty" in e for e in two.invalid_examples)
     assert two.seconds["read"] > 0 and two.seconds.get("hand_out", 0) < two.seconds["worker"]
+
+
+def test_slices_are_runs_of_whole_row_groups_and_files_in_one_large_group_are_left_to_the_parent(tmp_path):
+    from lossmask.jobs.inputs import open_inputs
+    from lossmask.jobs.slices import parquet_slices
+
+    table = _table(1_000)
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=300)  # groups of 300, 300, 300, 100
+    pq.write_table(table.slice(0, 250), tmp_path / "b.parquet", row_group_size=100)  # 100, 100, 50
+    files = open_inputs(str(tmp_path / "*.parquet"))
+    plan = parquet_slices(files, 600, workers=1)
+    assert [(p.path.rsplit("/", 1)[1], p.groups, p.first, p.first_row, p.num_rows) for p in plan] == [
+        ("a.parquet", (0, 1), 0, 0, 600), ("a.parquet", (2, 3), 600, 600, 400),
+        ("b.parquet", (0, 1, 2), 0, 1_000, 250)]
+    assert parquet_slices(files, 600, workers=2) is None  # fewer than two slices a worker
+    assert parquet_slices(files, 100, workers=1) is None  # a row group of more than twice a slice
+    files.close()
+    pq.write_table(table, tmp_path / "one.parquet")  # one row group for the whole file
+    whole = open_inputs(str(tmp_path / "one.parquet"))
+    assert parquet_slices(whole, 250, workers=2) is None
+    whole.close()
+
+
+def test_a_part_written_to_a_file_is_copied_in_and_removed(tmp_path):
+    from lossmask.jobs.parquet_parts import write_part
+
+    table = _table(500)
+    options = writer_options(table.schema, MaskOptions())
+    joined = PartsFile(tmp_path / "joined.parquet", table.schema, options)
+    joined.append(encode_part(table.slice(0, 200), options, 64))
+    joined.append(write_part(table.slice(200, 300), options, 64, str(tmp_path / "part.parquet")))
+    joined.close()
+    assert pq.read_table(tmp_path / "joined.parquet").equals(table)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["joined.parquet"]
