@@ -271,3 +271,27 @@ def test_a_part_written_to_a_file_is_copied_in_and_removed(tmp_path):
     joined.close()
     assert pq.read_table(tmp_path / "joined.parquet").equals(table)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["joined.parquet"]
+
+
+@pytest.mark.parametrize("shape", ["json-array", "gzip"])
+def test_workers_on_input_the_parent_reads_write_the_file_and_report_of_one_process(tmp_path, eight_cores, shape):
+    import gzip
+
+    from conftest import chat_tokenizer
+
+    lines = _chats(tmp_path, copies=40).read_text().splitlines()
+    (tmp_path / "chats.jsonl").unlink()
+    if shape == "json-array":
+        source = tmp_path / "chats.json"
+        source.write_text("[\n" + ",\n".join(lines) + "\n]\n")
+    else:
+        source = tmp_path / "chats.jsonl.gz"
+        source.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    kwargs = dict(tokenizer=chat_tokenizer("qwen2.5"), keep_dropped=True, max_drop_fraction=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = mask_files(source, tmp_path / "one.parquet", **kwargs)
+        two = mask_files(source, tmp_path / "two.parquet", num_proc=2, **kwargs)
+    assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
+    assert _report(one) == _report(two) and one.invalid_examples == two.invalid_examples
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, "one.parquet", "two.parquet"])
