@@ -15,7 +15,15 @@ each per 1,000 chats; the parent's share of the job's CPU; and whether the outpu
 ``max(parent, workers / W)`` CPU-seconds of wall per chat while the work is spread evenly, so its speed-up over
 one worker is ``(parent + workers) / max(parent, workers / W)``.
 
+Marginal figures (``--marginal SMALL LARGE``): each ``num_proc`` runs a job of SMALL chats and one of LARGE (the
+chats repeated, Parquet in row groups of ``--row-group-size`` rows), and the CPU per chat is the difference of the
+two jobs' CPU over the difference of their chats, so that set-up (forks, markers, the first batches) cancels. For
+each: the marginal CPU per chat of the parent and of the workers, the parent's share (the serial fraction: the
+ceiling of the speed-up over one worker is its inverse), the CPU per chat against ``num_proc=1``'s (what handing
+the work out costs), and the wall speed-up of the large job.
+
     python benchmarks/bench_workers.py --corpus sharegpt --rows 4000
+    python benchmarks/bench_workers.py --marginal 10000 40000 --families qwen2.5 --procs 1 2 --rounds 3
     python benchmarks/bench_workers.py --rows 20000 --procs 1 2 4 8 16 --json out.json   # a larger machine
     pytest benchmarks/bench_workers.py --benchmark-enable -s     # LOSSMASK_BENCH_WORKER_ROWS (default 4000)
 """
@@ -116,6 +124,67 @@ def table(results: list[dict], load: str) -> str:
     return "\n".join(lines)
 
 
+def measure_marginal(small: int, large: int, families: list[str], procs: list[int], rounds: int, corpus: str,
+                     row_group_size: int) -> list[dict]:
+    """Per family and ``num_proc``: the medians over ``rounds`` of the marginal CPU per chat (parent, workers) between
+    a job of ``small`` and one of ``large`` chats, and the large job's wall."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chats = sharegpt_chats(4_000) if corpus == "sharegpt" else __import__("realistic_chats").chats(4_000)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        sources = {}
+        for rows in (small, large):
+            repeated = (chats * (-(-rows // len(chats))))[:rows]
+            sources[rows] = folder / f"chats{rows}.parquet"
+            pq.write_table(pa.table({"messages": repeated}), sources[rows], row_group_size=row_group_size)
+        for family in families:
+            from lossmask.chat.encode_batch import chat_tokenizer
+
+            tokenizer = chat_tokenizer(str(TOKENIZERS / family))
+            one_job(sources[small], folder / "warm.parquet", tokenizer, 1)
+            reference = None
+            runs: dict[int, list[dict]] = {n: [] for n in procs}
+            for r in range(rounds):
+                for n in (procs if r % 2 == 0 else procs[::-1]):
+                    jobs = {rows: one_job(sources[rows], folder / f"out{n}.parquet", tokenizer, n)
+                            for rows in (small, large)}
+                    if r == 0:
+                        written = pq.read_table(folder / f"out{n}.parquet")
+                        reference = written if reference is None else reference
+                        if not written.equals(reference):
+                            raise SystemExit(f"{family}: num_proc={n} wrote another file than num_proc={procs[0]}")
+                    span = large - small
+                    runs[n].append({"parent": (jobs[large]["parent"] - jobs[small]["parent"]) / span * 1e6,
+                                    "workers": (jobs[large]["workers"] - jobs[small]["workers"]) / span * 1e6,
+                                    "wall": jobs[large]["wall"]})
+            for n in procs:
+                med = {key: statistics.median(run[key] for run in runs[n]) for key in ("parent", "workers", "wall")}
+                spread = [run["parent"] + run["workers"] for run in runs[n]]
+                results.append({"family": family, "num_proc": n, "small": small, "large": large, **med,
+                                "total_min": min(spread), "total_max": max(spread)})
+    return results
+
+
+def marginal_table(results: list[dict], load: str) -> str:
+    lines = ["| family | num_proc | CPU-us a chat (min-max) | of it, the parent | serial fraction | ceiling | "
+             "CPU a chat vs num_proc=1 | wall speed-up |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    base = {(r["family"]): r for r in results if r["num_proc"] == 1}
+    for r in results:
+        total = r["parent"] + r["workers"]
+        serial = r["parent"] / total if r["num_proc"] > 1 else 1.0
+        one = base.get(r["family"])
+        ratio = f"{total / (one['parent'] + one['workers']):.2f}x" if one else "-"
+        speed = f"{one['wall'] / r['wall']:.2f}x" if one else "-"
+        ceiling = f"{1 / serial:.0f}x" if r["num_proc"] > 1 and serial > 0 else "-"
+        lines.append(f"| {r['family']} | {r['num_proc']} | {total:.0f} ({r['total_min']:.0f}-{r['total_max']:.0f}) | "
+                     f"{r['parent']:.1f} | {serial:.1%} | {ceiling} | {ratio} | {speed} |")
+    lines.append(f"load: {load}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=4_000)
@@ -124,9 +193,23 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--corpus", choices=("realistic", "sharegpt"), default="sharegpt")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--marginal", nargs=2, type=int, metavar=("SMALL", "LARGE"),
+                        help="marginal CPU per chat between a job of SMALL chats and one of LARGE")
+    parser.add_argument("--row-group-size", type=int, default=1_000,
+                        help="rows per Parquet row group of --marginal's input (default 1,000, as datasets writes)")
     args = parser.parse_args(argv)
     procs = args.procs or list(range(1, len(os.sched_getaffinity(0)) + 1))
     print(f"start: {uptime()}", flush=True)
+    if args.marginal:
+        results = measure_marginal(*args.marginal, args.families, procs, args.rounds, args.corpus,
+                                   args.row_group_size)
+        load = uptime()
+        print(f"{args.marginal[0]:,} and {args.marginal[1]:,} chats ({args.corpus}, row groups of "
+              f"{args.row_group_size:,}), {len(os.sched_getaffinity(0))} cores")
+        print(marginal_table(results, load))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"results": results, "uptime": load}, indent=1))
+        return
     results = measure(args.rows, args.families, procs, args.rounds, args.corpus)
     load = uptime()
     print(f"{results[0]['rows']:,} chats ({args.corpus}), {len(os.sched_getaffinity(0))} cores")

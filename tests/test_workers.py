@@ -213,3 +213,85 @@ print(report.rows_in)
                           env={**__import__("os").environ, "TOKENIZERS_PARALLELISM": "true"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "4800"
+
+
+def test_workers_reading_their_own_parquet_row_groups_write_the_file_and_report_of_one_process(tmp_path, eight_cores):
+    """Parquet files of several row groups (a glob of two) are read by the workers themselves, a run of row groups
+    each: the same file and report as one process, and a bad row named by its file and row."""
+    from conftest import chat_tokenizer
+
+    tokenizer = chat_tokenizer("qwen2.5")
+    rows = [json.loads(line) for line in _chats(tmp_path, copies=40).read_text().splitlines()]
+    (tmp_path / "chats.jsonl").unlink()
+    table = pa.table({"id": list(range(len(rows))), "messages": [r["messages"] for r in rows]})
+    (tmp_path / "in").mkdir()
+    pq.write_table(table.slice(0, 2_600), tmp_path / "in" / "a.parquet", row_group_size=700)
+    pq.write_table(table.slice(2_600), tmp_path / "in" / "b.parquet", row_group_size=300)
+    kwargs = dict(tokenizer=tokenizer, keep_dropped=True, max_drop_fraction=1.0, max_length=300, row_group_size=500)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = mask_files(str(tmp_path / "in" / "*.parquet"), tmp_path / "one.parquet", **kwargs)
+        two = mask_files(str(tmp_path / "in" / "*.parquet"), tmp_path / "two.parquet", num_proc=2, **kwargs)
+    assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
+    assert _report(one) == _report(two) and two.rows_in == len(rows)
+    assert one.invalid_examples == two.invalid_examples
+    assert any("a.parquet, row 63): column 'messages' is empty" in e for e in two.invalid_examples)
+    assert two.seconds["read"] > 0 and two.seconds.get("hand_out", 0) < two.seconds["worker"]
+
+
+def test_slices_are_runs_of_whole_row_groups_and_files_in_one_large_group_are_left_to_the_parent(tmp_path):
+    from lossmask.jobs.inputs import open_inputs
+    from lossmask.jobs.slices import parquet_slices
+
+    table = _table(1_000)
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=300)  # groups of 300, 300, 300, 100
+    pq.write_table(table.slice(0, 250), tmp_path / "b.parquet", row_group_size=100)  # 100, 100, 50
+    files = open_inputs(str(tmp_path / "*.parquet"))
+    plan = parquet_slices(files, 600, workers=1)
+    assert [(p.path.rsplit("/", 1)[1], p.groups, p.first, p.first_row, p.num_rows) for p in plan] == [
+        ("a.parquet", (0, 1), 0, 0, 600), ("a.parquet", (2, 3), 600, 600, 400),
+        ("b.parquet", (0, 1, 2), 0, 1_000, 250)]
+    assert parquet_slices(files, 600, workers=2) is None  # fewer than two slices a worker
+    assert parquet_slices(files, 100, workers=1) is None  # a row group of more than twice a slice
+    files.close()
+    pq.write_table(table, tmp_path / "one.parquet")  # one row group for the whole file
+    whole = open_inputs(str(tmp_path / "one.parquet"))
+    assert parquet_slices(whole, 250, workers=2) is None
+    whole.close()
+
+
+def test_a_part_written_to_a_file_is_copied_in_and_removed(tmp_path):
+    from lossmask.jobs.parquet_parts import write_part
+
+    table = _table(500)
+    options = writer_options(table.schema, MaskOptions())
+    joined = PartsFile(tmp_path / "joined.parquet", table.schema, options)
+    joined.append(encode_part(table.slice(0, 200), options, 64))
+    joined.append(write_part(table.slice(200, 300), options, 64, str(tmp_path / "part.parquet")))
+    joined.close()
+    assert pq.read_table(tmp_path / "joined.parquet").equals(table)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["joined.parquet"]
+
+
+@pytest.mark.parametrize("shape", ["json-array", "gzip"])
+def test_workers_on_input_the_parent_reads_write_the_file_and_report_of_one_process(tmp_path, eight_cores, shape):
+    import gzip
+
+    from conftest import chat_tokenizer
+
+    lines = _chats(tmp_path, copies=40).read_text().splitlines()
+    (tmp_path / "chats.jsonl").unlink()
+    if shape == "json-array":
+        source = tmp_path / "chats.json"
+        source.write_text("[\n" + ",\n".join(lines) + "\n]\n")
+    else:
+        source = tmp_path / "chats.jsonl.gz"
+        source.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    kwargs = dict(tokenizer=chat_tokenizer("qwen2.5"), keep_dropped=True, max_drop_fraction=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = mask_files(source, tmp_path / "one.parquet", **kwargs)
+        two = mask_files(source, tmp_path / "two.parquet", num_proc=2, **kwargs)
+    assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
+    assert _report(one) == _report(two) and one.invalid_examples == two.invalid_examples
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, "one.parquet", "two.parquet"])

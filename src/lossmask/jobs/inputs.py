@@ -164,6 +164,18 @@ class InputFiles:
                 yield batch, path, first, unit
                 first += batch.num_rows
 
+    def sliceable(self) -> bool:
+        """Whether workers can read this input's rows themselves (``jobs/slices.py``): Parquet files of the job's
+        own schema."""
+        return self.format == "parquet" and all(s.equals(self.schema) for s in self.file_schemas)
+
+    def record(self, piece: Any) -> Any:
+        """Record a slice a worker reads (``first_row``, ``num_rows``, ``path``, ``first``), so that its rows are
+        named as those the parent reads; returns it."""
+        self._starts.append(piece.first_row)
+        self._segments.append(_Segment(piece.first_row, piece.num_rows, piece.path, piece.first, "row"))
+        return piece
+
     def count_rows(self) -> int | None:
         """Rows in the input when it is cheap to know (Parquet metadata; JSON Lines read whole for the schema);
         None otherwise."""

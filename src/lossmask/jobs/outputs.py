@@ -75,6 +75,24 @@ def check_compression(compression: object) -> None:
                          "(--compression)")
 
 
+_HELD_LOCKS: set[int] = set()  # the descriptors of the output locks this process holds
+
+
+def _close_inherited_locks() -> None:
+    """In a forked child (a worker): close the lock descriptors it inherited. A ``flock`` lock lasts while any
+    descriptor of it is open, so a child that kept one would hold its job's lock after the job ended."""
+    for fd in _HELD_LOCKS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
 def lock_name(path: str) -> str:
     folder, name = os.path.split(os.path.abspath(path))
     return os.path.join(folder, f".{name}.lock")
@@ -85,7 +103,8 @@ def output_lock(path: str) -> Iterator[str]:
     """Hold the lock of output ``path`` while the block runs; raise ``OutputError`` naming the job that holds it.
 
     The lock is ``flock`` on ``.NAME.lock`` beside the output, which holds the pid of its job: the system
-    releases it when that process ends, however it ends, so a lock file left by a killed job stops nobody.
+    releases it when that process ends, however it ends, so a lock file left by a killed job stops nobody. A
+    process forked by the job (a worker) closes its copy of the lock at once, so that it never holds it.
     The file is removed on the way out. (Where ``fcntl`` is missing, as on Windows, no lock is taken.)
     """
     try:
@@ -114,12 +133,14 @@ def output_lock(path: str) -> Iterator[str]:
         if current:
             break
         os.close(fd)
+    _HELD_LOCKS.add(fd)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield lock
     finally:
         remove_quietly(lock)  # before the lock goes, so that the next job locks a file that stays
+        _HELD_LOCKS.discard(fd)
         os.close(fd)
 
 

@@ -218,6 +218,52 @@ def encode_part(table: pa.Table, writer_options: dict, row_group_size: int | Non
     return sink.getvalue()
 
 
+def write_part(table: pa.Table, writer_options: dict, row_group_size: int | None, path: str) -> str:
+    """``table`` as a whole Parquet file at ``path`` (as ``encode_part`` makes it in memory); returns ``path``."""
+    import pyarrow.parquet as pq
+
+    with pq.ParquetWriter(path, table.schema, **writer_options) as writer:
+        writer.write_table(table, row_group_size=row_group_size)
+    return path
+
+
+def _part_file(path: str) -> tuple[int, int, list]:
+    """A part written to a file: ``(descriptor, length of its row-group bytes, decoded footer)``; the caller
+    closes the descriptor."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, 8, size - 8) if size >= 12 else b""
+        if len(tail) < 8 or tail[-4:] != MAGIC or os.pread(fd, 4, 0) != MAGIC:
+            raise ValueError(f"{path}: not a Parquet file (no PAR1 at its ends)")
+        (length,) = struct.unpack("<I", tail[:4])
+        footer_at = size - 8 - length
+        return fd, footer_at - len(MAGIC), _read_struct(_Reader(os.pread(fd, length, footer_at)))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _copy(source: int, target: int, offset: int, length: int) -> None:
+    """``length`` bytes of ``source`` from ``offset`` onto ``target`` at its position: in the kernel
+    (``copy_file_range``) where it can, else through a buffer."""
+    copy = getattr(os, "copy_file_range", None)
+    while length and copy is not None:
+        try:
+            done = copy(source, target, length, offset)
+        except OSError:  # another file system, or a kernel without it: copy what is left through a buffer
+            break
+        if not done:
+            break
+        offset, length = offset + done, length - done
+    while length:
+        chunk = os.pread(source, min(length, 1 << 20), offset)
+        if not chunk:
+            raise OSError(f"part ended {length} bytes early")
+        os.write(target, chunk)
+        offset, length = offset + len(chunk), length - len(chunk)
+
+
 class PartsFile:
     """The output file, assembled from parts in the order they are appended; ``close`` writes the footer.
 
@@ -233,19 +279,36 @@ class PartsFile:
         self.groups: list = []
         self.rows = 0
 
-    def append(self, part: bytes | memoryview | pa.Buffer) -> None:
+    def append(self, part: bytes | memoryview | pa.Buffer | str) -> None:
+        """Append a part: its bytes, or the path of a file holding it (copied in the kernel, then removed)."""
+        if isinstance(part, str):
+            fd, length, footer = _part_file(part)
+            try:
+                if self._add_groups(footer):
+                    self.file.flush()  # then the bytes go onto the descriptor, at its position
+                    _copy(fd, self.file.fileno(), len(MAGIC), length)
+                    self.at += length
+            finally:
+                os.close(fd)
+                os.remove(part)
+            return
         chunks, footer = split_part(part)
+        if self._add_groups(footer):
+            self.file.write(chunks)
+            self.at += len(chunks)
+
+    def _add_groups(self, footer: list) -> bool:
+        """Record a part's row groups, shifted to where its bytes go now; False when it holds none."""
         groups = _field(footer, _FILE_ROW_GROUPS)
         if groups is None or not groups[2][1]:
-            return
+            return False
         shift = self.at - len(MAGIC)
         for group in groups[2][1]:
             self.groups.append(_shift_row_group(group, shift, len(self.groups)))
         self.rows += _field(footer, _FILE_NUM_ROWS)[2]
         if self.footer is None:
             self.footer = footer
-        self.file.write(chunks)
-        self.at += len(chunks)
+        return True
 
     def close(self) -> None:
         if self.file.closed:

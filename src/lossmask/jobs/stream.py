@@ -36,7 +36,7 @@ from .outputs import (OutputError, as_output_error, check_compression, check_out
 from .report import MaskReport, Tally
 from .safety import TooManyDroppedRows, check_drop_fraction
 from .stopping import kernel_call
-from .workers import worker_pool
+from .workers import WorkerDied, worker_pool
 
 
 def mask_files(
@@ -193,6 +193,7 @@ def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, token
         )
     schema = output_schema(dataset.schema, options, kind, source=source)
     messages = (*messages, *dataset.skipped, *remove_stale_partials(output),
+                *remove_stale_partials(f"{output}.parts"),
                 *(remove_stale_partials(report) if report is not None else ()), *notes)
     tally = Tally()
     tally.time("setup", time.perf_counter() - started)  # open, load the tokenizer, choose and verify the markers
@@ -205,6 +206,7 @@ def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, token
             step = dict(tokenizer=tokenizer, markers=resolved, options=options, kind=kind, source=source,
                         write_weights=write_weights, schema=schema, row_group_size=row_group_size,
                         writer_options=writer_options(schema, options, compression))
+            step["parts"] = partial_name(f"{output}.parts")  # a folder the workers write their parts in
             _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, show)
         else:
             _job_in_process(dataset, batch_size, source, tally, kind, options, tokenizer, resolved, renders,
@@ -224,7 +226,7 @@ def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, token
         show(None, tally)
         remove_quietly(temporary)
         remove_quietly(report_partial)
-        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
+        if isinstance(exc, OSError) and not isinstance(exc, (OutputError, WorkerDied)):
             raise _os_error(exc, output, report, report_partial) from None
         raise
     return result
@@ -233,7 +235,10 @@ def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, token
 def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, show) -> None:
     """The job's batches through the ``workers`` processes of ``pool``, each carrying the whole step
     (``jobs/workers.py``); this process adds their tallies in input order and joins their Parquet parts into
-    ``temporary``."""
+    ``temporary``. The workers write their parts as files in the folder ``step["parts"]`` (a partial beside the
+    output, removed with the job), which are copied into ``temporary`` in the kernel, never read here."""
+    from concurrent.futures.process import BrokenProcessPool
+
     from .parquet_parts import PartsFile
     from .workers import in_order
 
@@ -241,13 +246,27 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
     step = {name: value for name, value in step.items() if name != "tokenizer"}  # the workers have theirs
     parts = PartsFile(temporary, step["schema"], step["writer_options"])
     try:
-        batches = _timed_reads(_batches(dataset, batch_size, step["options"]), tally)
+        os.mkdir(step["parts"])
+        plan = None
+        if dataset.sliceable():  # the workers read their rows themselves: this process plans slices
+            from .slices import parquet_slices
+
+            plan = parquet_slices(dataset, batch_size, workers)
+        if plan is not None:
+            step["input_schema"] = dataset.schema
+            batches = map(dataset.record, plan)
+        else:
+            batches = _timed_reads(_batches(dataset, batch_size, step["options"]), tally)
         for batch, first_row, future in in_order(pool, batches, step, workers, tally):
             seen = len(tally.invalid_examples)
             try:
                 part, kept, batch_tally = future.result()
             except (ValueError, TypeError) as exc:
                 raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
+            except BrokenProcessPool:  # a worker died: one line naming the signal and the rows it held
+                died = pool.died()
+                raise WorkerDied(died.status, died.first_row, died.rows,
+                                 where=rows_where(dataset, died.first_row, died.rows)) from None
             tally += batch_tally  # in input order
             tally.invalid_examples[seen:] = [dataset.name_rows(e, count=1) for e in tally.invalid_examples[seen:]]
             if part is not None:
@@ -261,6 +280,23 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
     except BaseException:
         parts.abandon()
         raise
+    finally:
+        remove_quietly(step["parts"])
+
+
+def rows_where(dataset: InputFiles, first_row: int, rows: int) -> str | None:
+    """Where rows ``first_row`` to ``first_row + rows - 1`` of a job are: ``chats.jsonl, lines 4001-4512`` (None
+    when they are not named by more than their numbers, as the rows of one Parquet file are)."""
+    if rows <= 0:
+        return None
+    first, last = dataset.where(first_row), dataset.where(first_row + rows - 1)
+    if first is None or last is None:
+        return first or last
+    head, _, start = first.rpartition(" ")
+    last_head, _, end = last.rpartition(" ")
+    if head == last_head:
+        return f"{head}s {start}-{end}"  # "file, line" + "s"
+    return f"{first} to {last}"
 
 
 def _job_in_process(dataset, batch_size, source, tally, kind, options, tokenizer, resolved, renders, schema,

@@ -1,0 +1,183 @@
+"""A job's worker processes die with it, and a killed worker ends its job cleanly.
+
+Each case runs ``lossmask mask --num-proc 2`` as a process of its own and kills a process of it with SIGKILL (what the
+out-of-memory killer or a scheduler's hard kill sends): the job itself, or one of its workers. Whatever was killed,
+no process of the job may be left, nothing may be left beside the output but what the next job cleans, and a rerun
+on the same output must start at once. Time limits are generous: the machines that run the suite are shared.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process table in /proc")
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "chats.jsonl"
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _wait(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+@pytest.fixture
+def chats(tmp_path) -> Path:
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(EXAMPLES.read_text().splitlines() * 200) + "\n")  # 24,000 rows: a few seconds of work
+    return path
+
+
+def _job(chats: Path, out: Path, *extra: str) -> subprocess.Popen:
+    from conftest import tokenizer_path
+
+    return subprocess.Popen([sys.executable, "-m", "lossmask", "mask", str(chats), str(out), "--tokenizer",
+                             str(tokenizer_path("qwen2.5")), "--num-proc", "2", "--no-progress",
+                             "--max-drop-fraction", "1", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def _partial(folder: Path) -> Path | None:
+    return next((p for p in folder.iterdir() if p.name.endswith(".partial")), None)
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _started(job: subprocess.Popen, folder: Path, *, joined: bool) -> list[int]:
+    """The job's two workers, once both have labelled for a while (and, with ``joined``, once a part has been
+    joined into the output)."""
+    def ready() -> bool:
+        workers = _children(job.pid)
+        if job.poll() is not None or len(workers) < 2 or min(map(_cpu_seconds, workers)) < 0.5:
+            return False
+        partial = _partial(folder)
+        try:
+            return partial is not None and (not joined or partial.stat().st_size > 4)  # more than the magic bytes
+        except FileNotFoundError:
+            return False
+
+    if not _wait(ready, 240):
+        job.kill()
+        _, err = job.communicate()
+        pytest.fail(f"the job did not start its workers: {err[-2000:]}")
+    return _children(job.pid)
+
+
+def test_sigkill_of_the_job_ends_its_workers_and_a_rerun_on_the_same_output_starts_at_once(tmp_path, chats):
+    out = tmp_path / "out.parquet"
+    job = _job(chats, out)
+    workers = _started(job, tmp_path, joined=False)
+    job.kill()
+    job.wait(60)  # (its stderr stays open while any worker lives)
+    _all_gone(workers)
+    job.communicate(timeout=60)
+    small = tmp_path / "small.jsonl"
+    small.write_text(EXAMPLES.read_text())
+    rerun = subprocess.run([sys.executable, "-m", "lossmask", "mask", str(small), str(out), "--tokenizer",
+                            str(_tokenizer()), "--no-progress", "--max-drop-fraction", "1"],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "another lossmask job" not in rerun.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "out.parquet", "small.jsonl"]
+
+
+def _all_gone(workers: list[int]) -> None:
+    """Fail if a worker outlives its job, killing it so that the test leaves none behind either."""
+    if _wait(lambda: not any(_alive(w) for w in workers), 30):
+        return
+    for pid in workers:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    pytest.fail("a worker outlived its job")
+
+
+def _tokenizer() -> Path:
+    from conftest import tokenizer_path
+
+    return tokenizer_path("qwen2.5")
+
+
+@pytest.mark.parametrize("joined, parquet", [(False, False), (True, False), (True, True)],
+                         ids=["while-labelling", "while-parts-are-joined", "reading-its-own-row-groups"])
+def test_sigkill_of_a_worker_ends_the_job_with_one_line_and_leaves_nothing(tmp_path, chats, joined, parquet):
+    out = tmp_path / "out.parquet"
+    if parquet:  # row groups small enough for the workers to read them themselves (jobs/slices.py)
+        import pyarrow.json as pj
+        import pyarrow.parquet as pq
+
+        pq.write_table(pj.read_json(chats), tmp_path / "chats.parquet", row_group_size=1_000)
+        chats.unlink()
+        chats = tmp_path / "chats.parquet"
+    job = _job(chats, out, "--report", str(tmp_path / "report.json"))
+    workers = _started(job, tmp_path, joined=joined)
+    os.kill(workers[0], signal.SIGKILL)
+    try:
+        _, err = job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        for pid in [*_children(job.pid), job.pid]:
+            os.kill(pid, signal.SIGKILL)
+        job.communicate()
+        pytest.fail("the job did not end after one of its workers was killed")
+    finally:
+        _all_gone(workers)
+    assert job.returncode == 1, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert "killed by signal 9 (SIGKILL" in lines[0] and " while it held rows " in lines[0], lines[0]
+    assert parquet or "chats.jsonl, lines " in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [chats.name]
+
+
+def test_the_line_of_a_killed_worker_names_the_signal_and_the_rows_it_held():
+    from lossmask.jobs.workers import WorkerDied
+
+    died = str(WorkerDied(-signal.SIGKILL, 4_000, 512, where="chats.jsonl, lines 4001-4512"))
+    assert died.startswith("a worker process was killed by signal 9 (SIGKILL, most often the out-of-memory killer) "
+                           "while it held rows 4000-4511 (chats.jsonl, lines 4001-4512); ")
+    assert "\n" not in died
+    assert "a worker process exited with status 3 before it took any rows; " in str(WorkerDied(3))
