@@ -304,12 +304,12 @@ def _leaf_pattern(value: Any) -> re.Pattern | None:
             return None
         # quoted as JSON or as Python writes it (pythonic calls: ``f(city='Paris')``), or raw between markup, with
         # any whitespace around it: ``<arg_value>v</arg_value>`` (GLM-4), ``<parameter=city>\nv\n</parameter>``
-        # (Qwen3-Coder, Nemotron-3), ``<city>v]<]minimax[>[</city>`` (MiniMax-M3); the markup is the template's,
-        # outside the match
+        # (Qwen3-Coder, Nemotron-3), ``<city>v]<]minimax[>[</city>`` (MiniMax-M3), or in a CDATA block (MiniCPM5
+        # wraps a value holding ``<``: ``<![CDATA[v]]>``); the markup is the template's, outside the match
         forms = {json.dumps(value, ensure_ascii=False), json.dumps(value), f"'{value}'", repr(value)}
         quoted = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
         raw = "|".join(re.escape(f) for f in sorted({value, value.strip()}, key=len, reverse=True))
-        return re.compile(rf"{quoted}|(?<=[>\]])\s*(?:{raw})\s*(?=[<\[\]])")
+        return re.compile(rf"{quoted}|(?<=[>\]])\s*(?:{raw})\s*(?=[<\[\]])|(?<=<!\[CDATA\[)(?:{raw})(?=\]\]>)")
     if isinstance(value, (Mapping, list, tuple)):  # an empty object or list, as JSON or Python writes it
         return re.compile(r"\{\s*\}" if isinstance(value, Mapping) else r"\[\s*\]")
     if isinstance(value, bool) or value is None:
