@@ -119,7 +119,8 @@ def section(rows: list[dict]) -> str:
     lines += [
         "", "### Agent data", "",
         "The same templates on agent chats (`agent_chats` in `tests/fixtures/template_collection.py`): a call with its "
-        "result, parallel calls, reasoning as a field and as `<think>` text, and system + tools, each given the tools, "
+        "result, parallel calls, reasoning as a field and as `<think>` text, text that quotes control tokens and markup, "
+        "and system + tools, each given the tools, "
         "read from JSON Lines as Arrow (so each call's arguments carry the other calls' keys as null). *exact*: the row "
         "is kept and every token trains as the oracle says, which is written from `apply_chat_template`'s prefix "
         "renders and each token's bytes: a turn trains from the model's first token, past the header the generation "

@@ -1,7 +1,7 @@
 """Agent data on every real chat template of llama.cpp's collection: tool calls, results, parallel calls, reasoning.
 
 For each template, the kinds of ``template_collection.agent_chats`` it renders (a call with its result, parallel
-calls, reasoning as a field and as ``<think>`` text, system + tools), stored as JSON Lines and read as Arrow (so each
+calls, reasoning as a field and as ``<think>`` text, text quoting control tokens, system + tools), stored as JSON Lines and read as Arrow (so each
 call's arguments and each tool get the other calls' keys as null), go through the three doors: ``mask_files``,
 ``hf.mask_dataset`` and ``encode_chats`` + ``label_batch``. Each row must be kept, and each token must train exactly as
 the oracle says (``template_collection.expected_training``: written from ``apply_chat_template``'s prefix renders and
