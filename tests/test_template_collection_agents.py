@@ -1,9 +1,9 @@
 """Agent data on every real chat template of llama.cpp's collection: tool calls, results, parallel calls, reasoning.
 
 For each template, the kinds of ``template_collection.agent_chats`` it renders (a call with its result, parallel
-calls, reasoning as a field and as ``<think>`` text, text quoting control tokens, system + tools), stored as JSON Lines and read as Arrow (so each
-call's arguments and each tool get the other calls' keys as null), go through the three doors: ``mask_files``,
-``hf.mask_dataset`` and ``encode_chats`` + ``label_batch``. Each row must be kept, and each token must train exactly as
+calls, reasoning as a field and as ``<think>`` text, text quoting control tokens, system + tools), stored as JSON
+Lines and read as Arrow (so each call's arguments and each tool get the other calls' keys as null), go through the
+three doors: ``mask_files``, ``hf.mask_dataset`` and ``encode_chats`` + ``label_batch``. Each row must be kept, and each token must train exactly as
 the oracle says (``template_collection.expected_training``: written from ``apply_chat_template``'s prefix renders and
 each id's bytes, not from lossmask's code): a turn from the model's first token (past the header the generation prompt
 writes) through its stop or closing, every call's arguments included; no header, user, system or tool text. The three
