@@ -228,3 +228,21 @@ def vision_processor_dir(family: str, out: Path) -> Path:
             if file.is_file() and file.name != "added_tokens.json":
                 shutil.copy(file, folder / file.name)
     return folder
+
+
+def wait_for_partial_output(job, folder: Path, guard_s: float = 600.0) -> bool:
+    """Wait until the ``lossmask mask`` subprocess ``job`` has opened its ``.partial`` output in ``folder``, its
+    readiness signal (its stop handlers are in place before that), or has ended; True while it still runs.
+
+    ``guard_s`` only guards against a hang, far above the quiet time (about a second): past it the test fails, naming
+    the wait, rather than signalling a job that is still importing (which a busy machine can make take a while)."""
+    import time
+
+    deadline = time.monotonic() + guard_s
+    while job.poll() is None and not any(name.endswith(".partial") for name in os.listdir(folder)):
+        if time.monotonic() > deadline:
+            job.kill()
+            job.communicate()
+            pytest.fail(f"the job wrote no partial output in {folder} within {guard_s:.0f} s (a hang guard)")
+        time.sleep(0.01)
+    return job.poll() is None
