@@ -126,12 +126,13 @@ def tokenizers_dir() -> Path:
     return root
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _memory_given_back_after_each_file():
-    """What a test file freed goes back to the system when it ends (``gc`` for cycles, then glibc's ``malloc_trim``,
-    which returns free heap pages that ``free`` keeps), so that one process running many files holds their shared
-    caches (``chat_tokenizer``, ``detected_markers``) and not the sum of every file's peak."""
-    yield
+# Past this resident size at the end of a test file, the shared caches below are emptied (they refill on next need).
+CACHES_KEPT_UNDER = 2 << 30
+
+
+def _give_memory_back() -> int:
+    """Freed memory back to the system (``gc`` for cycles, then glibc's ``malloc_trim``, which returns the free heap
+    pages that ``free`` keeps); the resident size after, in bytes (0 where ``/proc`` cannot say)."""
     import gc
 
     gc.collect()
@@ -142,6 +143,24 @@ def _memory_given_back_after_each_file():
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # not glibc (musl): nothing to trim
             pass
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memory_given_back_after_each_file():
+    """What a test file freed goes back to the system when it ends, so that one process running many files (the whole
+    suite, or a pytest-xdist worker's share) holds its shared caches and not the sum of every file's peak; and those
+    caches (``chat_tokenizer``, ``detected_markers``: about 1 GiB with every family loaded) are emptied when the
+    process still holds more than ``CACHES_KEPT_UNDER``."""
+    yield
+    if _give_memory_back() > CACHES_KEPT_UNDER:
+        _CHAT_TOKENIZERS.clear()
+        _DETECTED.clear()
+        _give_memory_back()
 
 
 def pytest_configure(config):

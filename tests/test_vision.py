@@ -507,11 +507,13 @@ def test_llava_with_given_markers_masks_every_image_token_and_trains_a_tiny_mode
         image_token_index=32000, vision_feature_layer=-2, vision_feature_select_strategy="default")
     model = transformers.LlavaForConditionalGeneration(config)
     model.train()
-    loss = model(**batch)
-    logits = loss.logits.float()[:, :-1]
+    with torch.no_grad():  # the loss alone, no step: nothing kept for a backward pass
+        loss = model(**batch)
     targets = batch["labels"][:, 1:]
     trained = targets != -100
-    hand = -(torch.log_softmax(logits, dim=-1)[trained].gather(1, targets[trained].unsqueeze(1))).sum() / trained.sum()
+    # log-softmax of the trained positions' logits alone (the same numbers as taken from the whole batch's)
+    log_probs = torch.log_softmax(loss.logits.float()[:, :-1][trained], dim=-1)
+    hand = -(log_probs.gather(1, targets[trained].unsqueeze(1))).sum() / trained.sum()
     assert abs(loss.loss.item() - hand.item()) < 1e-5
 
 
