@@ -130,12 +130,9 @@ def tokenizers_dir() -> Path:
 CACHES_KEPT_UNDER = 2 << 30
 
 
-def _give_memory_back() -> int:
-    """Freed memory back to the system (``gc`` for cycles, then glibc's ``malloc_trim``, which returns the free heap
-    pages that ``free`` keeps); the resident size after, in bytes (0 where ``/proc`` cannot say)."""
-    import gc
-
-    gc.collect()
+def _trim_heap() -> None:
+    """glibc's ``malloc_trim``: the free pages that ``free`` keeps in the heap go back to the system (tens of
+    milliseconds); without it, what one test freed stays resident, in pieces, under the next test's peak."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -143,6 +140,20 @@ def _give_memory_back() -> int:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # not glibc (musl): nothing to trim
             pass
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    _trim_heap()  # after the test's own fixtures are torn down
+
+
+def _give_memory_back() -> int:
+    """Freed memory back to the system (``gc`` for cycles, then ``_trim_heap``); the resident size after, in bytes
+    (0 where ``/proc`` cannot say)."""
+    import gc
+
+    gc.collect()
+    _trim_heap()
     try:
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
