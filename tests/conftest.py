@@ -93,7 +93,9 @@ def _repo_family(family: str) -> Path | None:
         return None
     folder = builder.default_cache() / f"repo-tokenizers-{builder.manifest_digest()}"
     if not builder.is_complete(folder):
-        builder.build(folder, builder.default_cache() / "downloads", local, log=lambda line: None)
+        with builder.cache_lock(folder):
+            if not builder.is_complete(folder):
+                builder.build(folder, builder.default_cache() / "downloads", local, log=lambda line: None)
     return folder / family
 
 
@@ -122,6 +124,54 @@ def tokenizers_dir() -> Path:
     if root is None:
         pytest.skip(f"real-template tokenizers not available: {_STATE['why']}")
     return root
+
+
+# Past this resident size at the end of a test file, the shared caches below are emptied (they refill on next need).
+CACHES_KEPT_UNDER = 2 << 30
+
+
+def _trim_heap() -> None:
+    """glibc's ``malloc_trim``: the free pages that ``free`` keeps in the heap go back to the system (tens of
+    milliseconds); without it, what one test freed stays resident, in pieces, under the next test's peak."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    _trim_heap()  # after the test's own fixtures are torn down
+
+
+def _give_memory_back() -> int:
+    """Freed memory back to the system (``gc`` for cycles, then ``_trim_heap``); the resident size after, in bytes
+    (0 where ``/proc`` cannot say)."""
+    import gc
+
+    gc.collect()
+    _trim_heap()
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memory_given_back_after_each_file():
+    """What a test file freed goes back to the system when it ends, so that one process running many files (the whole
+    suite, or a pytest-xdist worker's share) holds its shared caches and not the sum of every file's peak; and those
+    caches (``chat_tokenizer``, ``detected_markers``: about 1 GiB with every family loaded) are emptied when the
+    process still holds more than ``CACHES_KEPT_UNDER``."""
+    yield
+    if _give_memory_back() > CACHES_KEPT_UNDER:
+        _CHAT_TOKENIZERS.clear()
+        _DETECTED.clear()
+        _give_memory_back()
 
 
 def pytest_configure(config):
@@ -228,3 +278,21 @@ def vision_processor_dir(family: str, out: Path) -> Path:
             if file.is_file() and file.name != "added_tokens.json":
                 shutil.copy(file, folder / file.name)
     return folder
+
+
+def wait_for_partial_output(job, folder: Path, guard_s: float = 600.0) -> bool:
+    """Wait until the ``lossmask mask`` subprocess ``job`` has opened its ``.partial`` output in ``folder``, its
+    readiness signal (its stop handlers are in place before that), or has ended; True while it still runs.
+
+    ``guard_s`` only guards against a hang, far above the quiet time (about a second): past it the test fails, naming
+    the wait, rather than signalling a job that is still importing (which a busy machine can make take a while)."""
+    import time
+
+    deadline = time.monotonic() + guard_s
+    while job.poll() is None and not any(name.endswith(".partial") for name in os.listdir(folder)):
+        if time.monotonic() > deadline:
+            job.kill()
+            job.communicate()
+            pytest.fail(f"the job wrote no partial output in {folder} within {guard_s:.0f} s (a hang guard)")
+        time.sleep(0.01)
+    return job.poll() is None

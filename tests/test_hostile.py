@@ -25,6 +25,7 @@ from lossmask.cli import main
 from lossmask.jobs.outputs import OutputError
 from lossmask.jobs.stream import mask_files
 
+from conftest import wait_for_partial_output
 from test_stream import MARKERS, check_adds_up, random_rows, write_input
 
 CHAT = [1, 3, 9, 4, 1, 2, 7, 8, 4]  # a user turn, then an assistant turn that trains 7 8 4
@@ -250,15 +251,10 @@ def test_a_terminated_job_leaves_no_partial(tmp_path):
     job = subprocess.Popen([sys.executable, "-m", "lossmask", "mask", str(tmp_path / "in.parquet"),
                             str(tmp_path / "out.parquet"), "--markers", str(tmp_path / "m.json"), "--batch-size", "500",
                             "--max-drop-fraction", "1", "--no-progress"], stderr=subprocess.PIPE, text=True)
-    import time
-
-    deadline = time.monotonic() + 60
-    while not partials(tmp_path) and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if job.poll() is not None:
+    if not wait_for_partial_output(job, tmp_path):
         pytest.skip("the job finished before it could be stopped")
     job.terminate()  # SIGTERM, as a scheduler or `kill` sends it
-    job.wait(timeout=60)
+    job.wait(timeout=300)  # a hang guard
     assert job.returncode != 0
     assert sorted(os.listdir(tmp_path)) == ["in.parquet", "m.json"]
 

@@ -26,6 +26,7 @@ import pytest
 from lossmask.cli import main
 from lossmask.jobs.stream import mask_files
 
+from conftest import wait_for_partial_output
 from test_stream import MARKERS, write_input
 
 CHAT = [1, 3, 9, 4, 1, 2, 7, 8, 4]  # a user turn, then an assistant turn that trains 7 8 4
@@ -322,14 +323,10 @@ def test_sigterm_exits_143_with_one_line_and_leaves_nothing(tmp_path, markers_fi
     job = subprocess.Popen([sys.executable, "-m", "lossmask", "mask", str(tmp_path / "in.parquet"),
                             str(tmp_path / "out.parquet"), "--markers", str(markers_file), "--batch-size", "1",
                             "--no-progress"], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not any(n.endswith(".partial") for n in os.listdir(tmp_path)) and job.poll() is None \
-            and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if job.poll() is not None:
+    if not wait_for_partial_output(job, tmp_path):
         pytest.skip("the job finished before it could be stopped")
     job.send_signal(signal.SIGTERM)
-    _, err = job.communicate(timeout=30)
+    _, err = job.communicate(timeout=300)  # a hang guard: it ends within a second when quiet
     assert job.returncode == 143, err
     assert err.count("\n") == 1 and "stopped by SIGTERM" in err and "partial output was removed" in err, err
     assert sorted(os.listdir(tmp_path)) == ["in.parquet", "m.json"]

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import lossmask
+from conftest import wait_for_partial_output
 from test_stream import MARKERS
 
 ROWS = 2_000_000
@@ -41,10 +42,7 @@ def _stop_job(folder, signals: list[int], delay: float) -> tuple[subprocess.Pope
     job = subprocess.Popen([sys.executable, "-m", "lossmask", "mask", str(folder / "in.parquet"), str(out),
                             "--markers", str(folder / "m.json"), "--batch-size", "20000", "--no-progress"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while job.poll() is None and time.monotonic() < deadline and not any(
-            name.endswith(".partial") for name in os.listdir(folder)):
-        time.sleep(0.005)
+    wait_for_partial_output(job, folder)
     time.sleep(delay)  # the labelling loop runs from the moment the partial output exists
     if job.poll() is not None:
         job.communicate()
@@ -54,7 +52,7 @@ def _stop_job(folder, signals: list[int], delay: float) -> tuple[subprocess.Pope
         if k:
             time.sleep(0.05)
         job.send_signal(signum)
-    _, err = job.communicate(timeout=120)
+    _, err = job.communicate(timeout=300)  # a hang guard: it stops within a second when quiet
     return job, err
 
 

@@ -51,7 +51,8 @@ _PROCESSORS: dict = {}
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     out = tmp_path_factory.mktemp("vision")
-    return {family: vision_processor_dir(family, out) for family in (*FAMILIES, "llava")}
+    yield {family: vision_processor_dir(family, out) for family in (*FAMILIES, "llava")}
+    _PROCESSORS.clear()  # loaded once for this file's tests, given back after them
 
 
 def processor(folders, family):
@@ -324,6 +325,31 @@ def test_mask_files_takes_a_processor_folder(folders, tmp_path):
 
 # -- the collator, and one training step of a tiny random model of each kind ----------------------------------
 
+# the tests that run a model take their processor's images small: each image's tokens and the logits of three rows over
+# a large vocabulary (Gemma-3's 262,208 tokens) then take megabytes, not gigabytes. Expansion, tokens and labels follow
+# the same code as at full size (tested above). Gemma-3: 224 pixels and 16 tokens an image (its own: 896 and 256);
+# Idefics3: one 112-pixel tile of 16 tokens, no splitting (its own: up to 2x2 tiles + 1 of 364 pixels, 169 tokens each).
+SMALL_IMAGES = {
+    "gemma-3": {"processor_config.json": {"image_seq_length": 16},
+                "preprocessor_config.json": {"image_seq_length": 16, "size": {"height": 224, "width": 224}}},
+    "idefics3": {"processor_config.json": {"image_seq_len": 16},
+                 "preprocessor_config.json": {"do_image_splitting": False, "max_image_size": {"longest_edge": 112},
+                                              "size": {"longest_edge": 112}}},
+}
+
+
+def small_processor(folders, family, out):
+    """``family``'s processor with the small images of ``SMALL_IMAGES``."""
+    import shutil
+
+    folder = out / f"{family}-small"
+    shutil.copytree(folders[family], folder)
+    for name, changes in SMALL_IMAGES[family].items():
+        config = json.loads((folder / name).read_text(encoding="utf-8"))
+        (folder / name).write_text(json.dumps({**config, **changes}), encoding="utf-8")
+    return load_processor(folder)
+
+
 def tiny_model(family):
     import torch
     import transformers
@@ -338,35 +364,32 @@ def tiny_model(family):
                                spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
             image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
         return transformers.Qwen2VLForConditionalGeneration(config)
-    if family == "idefics3":  # 364-pixel tiles of 14-pixel patches, merged 2x2: the processor's 169 tokens per tile
+    if family == "idefics3":  # SMALL_IMAGES' 112-pixel tiles of 14-pixel patches, merged 2x2: 16 tokens per tile
         config = transformers.Idefics3Config(
             text_config=dict(model_type="llama", vocab_size=128259, hidden_size=32, intermediate_size=64,
                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                              max_position_embeddings=4096, pad_token_id=128002),
-            vision_config=dict(image_size=364, patch_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            vision_config=dict(image_size=112, patch_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                num_attention_heads=2),
             scale_factor=2, image_token_id=128257)
         return transformers.Idefics3ForConditionalGeneration(config)
-    config = transformers.Gemma3Config(
+    config = transformers.Gemma3Config(  # SMALL_IMAGES' 224 pixels: 16x16 patches pooled to 4x4, 16 tokens
         text_config=dict(vocab_size=262208, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
                          sliding_window=512),
-        vision_config=dict(image_size=896, patch_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        vision_config=dict(image_size=224, patch_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2),
-        mm_tokens_per_image=256, image_token_index=262144, boi_token_index=255999, eoi_token_index=256000)
+        mm_tokens_per_image=16, image_token_index=262144, boi_token_index=255999, eoi_token_index=256000)
     return transformers.Gemma3ForConditionalGeneration(config)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_collator_batch_trains_a_tiny_model_with_the_hand_computed_loss(folders, family):
+def test_collator_batch_trains_a_tiny_model_with_the_hand_computed_loss(folders, family, tmp_path):
     import torch
 
     from lossmask.vision import VisionCollator
 
-    proc = processor(folders, family)
-    if family == "idefics3":  # one tile per image (169 tokens), not up to 2x2 + 1: the batch's logits stay small
-        proc = load_processor(folders[family])
-        proc.image_processor.do_image_splitting = False
+    proc = small_processor(folders, family, tmp_path) if family in SMALL_IMAGES else processor(folders, family)
     rows = chats()
     collator = VisionCollator(proc, markers=given_markers(proc, family))
     batch = collator([{"messages": m, "images": i} for m, i in rows])
@@ -383,16 +406,18 @@ def test_collator_batch_trains_a_tiny_model_with_the_hand_computed_loss(folders,
     model.train()
     optimiser = torch.optim.SGD(model.parameters(), lr=0.1)
     out = model(**batch)
-    logits = out.logits.float()[:, :-1]
     targets = batch["labels"][:, 1:]
     trained = targets != -100
-    log_probs = torch.log_softmax(logits, dim=-1)
-    hand = -(log_probs[trained].gather(1, targets[trained].unsqueeze(1))).sum() / trained.sum()
-    assert abs(out.loss.item() - hand.item()) < 1e-5
+    # log-softmax of the trained positions' logits alone (the same numbers as taken from the whole batch's)
+    log_probs = torch.log_softmax(out.logits.detach().float()[:, :-1][trained], dim=-1)
+    hand = -(log_probs.gather(1, targets[trained].unsqueeze(1))).sum() / trained.sum()
+    first = out.loss.item()
+    assert abs(first - hand.item()) < 1e-5
     out.loss.backward()
     optimiser.step()
+    del out, log_probs  # the first step's logits, given back before the second
     again = model(**batch).loss.item()
-    assert np.isfinite(again) and again != out.loss.item()
+    assert np.isfinite(again) and again != first
 
 
 def test_sft_trainer_runs_with_the_vision_collator(folders, tmp_path):
@@ -482,11 +507,13 @@ def test_llava_with_given_markers_masks_every_image_token_and_trains_a_tiny_mode
         image_token_index=32000, vision_feature_layer=-2, vision_feature_select_strategy="default")
     model = transformers.LlavaForConditionalGeneration(config)
     model.train()
-    loss = model(**batch)
-    logits = loss.logits.float()[:, :-1]
+    with torch.no_grad():  # the loss alone, no step: nothing kept for a backward pass
+        loss = model(**batch)
     targets = batch["labels"][:, 1:]
     trained = targets != -100
-    hand = -(torch.log_softmax(logits, dim=-1)[trained].gather(1, targets[trained].unsqueeze(1))).sum() / trained.sum()
+    # log-softmax of the trained positions' logits alone (the same numbers as taken from the whole batch's)
+    log_probs = torch.log_softmax(loss.logits.float()[:, :-1][trained], dim=-1)
+    hand = -(log_probs.gather(1, targets[trained].unsqueeze(1))).sum() / trained.sum()
     assert abs(loss.loss.item() - hand.item()) < 1e-5
 
 
