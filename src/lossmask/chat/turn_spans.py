@@ -85,11 +85,15 @@ def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: 
     special = np.isin(ids, special_id_array(ct))
     trained = np.zeros(ids.shape[0], dtype=bool)
     for start, content_end, end, follows, parted in spans:
-        # a token the span's start cuts into is written by the model where the prompt goes on otherwise there: the
-        # prompt's ``<|channel>`` and the reply's ``<think>`` share "<"; a special token so always (``<think>`` in
-        # the prompt, ``</think>`` in the history). Where the prompt ends inside a token (a header's last space
-        # merged with the reply's first word) the token is the header's.
-        cut = np.flatnonzero((special | parted) & (starts < start) & (ends > start))
+        # a token the span's start cuts into is written by the model where the prompt goes on otherwise there (the
+        # prompt's ``<|channel>`` and the reply's ``<think>`` share "<"), where it is a special token (``<think>`` in
+        # the prompt, ``</think>`` in the history), or where it holds the reply's first word (a header's last space
+        # merged with it: ``: I``). Whitespace alone merged with the header's end is the header's, as its markers have it.
+        straddles = (starts < start) & (ends > start)
+        cut = np.flatnonzero(straddles & (special | parted))
+        if not cut.size and straddles.any():
+            k = int(np.flatnonzero(straddles)[0])
+            cut = np.array([k]) if text[start:int(ends[k])].strip() else cut
         first = int(starts[cut[0]]) if cut.size else start
         # (a special token that only begins in the span is not the turn's: the renderings parted inside it, as
         # <|user|> and <|endoftext|> share "<|")
