@@ -293,7 +293,8 @@ def read_placeholders(conversations: list, media: dict[str, list], *, processor:
         given = {column: values[r] for column, values in media.items() if values[r]}
         if not messages:
             continue
-        orphan = _orphan_placeholder(messages, given)
+        # (through a processor, an <image> or <video> with no item is named by the processor's path: typed in text)
+        orphan = _orphan_placeholder(messages, given, ("images", "videos") if processor else ())
         if orphan is not None:
             invalid.append((r, orphan))
             continue
@@ -323,11 +324,12 @@ def read_placeholders(conversations: list, media: dict[str, list], *, processor:
     return invalid
 
 
-def _orphan_placeholder(messages: list, given: dict) -> str | None:
-    """What to say of a row whose text holds a placeholder for a medium it has no item of (None: there is none)."""
+def _orphan_placeholder(messages: list, given: dict, left: tuple = ()) -> str | None:
+    """What to say of a row whose text holds a placeholder for a medium it has no item of (None: there is none);
+    ``left``: the media columns whose placeholders another path names."""
     texts = [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
     for column, placeholder in PLACEHOLDERS.items():
-        if column in given:
+        if column in given or column in left:
             continue
         n = sum(text.count(placeholder) for text in texts)
         if n:
