@@ -22,6 +22,7 @@ every row: ``FromRendering`` stands where the markers would, and each row keeps 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
@@ -49,6 +50,27 @@ class FromRendering:
         return "labels from each row's rendering (no token markers)"
 
 
+class RenderingOverBudget(Exception):
+    """Labelling one row from its rendering went past its deadline (``MaskOptions.max_row_rendering_seconds``): the
+    row is dropped as ``rendering_over_budget``, never waited on."""
+
+    def __init__(self, seconds: float | None = None):
+        self.seconds = seconds
+        super().__init__(over_budget_message(seconds))
+
+
+def over_budget_message(seconds: float | None) -> str:
+    within = f"{seconds:g} seconds" if seconds is not None else "its time"
+    return (f"labelling it from its rendering took more than {within} (max_row_rendering_seconds): the row is too long "
+            "for its template to be followed turn by turn in that time")
+
+
+def check_deadline(deadline: float | None, seconds: float | None = None) -> None:
+    """Raise ``RenderingOverBudget`` once the monotonic clock is past ``deadline`` (None: no bound)."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise RenderingOverBudget(seconds)
+
+
 NOT_FOUND = ("its assistant turns cannot be found from the rendering: the chat template writes the conversation "
              "before a turn otherwise than its generation prompt does")
 
@@ -56,13 +78,15 @@ NOT_FOUND = ("its assistant turns cannot be found from the rendering: the chat t
 def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: np.ndarray, *,
                            tools: Any = None, last_turn_only: bool = False,
                            special_tokens_in_content: str = "text", text: str | None = None,
-                           offsets: np.ndarray | None = None, located: Any = None) -> np.ndarray | None:
+                           offsets: np.ndarray | None = None, located: Any = None,
+                           deadline: float | None = None) -> np.ndarray | None:
     """A bool per token of ``ids`` (the row as the messages path encoded it, perhaps cut at a maximum length):
     inside an assistant turn found from the rendering. None when it cannot be told: a rendering the template
     refuses, ids that are not this conversation's, a turn whose prompt disagrees with the text before it.
 
     ``text`` / ``offsets``: the row's rendering and each token's character span in it, when the caller has them
-    (the batch step does): the row is then not rendered and encoded again."""
+    (the batch step does): the row is then not rendered and encoded again. ``deadline``: a ``time.monotonic()`` past
+    which it stops with ``RenderingOverBudget`` (checked before each turn's renders)."""
     messages = list(messages)
     ids = np.asarray(ids)
     try:
@@ -78,7 +102,7 @@ def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: 
     turns = [i for i, m in enumerate(messages) if isinstance(m, Mapping) and m.get("role") == "assistant"]
     if last_turn_only:
         turns = turns[-1:]
-    spans = turn_spans(ct, messages, text, turns, tools=tools, located=located)
+    spans = turn_spans(ct, messages, text, turns, tools=tools, located=located, deadline=deadline)
     if spans is None:
         return None
     starts, ends = offsets[:, 0], offsets[:, 1]
@@ -187,7 +211,8 @@ def special_id_array(ct: Any) -> np.ndarray:
 
 
 def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
-               tools: Any = None, located: Any = None) -> list[tuple[int, int, int, bool, bool]] | None:
+               tools: Any = None, located: Any = None, deadline: float | None = None
+               ) -> list[tuple[int, int, int, bool, bool]] | None:
     """``(start, text end, end, followed, parted)`` in ``text`` for each assistant turn of ``turns``: where the model
     starts writing it (past what the generation prompt supplies), where its own text ends, where the turn ends,
     whether another message follows it, and whether the prompt goes on otherwise at the start (rather than ending
@@ -210,6 +235,7 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
         starts_by_message[index] = min(a, starts_by_message.get(index, a))
     spans = []
     for i in turns:
+        check_deadline(deadline)
         try:
             prompt = _render(ct, messages[:i], tools, True)
             through = _render(ct, messages[: i + 1], tools, False)
@@ -246,6 +272,7 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
         if i + 1 == len(messages) and end > content_end:
             # the row's last message: what the template writes after it only when the conversation ends (Phi-3's
             # <|endoftext|> after the stop) is not the turn's; the chat rendered going on with a user message parts there
+            check_deadline(deadline)
             try:
                 going_on = _render(ct, messages + [{"role": "user", "content": "Next."}], tools, False)
             except ChatTemplateError:
@@ -291,10 +318,10 @@ def agree_but_whitespace(a: str, i: int, b: str, j: int, limit: int) -> tuple[in
 def label_row_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: np.ndarray, *, tools: Any = None,
                               last_turn_only: bool = False, special_tokens_in_content: str = "text",
                               text: str | None = None, offsets: np.ndarray | None = None,
-                              ) -> tuple[np.ndarray | None, str | None]:
+                              deadline: float | None = None) -> tuple[np.ndarray | None, str | None]:
     """``(trained, None)``: a bool per token of ``ids``, found from the rendering, keeping the role invariant; or
     ``(None, why)`` when the turns cannot be found or their labels would train a user, system or tool message's
-    text (or leave an assistant's untrained)."""
+    text (or leave an assistant's untrained). Past ``deadline`` (``time.monotonic()``), ``RenderingOverBudget``."""
     messages = list(messages)
     try:
         text = ct.render(messages, tools=tools) if text is None else text
@@ -307,7 +334,7 @@ def label_row_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids
             return None, "its token ids are not those of its rendering"
     located = locate_messages(text, messages, system_optional=ct.content_tokens.drops_system)
     trained = trained_from_rendering(ct, messages, ids, tools=tools, last_turn_only=last_turn_only, text=text,
-                                     offsets=offsets, located=located)
+                                     offsets=offsets, located=located, deadline=deadline)
     if trained is None:
         return None, NOT_FOUND
     starts, ends = offsets[: ids.shape[0], 0], offsets[: ids.shape[0], 1]
@@ -326,17 +353,21 @@ def label_row_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids
 
 def label_from_rendering(ct: Any, chats: Sequence[Any], input_ids: pa.Array, *, last_turn_only: bool = False,
                          ignore_index: int = -100, dtype: Any = "int64", special_tokens_in_content: str = "text",
-                         texts: Sequence[str | None] | None = None) -> Any:
+                         texts: Sequence[str | None] | None = None, seconds_per_row: float | None = None) -> Any:
     """Labels of a batch of chat rows (``input_ids``, one row per entry of ``chats``: ``(messages, tools)`` or None
     for a null row), each found from its rendering (``label_row_from_rendering``). ``texts``: each row's rendering,
     when the caller has it. A row whose turns cannot be found keeps null labels and is listed in ``rejected`` as
-    ``template_breaks_roles``. Returns an ``engine.labels.LabelledBatch``."""
+    ``template_breaks_roles``; one that takes longer than ``seconds_per_row`` (default
+    ``options.DEFAULT_ROW_RENDERING_SECONDS``) is stopped there and listed as ``rendering_over_budget``. Returns an
+    ``engine.labels.LabelledBatch``."""
     import pyarrow.compute as pc
 
     from ..engine.buffers import resolve_label_dtype
     from ..engine.labels import LabelledBatch
-    from ..engine.outcomes import TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts
+    from ..engine.outcomes import RENDERING_OVER_BUDGET, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts
+    from ..options import DEFAULT_ROW_RENDERING_SECONDS
 
+    seconds = DEFAULT_ROW_RENDERING_SECONDS if seconds_per_row is None else seconds_per_row
     if isinstance(input_ids, pa.ChunkedArray):
         input_ids = input_ids.combine_chunks()
     lengths = pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -361,10 +392,16 @@ def label_from_rendering(ct: Any, chats: Sequence[Any], input_ids: pa.Array, *, 
         if not any(isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages):
             outcomes[r] = Outcome.NO_RESPONSE
             continue
-        row, why = label_row_from_rendering(ct, messages, flat_ids[at], tools=tools, last_turn_only=last_turn_only,
-                                            special_tokens_in_content=special_tokens_in_content,
-                                            text=texts[r] if texts is not None else None,
-                                            offsets=spans[at] if placed[r] else None)
+        try:
+            row, why = label_row_from_rendering(ct, messages, flat_ids[at], tools=tools, last_turn_only=last_turn_only,
+                                                special_tokens_in_content=special_tokens_in_content,
+                                                text=texts[r] if texts is not None else None,
+                                                offsets=spans[at] if placed[r] else None,
+                                                deadline=time.monotonic() + seconds)
+        except RenderingOverBudget:
+            rejected.append((r, RENDERING_OVER_BUDGET, over_budget_message(seconds)))
+            null[r] = True
+            continue
         if row is None:
             rejected.append((r, TEMPLATE_BREAKS_ROLES, why))
             null[r] = True
@@ -489,7 +526,8 @@ def label_encoded(encoded: Any, markers: Any, *, backend: str | None = None, las
     import pyarrow.compute as pc
 
     from ..engine.labels import LabelledBatch, label_batch
-    from ..engine.outcomes import TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts
+    from ..engine.outcomes import RENDERING_OVER_BUDGET, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts
+    from ..options import DEFAULT_ROW_RENDERING_SECONDS
 
     ids = encoded.input_ids
     if isinstance(markers, FromRendering):
@@ -523,9 +561,15 @@ def label_encoded(encoded: Any, markers: Any, *, backend: str | None = None, las
             continue
         trained = None
         if messages:
-            trained = trained_from_rendering(encoded.tokenizer, messages, flat_ids[at], tools=tools,
-                                             last_turn_only=last_turn_only,
-                                             special_tokens_in_content=encoded.special_tokens_in_content)
+            try:
+                trained = trained_from_rendering(encoded.tokenizer, messages, flat_ids[at], tools=tools,
+                                                 last_turn_only=last_turn_only,
+                                                 special_tokens_in_content=encoded.special_tokens_in_content,
+                                                 deadline=time.monotonic() + DEFAULT_ROW_RENDERING_SECONDS)
+            except RenderingOverBudget:
+                rejected.append((r, RENDERING_OVER_BUDGET, over_budget_message(DEFAULT_ROW_RENDERING_SECONDS)))
+                null[r] = True
+                continue
         part = type(roles)(role=roles.role[at], message=roles.message[at], names=roles.names)
         if trained is not None and not role_breaks(trained, part, last_turn_only).any():
             flat[at] = np.where(trained, flat_ids[at], ignore_index)
