@@ -108,16 +108,20 @@ def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: 
     starts, ends = offsets[:, 0], offsets[:, 1]
     special = np.isin(ids, special_id_array(ct))
     trained = np.zeros(ids.shape[0], dtype=bool)
+    near = _TokenWindow(starts, ends)
     for start, content_end, end, follows, parted in spans:
         # a token the span's start cuts into is written by the model where the prompt goes on otherwise there: the
         # prompt's ``<|channel>`` and the reply's ``<think>`` share "<"; a special token so always (``<think>`` in
         # the prompt, ``</think>`` in the history). Where the prompt ends inside a token (a header's last space
         # merged with the reply's first word) the token is the header's.
-        cut = np.flatnonzero((special | parted) & (starts < start) & (ends > start))
+        lo, hi = near.crossing(start)
+        cut = lo + np.flatnonzero((special[lo:hi] | parted) & (starts[lo:hi] < start) & (ends[lo:hi] > start))
         first = int(starts[cut[0]]) if cut.size else start
         # (a special token that only begins in the span is not the turn's: the renderings parted inside it, as
         # <|user|> and <|endoftext|> share "<|")
-        inside = np.flatnonzero((starts >= first) & (starts < end) & ((ends <= end) | ~special))
+        lo, hi = near.starting(first, end)
+        inside = lo + np.flatnonzero((starts[lo:hi] >= first) & (starts[lo:hi] < end)
+                                     & ((ends[lo:hi] <= end) | ~special[lo:hi]))
         if not inside.size:
             continue
         stops = inside[special[inside] & (ends[inside] > content_end)]
@@ -142,6 +146,35 @@ def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: 
                 last = after
         trained[int(inside[0]): last + 1] = True
     return trained
+
+
+class _TokenWindow:
+    """The tokens that can meet a span of characters, found by bisection where the tokens' starts and ends both rise
+    (as a row's do): each span's masks are then made over those tokens alone, not the whole row. Where they do not
+    rise, the window is the whole row, and the masks give the same tokens."""
+
+    def __init__(self, starts: np.ndarray, ends: np.ndarray):
+        self.starts, self.ends, self.n = starts, ends, int(starts.shape[0])
+        self.sorted = bool(self.n < 2 or ((np.diff(starts) >= 0).all() and (np.diff(ends) >= 0).all()))
+
+    def crossing(self, at: int) -> tuple[int, int]:
+        """Covers the tokens with ``start < at < end``."""
+        if not self.sorted:
+            return 0, self.n
+        return int(np.searchsorted(self.ends, at, "right")), int(np.searchsorted(self.starts, at, "left"))
+
+    def starting(self, a: int, b: int) -> tuple[int, int]:
+        """Covers the tokens with ``a <= start < b``."""
+        if not self.sorted:
+            return 0, self.n
+        return int(np.searchsorted(self.starts, a, "left")), int(np.searchsorted(self.starts, b, "left"))
+
+    def within(self, a: int, b: int) -> tuple[int, int]:
+        """Covers the tokens with ``start >= a`` and ``end <= b``."""
+        if not self.sorted:
+            return 0, self.n
+        lo, hi = int(np.searchsorted(self.starts, a, "left")), int(np.searchsorted(self.ends, b, "right"))
+        return lo, max(lo, hi)
 
 
 def _render(ct: Any, messages: list, tools: Any, add_generation_prompt: bool) -> str:
@@ -216,14 +249,19 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
     """``(start, text end, end, followed, parted)`` in ``text`` for each assistant turn of ``turns``: where the model
     starts writing it (past what the generation prompt supplies), where its own text ends, where the turn ends,
     whether another message follows it, and whether the prompt goes on otherwise at the start (rather than ending
-    there). None when a turn cannot be found so.
+    there). None when a turn cannot be found so. Past ``deadline`` (``time.monotonic()``), ``RenderingOverBudget``.
 
     The start is where the conversation before the turn, rendered with the generation prompt, stops agreeing
     with ``text``; it must lie past every earlier message's text (else the template rewrites the history as the
     conversation goes on, and no prefix tells the turn). The end is where the conversation through the turn,
     rendered with the turn last, stops agreeing with ``text``; where that rendering writes the turn otherwise
     than the history does (a think block kept only for the last turn), the turn ends where its own tail, after
-    its text, stops agreeing instead."""
+    its text, stops agreeing instead.
+
+    Both renderings are made from a short context where it can stand for the whole (``_short_renders``): the messages
+    since the turn's last user message or its last assistant message, after the system message and that user
+    message, so that a row costs work in proportion to its length, not its square. Each is used only where the part
+    of the history it rewrites is the row's text exactly; else the turn is rendered from the row's start."""
     if located is None:
         located = locate_messages(text, messages, system_optional=ct.content_tokens.drops_system)
     if located.missing is not None:
@@ -233,54 +271,187 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
     for a, b, index, _ in located.pieces:
         ends_by_message[index] = max(b, ends_by_message.get(index, 0))
         starts_by_message[index] = min(a, starts_by_message.get(index, a))
+    history = _History(messages, ends_by_message)
     spans = []
     for i in turns:
         check_deadline(deadline)
-        try:
-            prompt = _render(ct, messages[:i], tools, True)
-            through = _render(ct, messages[: i + 1], tools, False)
-        except ChatTemplateError:
-            return None
-        # (a prompt that goes on past the header can share the reply's first characters: "Here are" / "Hello")
-        opens = starts_by_message.get(i, len(text))
-        agreed = common_prefix(prompt, text)
-        start, in_prompt = min(agreed, opens), min(agreed, opens)
-        before = max((e for m, e in ends_by_message.items() if m < i), default=0)
-        if start < before:  # the history is written otherwise as the chat goes on (Mistral moves the system prompt
-            # into the last user turn): the prompt's tail after the last text before the turn, where the row has it
-            found = _start_after(ct, messages, i, prompt, text, ends_by_message)
-            if found is None or found[0] < before or found[0] > opens:
-                return None
-            start, in_prompt = found
-        # the header as the prompt writes it, whitespace runs allowed to differ from the history's (Hermes writes
-        # ``</tool_response><|im_end|>`` in the prompt, ``</tool_response>\n<|im_end|>`` in the history)
-        in_prompt, start = agree_but_whitespace(prompt, in_prompt, text, start, opens)
-        parted = in_prompt < len(prompt) and start < opens
-        content_end = max(ends_by_message.get(i, start), start)
-        end = start + common_prefix(through[start:], text[start:]) if through.startswith(text[:start]) else start
-        if end < content_end:
-            own = locate_messages(through, messages[: i + 1], system_optional=ct.content_tokens.drops_system)
-            own_end = max((b for _, b, index, _ in own.pieces if index == i), default=None)
-            if own.missing is not None or own_end is None:
-                return None
-            end = content_end + common_prefix(through[own_end:], text[content_end:])
-        if i + 1 < len(messages) and content_end <= end < len(through) and not through.startswith(text[:len(through)]):
-            # the turn rendered last closes otherwise than the history does after its text (Apriel writes the call's
-            # id only when a result follows): the turn ends at the stop that its own closing ends with, found in the
-            # history before the next message
-            end = _through_stop(ct, through[end:], text, end, starts_by_message.get(i + 1, len(text)))
-        if i + 1 == len(messages) and end > content_end:
-            # the row's last message: what the template writes after it only when the conversation ends (Phi-3's
-            # <|endoftext|> after the stop) is not the turn's; the chat rendered going on with a user message parts there
-            check_deadline(deadline)
+        span = _FALLBACK
+        if _SHORT_CONTEXTS:
             try:
-                going_on = _render(ct, messages + [{"role": "user", "content": "Next."}], tools, False)
+                span = _span(ct, messages, i, text, _short_renders(ct, messages, i, text, tools, history, starts_by_message),
+                             ends_by_message, starts_by_message, history.before(i), tools, deadline)
+            except _Fallback:
+                span = _FALLBACK
+        if span is _FALLBACK:
+            try:
+                prompt = _render(ct, messages[:i], tools, True)
+                through = _render(ct, messages[: i + 1], tools, False)
             except ChatTemplateError:
-                going_on = None
-            if going_on is not None and going_on.startswith(text[:content_end]):
-                end = max(content_end, min(end, common_prefix(going_on, text)))
-        spans.append((start, content_end, end, i + 1 < len(messages), parted))
+                return None
+            span = _span(ct, messages, i, text, _Renders(0, prompt, through, through, messages[: i + 1], False),
+                         ends_by_message, starts_by_message, history.before(i), tools, deadline)
+        if span is None:
+            return None
+        spans.append(span)
     return spans
+
+
+# the turns rendered from a short context where it stands for the whole (tests set it False to compare with the renders
+# from the row's start, which are the reference)
+_SHORT_CONTEXTS = True
+
+
+class _Fallback(Exception):
+    """A short context does not stand for the whole conversation here: render the turn from the row's start."""
+
+
+_FALLBACK = object()
+
+
+@dataclass(frozen=True)
+class _Renders:
+    """The conversation rendered up to a turn (``prompt``) and through it (``through``), as what follows ``base`` in the
+    row's text: the whole renderings are ``text[:base] + prompt`` and ``text[:base] + through``. ``whole`` is the
+    rendering ``through`` was cut from, of ``whole_messages`` (the turn last); ``short``: made from a short context."""
+
+    base: int
+    prompt: str
+    through: str
+    whole: str
+    whole_messages: list
+    short: bool
+
+
+class _History:
+    """Per message index: the last message before it with text in the row, the furthest end of the text before it, and
+    the last user and assistant messages before it (looked up by bisection: no pass over the row per turn)."""
+
+    def __init__(self, messages: list, ends_by_message: dict[int, int]):
+        import bisect
+
+        self._bisect = bisect.bisect_left
+        self.ends = ends_by_message
+        self.with_text = sorted(ends_by_message)
+        self.furthest = list(np.maximum.accumulate([ends_by_message[m] for m in self.with_text])) if self.with_text else []
+        roles = [m.get("role") if isinstance(m, Mapping) else None for m in messages]
+        self.users = [k for k, r in enumerate(roles) if r == "user"]
+        self.assistants = [k for k, r in enumerate(roles) if r == "assistant"]
+        self.system_first = bool(roles) and roles[0] == "system"
+
+    def _last(self, found: list, i: int) -> int | None:
+        at = self._bisect(found, i)
+        return found[at - 1] if at else None
+
+    def last_with_text(self, i: int) -> int | None:
+        return self._last(self.with_text, i)
+
+    def before(self, i: int) -> int:
+        at = self._bisect(self.with_text, i)
+        return int(self.furthest[at - 1]) if at else 0
+
+    def last_user(self, i: int) -> int | None:
+        return self._last(self.users, i)
+
+    def last_assistant(self, i: int) -> int | None:
+        return self._last(self.assistants, i)
+
+
+def _short_renders(ct: Any, messages: list, i: int, text: str, tools: Any, history: _History,
+                   starts_by_message: dict[int, int]) -> _Renders:
+    """Turn ``i``'s prompt and through rendered from a short context: the system message, the turn's last user message,
+    and the messages from the later of that user message and the last assistant message before the turn. Their tails
+    after the message before the turn stand for the whole renderings' tails where the context's own messages render
+    as the row's text does, from the first of them to that message's end (``_Fallback`` else)."""
+    user, last = history.last_user(i), history.last_with_text(i)
+    if user is None or last is None:
+        raise _Fallback
+    base = history.before(i)
+    assistant = history.last_assistant(i)
+    first = user if assistant is None else max(user, assistant)
+    if last < first or history.ends[last] != base:  # (the text before the turn ends with that message's)
+        raise _Fallback
+    window = ([0] if history.system_first and user > 0 else []) + ([user] if user < first else []) + list(range(first, i))
+    if len(window) >= i:  # no shorter than the row's start: rendered from there
+        raise _Fallback
+    near = min((starts_by_message[m] for m in range(first, i) if m in starts_by_message), default=None)
+    if near is None or base < near:
+        raise _Fallback
+    short = [messages[m] for m in window]
+    try:
+        prompt = _render(ct, short, tools, True)
+        through = _render(ct, short + [messages[i]], tools, False)
+    except ChatTemplateError:
+        raise _Fallback from None
+    own = text[near:base]
+    cut = []
+    for rendered, rendered_messages in ((prompt, short), (through, short + [messages[i]])):
+        found = locate_messages(rendered, rendered_messages, system_optional=ct.content_tokens.drops_system)
+        if found.missing is not None:
+            raise _Fallback
+        starts = [a for a, _, index, _ in found.pieces if index < len(window) and window[index] >= first]
+        ends = [b for _, b, index, _ in found.pieces if index < len(window) and window[index] == last]
+        if not starts or not ends or rendered[min(starts):max(ends)] != own:
+            raise _Fallback
+        cut.append(max(ends))
+    return _Renders(base, prompt[cut[0]:], through[cut[1]:], through, short + [messages[i]], True)
+
+
+def _span(ct: Any, messages: list, i: int, text: str, renders: _Renders, ends_by_message: dict[int, int],
+          starts_by_message: dict[int, int], before: int, tools: Any, deadline: float | None
+          ) -> tuple[int, int, int, bool, bool] | None:
+    """Turn ``i``'s span (``turn_spans``) from its renders. Read from ``renders.base`` on, the renders need no copy of
+    the row before it; a short context that meets a case only the whole renderings tell raises ``_Fallback``."""
+    base, prompt, through = renders.base, renders.prompt, renders.through
+    # (a prompt that goes on past the header can share the reply's first characters: "Here are" / "Hello")
+    opens = starts_by_message.get(i, len(text))
+    if renders.short and opens < base:
+        raise _Fallback
+    agreed = base + common_prefix(prompt, text[base: base + len(prompt)])
+    start = in_prompt = min(agreed, opens)
+    if start < before:  # the history is written otherwise as the chat goes on (Mistral moves the system prompt
+        # into the last user turn): the prompt's tail after the last text before the turn, where the row has it
+        if renders.short:
+            raise _Fallback
+        found = _start_after(ct, messages, i, prompt, text, ends_by_message)
+        if found is None or found[0] < before or found[0] > opens:
+            return None
+        start, in_prompt = found
+    # the header as the prompt writes it, whitespace runs allowed to differ from the history's (Hermes writes
+    # ``</tool_response><|im_end|>`` in the prompt, ``</tool_response>\n<|im_end|>`` in the history)
+    in_prompt, start = agree_but_whitespace(prompt, in_prompt - base, text, start, opens)
+    in_prompt += base
+    parted = in_prompt < base + len(prompt) and start < opens
+    content_end = max(ends_by_message.get(i, start), start)
+    end = start
+    if through[: start - base] == text[base:start]:  # the through rendering starts with the row up to the start
+        end = start + common_prefix(through[start - base:], text[start: start + len(through) - (start - base)])
+    if end < content_end:
+        whole = renders.whole
+        own = locate_messages(whole, renders.whole_messages, system_optional=ct.content_tokens.drops_system)
+        last = len(renders.whole_messages) - 1
+        own_end = max((b for _, b, index, _ in own.pieces if index == last), default=None)
+        if own.missing is not None or own_end is None:
+            if renders.short:
+                raise _Fallback
+            return None
+        end = content_end + common_prefix(whole[own_end:], text[content_end: content_end + len(whole) - own_end])
+    through_end = base + len(through)
+    if i + 1 < len(messages) and content_end <= end < through_end and not through.startswith(text[base:through_end]):
+        # the turn rendered last closes otherwise than the history does after its text (Apriel writes the call's
+        # id only when a result follows): the turn ends at the stop that its own closing ends with, found in the
+        # history before the next message
+        end = _through_stop(ct, through[end - base:], text, end, starts_by_message.get(i + 1, len(text)))
+    if i + 1 == len(messages) and end > content_end:
+        # the row's last message: what the template writes after it only when the conversation ends (Phi-3's
+        # <|endoftext|> after the stop) is not the turn's; the chat rendered going on with a user message parts there
+        check_deadline(deadline)
+        try:
+            going_on = _render(ct, messages + [{"role": "user", "content": "Next."}], tools, False)
+        except ChatTemplateError:
+            going_on = None
+        if going_on is not None and going_on.startswith(text[:content_end]):
+            end = max(content_end, min(end, common_prefix(going_on, text)))
+    return start, content_end, end, i + 1 < len(messages), parted
 
 
 def _through_stop(ct: Any, closing: str, text: str, at: int, limit: int) -> int:
@@ -340,8 +511,11 @@ def label_row_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids
     starts, ends = offsets[: ids.shape[0], 0], offsets[: ids.shape[0], 1]
     last_assistant = max((i for i, m in enumerate(messages) if isinstance(m, Mapping) and m.get("role") == "assistant"),
                          default=-1)
+    near = _TokenWindow(starts, ends)
     for a, b, index, required in located.pieces:
-        inside = (starts >= a) & (ends <= b) & (ends > starts)
+        lo, hi = near.within(a, b)
+        inside = slice(lo, hi)
+        inside = np.flatnonzero((starts[inside] >= a) & (ends[inside] <= b) & (ends[inside] > starts[inside])) + lo
         role = messages[index].get("role") if isinstance(messages[index], Mapping) else None
         if role == "assistant":
             if required and (not last_turn_only or index == last_assistant) and not trained[inside].all():
