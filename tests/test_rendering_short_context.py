@@ -96,3 +96,20 @@ def test_a_long_trace_renders_each_turn_from_a_short_context(monkeypatch):
         assert trained is not None, why
         long = [n for n in rendered if n > 12]
         assert len(long) <= 3, (users_every, sorted(rendered)[-8:])  # the first turn's two, and the row going on
+
+
+def test_a_message_whose_text_the_template_writes_elsewhere_too_is_placed_by_the_text_before_it(monkeypatch):
+    """Qwen2.5 writes a default system prompt ("You are Qwen, created by Alibaba Cloud. You are a helpful
+    assistant."): a user message "e" or "si" is found in it first in a short context. The template's text before the
+    message places it, and the labels are those of the renders from the row's start (real ShareGPT rows)."""
+    from conftest import chat_tokenizer
+
+    ct = chat_tokenizer("qwen2.5")
+    chats = [[{"role": "user", "content": "Write a haiku about rain."}, {"role": "assistant", "content": "Soft rain on the roof."},
+              {"role": "user", "content": short}, {"role": "assistant", "content": f"You wrote {short!r}; say more?"},
+              {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "Any time."}]
+             for short in ("e", "si", "a", "You", "Qwen")]
+    encoded = ct.encode_chats(chats)
+    for chat, ids in zip(chats, encoded.input_ids.to_pylist()):
+        ids = np.asarray(ids)
+        assert _labels(ct, chat, None, ids, True, monkeypatch) == _labels(ct, chat, None, ids, False, monkeypatch), chat[2]

@@ -13,7 +13,14 @@ agrees with the whole conversation's rendering. Of those tokens the turn trains 
 (its stop: ``<｜end▁of▁sentence｜>``, ``<|im_end|>``), or up to its last character other than whitespace when
 it has none (Falcon). A token trains when its first character lies in the span, as in ``markers.verify``.
 
-This is a render per assistant turn. With verified token markers it is done only for the rare rows whose marker
+Each of those renders is made from a short context where it can stand for the whole: the system message, the
+turn's last user message and the messages since the last assistant message before the turn. Its tail after the
+message before the turn is read as the whole rendering's, when the part of the history it writes (from the first of
+those messages to that message's end) is the row's text exactly; else the turn is rendered from the row's start. So
+a row's work grows with its length, not its square; the row's time is bounded all the same
+(``MaskOptions.max_row_rendering_seconds``: ``RenderingOverBudget``).
+
+This is two renders per assistant turn. With verified token markers it is done only for the rare rows whose marker
 labels break the invariant; their new labels are checked again before they are kept (``jobs.batch_step``). A
 template whose markers cannot be read at all (2026's reasoning templates: the generation prompt opens a think block
 that the history writes another way; GLM-4.6, whose turns close at the next role token) is labelled this way for
@@ -154,7 +161,9 @@ class _TokenWindow:
     rise, the window is the whole row, and the masks give the same tokens."""
 
     def __init__(self, starts: np.ndarray, ends: np.ndarray):
-        self.starts, self.ends, self.n = starts, ends, int(starts.shape[0])
+        # (contiguous int64 copies, made once: a strided column, or another integer type, would be copied by each search)
+        self.starts, self.ends = np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(ends, np.int64)
+        self.n = int(starts.shape[0])
         self.sorted = bool(self.n < 2 or ((np.diff(starts) >= 0).all() and (np.diff(ends) >= 0).all()))
 
     def crossing(self, at: int) -> tuple[int, int]:
@@ -296,6 +305,8 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
     return spans
 
 
+NEXT = {"role": "user", "content": "Next."}  # the message after the row's last, to tell what ends the conversation
+
 # the turns rendered from a short context where it stands for the whole (tests set it False to compare with the renders
 # from the row's start, which are the reference)
 _SHORT_CONTEXTS = True
@@ -320,6 +331,7 @@ class _Renders:
     whole: str
     whole_messages: list
     short: bool
+    context: Any = None  # the short context (``_Context``) they were rendered from
 
 
 class _History:
@@ -382,18 +394,42 @@ def _short_renders(ct: Any, messages: list, i: int, text: str, tools: Any, histo
         through = _render(ct, short + [messages[i]], tools, False)
     except ChatTemplateError:
         raise _Fallback from None
-    own = text[near:base]
-    cut = []
-    for rendered, rendered_messages in ((prompt, short), (through, short + [messages[i]])):
+    header = history.before(first)  # the template's text before the first message, as the row writes it
+    if header > near:
+        raise _Fallback
+    context = _Context(short, tuple(window), first, last, text[header:base], near - header)
+    return _Renders(base, prompt[context.tail(ct, prompt, short):], through[context.tail(ct, through, short + [messages[i]]):],
+                    through, short + [messages[i]], True, context)
+
+
+@dataclass(frozen=True)
+class _Context:
+    """A short context: its messages (``window``: their indexes in the row), the first of those after the system and
+    user messages it keeps, the last message with text before the turn, and the row's text from the end of the text
+    before the first (``header`` characters of the template's text before the first's) to the end of the last
+    (``own``)."""
+
+    messages: list
+    window: tuple
+    first: int
+    last: int
+    own: str
+    header: int
+
+    def tail(self, ct: Any, rendered: str, rendered_messages: list) -> int:
+        """Where in ``rendered`` (of the context's messages and more) the tail after message ``last`` starts, when the
+        history it writes from message ``first`` to there, with the template's text before it, is the row's text
+        exactly; ``_Fallback`` else. (That text places the message: "e" is found in a default system prompt too.)"""
         found = locate_messages(rendered, rendered_messages, system_optional=ct.content_tokens.drops_system)
         if found.missing is not None:
             raise _Fallback
-        starts = [a for a, _, index, _ in found.pieces if index < len(window) and window[index] >= first]
-        ends = [b for _, b, index, _ in found.pieces if index < len(window) and window[index] == last]
-        if not starts or not ends or rendered[min(starts):max(ends)] != own:
+        n = len(self.window)
+        starts = [a for a, _, index, _ in found.pieces if index < n and self.window[index] >= self.first]
+        ends = [b for _, b, index, _ in found.pieces if index < n and self.window[index] == self.last]
+        if not starts or not ends or min(starts) < self.header or \
+                rendered[min(starts) - self.header:max(ends)] != self.own:
             raise _Fallback
-        cut.append(max(ends))
-    return _Renders(base, prompt[cut[0]:], through[cut[1]:], through, short + [messages[i]], True)
+        return max(ends)
 
 
 def _span(ct: Any, messages: list, i: int, text: str, renders: _Renders, ends_by_message: dict[int, int],
@@ -445,12 +481,21 @@ def _span(ct: Any, messages: list, i: int, text: str, renders: _Renders, ends_by
         # the row's last message: what the template writes after it only when the conversation ends (Phi-3's
         # <|endoftext|> after the stop) is not the turn's; the chat rendered going on with a user message parts there
         check_deadline(deadline)
-        try:
-            going_on = _render(ct, messages + [{"role": "user", "content": "Next."}], tools, False)
-        except ChatTemplateError:
-            going_on = None
-        if going_on is not None and going_on.startswith(text[:content_end]):
-            end = max(content_end, min(end, common_prefix(going_on, text)))
+        going_on, at = None, 0  # (read from ``base`` on when rendered from the short context)
+        if renders.short:
+            try:
+                going = renders.whole_messages + [NEXT]
+                going_on = _render(ct, going, tools, False)
+            except ChatTemplateError:
+                raise _Fallback from None
+            going_on, at = going_on[renders.context.tail(ct, going_on, going):], base
+        else:
+            try:
+                going_on = _render(ct, messages + [NEXT], tools, False)
+            except ChatTemplateError:
+                going_on = None
+        if going_on is not None and going_on.startswith(text[at:content_end]):
+            end = max(content_end, min(end, at + common_prefix(going_on, text[at: at + len(going_on)])))
     return start, content_end, end, i + 1 < len(messages), parted
 
 
