@@ -229,8 +229,9 @@ def _tiny_model(tokenizer):
     return transformers.LlamaForCausalLM(config)
 
 
-def trl_prepare(tokenizer, dataset, **flags) -> float | str:
-    """Seconds of ``SFTTrainer._prepare_dataset`` on ``dataset`` (the trainer is built on its first rows)."""
+def trl_prepare(tokenizer, dataset, clock=time.perf_counter, **flags) -> float | str:
+    """Seconds of ``SFTTrainer._prepare_dataset`` on ``dataset`` (the trainer is built on its first rows), by ``clock``
+    (wall; ``time.process_time`` for CPU)."""
     try:
         import trl
     except ImportError as exc:
@@ -240,12 +241,12 @@ def trl_prepare(tokenizer, dataset, **flags) -> float | str:
         args = trl.SFTConfig(output_dir=tmp, report_to=[], max_length=None, use_cpu=True, bf16=False, **flags)
         try:
             trainer = trl.SFTTrainer(model=_tiny_model(tokenizer), args=args, processing_class=tokenizer,
-                                     train_dataset=dataset.select(range(8)))
+                                     train_dataset=dataset.select(range(min(8, len(dataset)))))
         except Exception as exc:  # noqa: BLE001 - TRL refuses templates it has no training template for
             return f"refused: {type(exc).__name__}: {str(exc).splitlines()[0][:140]}"
-        started = time.perf_counter()
+        started = clock()
         trainer._prepare_dataset(dataset, trainer.processing_class, args, False, None, "train")
-        return time.perf_counter() - started
+        return clock() - started
 
 
 def unsloth_path(family: str, tokenizer, dataset) -> float | str:

@@ -154,3 +154,59 @@ def test_detect_says_rows_are_labelled_from_their_rendering_and_exits_0(unreadab
     assert main(["detect", str(tmp_path / "tok")]) == 0
     out = capsys.readouterr().out
     assert "source: rendered" in out and "labelled from its own rendering" in out
+
+
+# -- a row's time is bounded ------------------------------------------------------------------------------
+
+
+def _long_chat(turns: int) -> list[dict]:
+    chat = []
+    for t in range(turns):
+        chat += [{"role": "user", "content": f"Question number {t}?"}, {"role": "assistant", "content": f"Answer {t}."}]
+    return chat
+
+
+def test_a_row_past_its_rendering_budget_is_dropped_counted_and_named(tmp_path):
+    """A budget too small for any row: the long row is dropped under its own reason, named with its row number, and the
+    report still adds up; the same row within the default budget is kept."""
+    source = tmp_path / "long.jsonl"
+    source.write_text(json.dumps({"messages": _long_chat(200)}) + "\n")
+    tokenizer = str(tokenizer_path("qwen2.5"))
+    report, table = _mask(tmp_path, source, tokenizer, markers=FromRendering(), max_row_rendering_seconds=1e-9)
+    assert report.dropped["rendering_over_budget"] == 1 and report.rows_out == 0
+    assert any(e.startswith("rendering_over_budget: row 0: ") and "max_row_rendering_seconds" in e
+               for e in report.dropped_examples), report.dropped_examples
+    kept, _ = _mask(tmp_path, source, tokenizer, markers=FromRendering())
+    assert kept.rows_out == 1 and "rendering_over_budget" not in kept.dropped
+
+
+def test_a_row_whose_markers_break_the_roles_is_not_waited_on_either(tmp_path):
+    """DeepSeek-V3's call after a tool result breaks the role invariant under its markers; the rendering that would
+    label it is bounded by the same budget, and the row is counted as over it rather than as breaking the roles."""
+    from test_conversation_shapes import TOOL_AFTER_TOOL
+
+    source = tmp_path / "calls.jsonl"
+    source.write_text(json.dumps({"messages": TOOL_AFTER_TOOL}) + "\n")
+    report, _ = _mask(tmp_path, source, str(tokenizer_path("deepseek-v3")), max_row_rendering_seconds=1e-9)
+    assert report.dropped.get("rendering_over_budget") == 1 and "template_breaks_roles" not in report.dropped
+    assert report.labelled_from_rendering == 0
+
+
+def test_a_rendering_budget_must_be_a_positive_number_of_seconds():
+    for bad in (0, -1.0, True, "10"):
+        with pytest.raises(ValueError, match="max_row_rendering_seconds"):
+            lossmask.MaskOptions(max_row_rendering_seconds=bad)
+
+
+def test_label_from_rendering_names_a_row_past_its_budget():
+    """The batch call that the other doors share: the row keeps null labels and is listed with its reason."""
+    import pyarrow as pa
+
+    from lossmask.chat.turn_spans import label_from_rendering
+
+    ct = chat_tokenizer("qwen2.5")
+    chat = _long_chat(50)
+    ids = pa.array([ct.encode_chats([chat]).input_ids[0].as_py()], type=pa.list_(pa.int64()))
+    result = label_from_rendering(ct, [chat], ids, seconds_per_row=1e-9)
+    assert [(r, reason) for r, reason, _ in result.rejected] == [(0, "rendering_over_budget")]
+    assert result.labels.null_count == 1

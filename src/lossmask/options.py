@@ -57,6 +57,10 @@ LABEL_DTYPES = ("int64", "int32")
 # most image tokens a processor may make for one row's images; a row over either is invalid, named
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 DEFAULT_MAX_MEDIA_TOKENS = 65_536
+# the most wall seconds labelling one row from its rendering may take (chat/turn_spans.py: templates whose markers
+# cannot be read, and rows whose marker labels break the role invariant); a row past it is dropped, counted as
+# rendering_over_budget. One render inside it is bounded apart (chat/render.py, MAX_RENDER_SECONDS)
+DEFAULT_ROW_RENDERING_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,8 @@ class MaskOptions:
     processor_kwargs: Any = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_media_tokens: int = DEFAULT_MAX_MEDIA_TOKENS
+    # the most seconds labelling one row from its rendering may take: the row is then dropped, counted and named
+    max_row_rendering_seconds: float = DEFAULT_ROW_RENDERING_SECONDS
 
     def __post_init__(self) -> None:
         if self.max_length is not None and not _positive_int(self.max_length):
@@ -148,6 +154,10 @@ class MaskOptions:
         if isinstance(self.max_drop_fraction, bool) or not isinstance(self.max_drop_fraction, (int, float)) \
                 or not 0.0 <= self.max_drop_fraction <= 1.0:
             raise ValueError(f"max_drop_fraction={self.max_drop_fraction!r} must be a fraction in [0, 1] (e.g. 0.30)")
+        if isinstance(self.max_row_rendering_seconds, bool) or not isinstance(self.max_row_rendering_seconds, (int, float)) \
+                or not self.max_row_rendering_seconds > 0:
+            raise ValueError(f"max_row_rendering_seconds={self.max_row_rendering_seconds!r} must be a positive number of "
+                             f"seconds (e.g. {DEFAULT_ROW_RENDERING_SECONDS:g})")
         for name in ("max_image_pixels", "max_media_tokens"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")

@@ -13,7 +13,14 @@ agrees with the whole conversation's rendering. Of those tokens the turn trains 
 (its stop: ``<｜end▁of▁sentence｜>``, ``<|im_end|>``), or up to its last character other than whitespace when
 it has none (Falcon). A token trains when its first character lies in the span, as in ``markers.verify``.
 
-This is a render per assistant turn. With verified token markers it is done only for the rare rows whose marker
+Each of those renders is made from a short context where it can stand for the whole: the system message, the
+turn's last user message and the messages since the last assistant message before the turn. Its tail after the
+message before the turn is read as the whole rendering's, when the part of the history it writes (from the first of
+those messages to that message's end) is the row's text exactly; else the turn is rendered from the row's start. So
+a row's work grows with its length, not its square; the row's time is bounded all the same
+(``MaskOptions.max_row_rendering_seconds``: ``RenderingOverBudget``).
+
+This is two renders per assistant turn. With verified token markers it is done only for the rare rows whose marker
 labels break the invariant; their new labels are checked again before they are kept (``jobs.batch_step``). A
 template whose markers cannot be read at all (2026's reasoning templates: the generation prompt opens a think block
 that the history writes another way; GLM-4.6, whose turns close at the next role token) is labelled this way for
@@ -22,6 +29,7 @@ every row: ``FromRendering`` stands where the markers would, and each row keeps 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
@@ -49,6 +57,27 @@ class FromRendering:
         return "labels from each row's rendering (no token markers)"
 
 
+class RenderingOverBudget(Exception):
+    """Labelling one row from its rendering went past its deadline (``MaskOptions.max_row_rendering_seconds``): the
+    row is dropped as ``rendering_over_budget``, never waited on."""
+
+    def __init__(self, seconds: float | None = None):
+        self.seconds = seconds
+        super().__init__(over_budget_message(seconds))
+
+
+def over_budget_message(seconds: float | None) -> str:
+    within = f"{seconds:g} seconds" if seconds is not None else "its time"
+    return (f"labelling it from its rendering took more than {within} (max_row_rendering_seconds): the row is too long "
+            "for its template to be followed turn by turn in that time")
+
+
+def check_deadline(deadline: float | None, seconds: float | None = None) -> None:
+    """Raise ``RenderingOverBudget`` once the monotonic clock is past ``deadline`` (None: no bound)."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise RenderingOverBudget(seconds)
+
+
 NOT_FOUND = ("its assistant turns cannot be found from the rendering: the chat template writes the conversation "
              "before a turn otherwise than its generation prompt does")
 
@@ -56,13 +85,15 @@ NOT_FOUND = ("its assistant turns cannot be found from the rendering: the chat t
 def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: np.ndarray, *,
                            tools: Any = None, last_turn_only: bool = False,
                            special_tokens_in_content: str = "text", text: str | None = None,
-                           offsets: np.ndarray | None = None, located: Any = None) -> np.ndarray | None:
+                           offsets: np.ndarray | None = None, located: Any = None,
+                           deadline: float | None = None) -> np.ndarray | None:
     """A bool per token of ``ids`` (the row as the messages path encoded it, perhaps cut at a maximum length):
     inside an assistant turn found from the rendering. None when it cannot be told: a rendering the template
     refuses, ids that are not this conversation's, a turn whose prompt disagrees with the text before it.
 
     ``text`` / ``offsets``: the row's rendering and each token's character span in it, when the caller has them
-    (the batch step does): the row is then not rendered and encoded again."""
+    (the batch step does): the row is then not rendered and encoded again. ``deadline``: a ``time.monotonic()`` past
+    which it stops with ``RenderingOverBudget`` (checked before each turn's renders)."""
     messages = list(messages)
     ids = np.asarray(ids)
     try:
@@ -78,26 +109,29 @@ def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: 
     turns = [i for i, m in enumerate(messages) if isinstance(m, Mapping) and m.get("role") == "assistant"]
     if last_turn_only:
         turns = turns[-1:]
-    spans = turn_spans(ct, messages, text, turns, tools=tools, located=located)
+    spans = turn_spans(ct, messages, text, turns, tools=tools, located=located, deadline=deadline)
     if spans is None:
         return None
     starts, ends = offsets[:, 0], offsets[:, 1]
     special = np.isin(ids, special_id_array(ct))
     trained = np.zeros(ids.shape[0], dtype=bool)
+    near = _TokenWindow(starts, ends)
     for start, content_end, end, follows, parted in spans:
         # a token the span's start cuts into is written by the model where the prompt goes on otherwise there (the
         # prompt's ``<|channel>`` and the reply's ``<think>`` share "<"), where it is a special token (``<think>`` in
         # the prompt, ``</think>`` in the history), or where it holds the reply's first word (a header's last space
         # merged with it: ``: I``). Whitespace alone merged with the header's end is the header's, as its markers have it.
-        straddles = (starts < start) & (ends > start)
-        cut = np.flatnonzero(straddles & (special | parted))
-        if not cut.size and straddles.any():
-            k = int(np.flatnonzero(straddles)[0])
-            cut = np.array([k]) if text[start:int(ends[k])].strip() else cut
+        lo, hi = near.crossing(start)
+        straddles = lo + np.flatnonzero((starts[lo:hi] < start) & (ends[lo:hi] > start))
+        cut = straddles[special[straddles] | parted]
+        if not cut.size and straddles.size and text[start:int(ends[straddles[0]])].strip():
+            cut = straddles[:1]
         first = int(starts[cut[0]]) if cut.size else start
         # (a special token that only begins in the span is not the turn's: the renderings parted inside it, as
         # <|user|> and <|endoftext|> share "<|")
-        inside = np.flatnonzero((starts >= first) & (starts < end) & ((ends <= end) | ~special))
+        lo, hi = near.starting(first, end)
+        inside = lo + np.flatnonzero((starts[lo:hi] >= first) & (starts[lo:hi] < end)
+                                     & ((ends[lo:hi] <= end) | ~special[lo:hi]))
         if not inside.size:
             continue
         stops = inside[special[inside] & (ends[inside] > content_end)]
@@ -122,6 +156,37 @@ def trained_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: 
                 last = after
         trained[int(inside[0]): last + 1] = True
     return trained
+
+
+class _TokenWindow:
+    """The tokens that can meet a span of characters, found by bisection where the tokens' starts and ends both rise
+    (as a row's do): each span's masks are then made over those tokens alone, not the whole row. Where they do not
+    rise, the window is the whole row, and the masks give the same tokens."""
+
+    def __init__(self, starts: np.ndarray, ends: np.ndarray):
+        # (contiguous int64 copies, made once: a strided column, or another integer type, would be copied by each search)
+        self.starts, self.ends = np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(ends, np.int64)
+        self.n = int(starts.shape[0])
+        self.sorted = bool(self.n < 2 or ((np.diff(starts) >= 0).all() and (np.diff(ends) >= 0).all()))
+
+    def crossing(self, at: int) -> tuple[int, int]:
+        """Covers the tokens with ``start < at < end``."""
+        if not self.sorted:
+            return 0, self.n
+        return int(np.searchsorted(self.ends, at, "right")), int(np.searchsorted(self.starts, at, "left"))
+
+    def starting(self, a: int, b: int) -> tuple[int, int]:
+        """Covers the tokens with ``a <= start < b``."""
+        if not self.sorted:
+            return 0, self.n
+        return int(np.searchsorted(self.starts, a, "left")), int(np.searchsorted(self.starts, b, "left"))
+
+    def within(self, a: int, b: int) -> tuple[int, int]:
+        """Covers the tokens with ``start >= a`` and ``end <= b``."""
+        if not self.sorted:
+            return 0, self.n
+        lo, hi = int(np.searchsorted(self.starts, a, "left")), int(np.searchsorted(self.ends, b, "right"))
+        return lo, max(lo, hi)
 
 
 def _render(ct: Any, messages: list, tools: Any, add_generation_prompt: bool) -> str:
@@ -191,18 +256,24 @@ def special_id_array(ct: Any) -> np.ndarray:
 
 
 def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
-               tools: Any = None, located: Any = None) -> list[tuple[int, int, int, bool, bool]] | None:
+               tools: Any = None, located: Any = None, deadline: float | None = None
+               ) -> list[tuple[int, int, int, bool, bool]] | None:
     """``(start, text end, end, followed, parted)`` in ``text`` for each assistant turn of ``turns``: where the model
     starts writing it (past what the generation prompt supplies), where its own text ends, where the turn ends,
     whether another message follows it, and whether the prompt goes on otherwise at the start (rather than ending
-    there). None when a turn cannot be found so.
+    there). None when a turn cannot be found so. Past ``deadline`` (``time.monotonic()``), ``RenderingOverBudget``.
 
     The start is where the conversation before the turn, rendered with the generation prompt, stops agreeing
     with ``text``; it must lie past every earlier message's text (else the template rewrites the history as the
     conversation goes on, and no prefix tells the turn). The end is where the conversation through the turn,
     rendered with the turn last, stops agreeing with ``text``; where that rendering writes the turn otherwise
     than the history does (a think block kept only for the last turn), the turn ends where its own tail, after
-    its text, stops agreeing instead."""
+    its text, stops agreeing instead.
+
+    Both renderings are made from a short context where it can stand for the whole (``_short_renders``): the messages
+    since the turn's last user message or its last assistant message, after the system message and that user
+    message, so that a row costs work in proportion to its length, not its square. Each is used only where the part
+    of the history it rewrites is the row's text exactly; else the turn is rendered from the row's start."""
     if located is None:
         located = locate_messages(text, messages, system_optional=ct.content_tokens.drops_system)
     if located.missing is not None:
@@ -212,52 +283,223 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
     for a, b, index, _ in located.pieces:
         ends_by_message[index] = max(b, ends_by_message.get(index, 0))
         starts_by_message[index] = min(a, starts_by_message.get(index, a))
+    history = _History(messages, ends_by_message)
     spans = []
     for i in turns:
-        try:
-            prompt = _render(ct, messages[:i], tools, True)
-            through = _render(ct, messages[: i + 1], tools, False)
-        except ChatTemplateError:
-            return None
-        # (a prompt that goes on past the header can share the reply's first characters: "Here are" / "Hello")
-        opens = starts_by_message.get(i, len(text))
-        agreed = common_prefix(prompt, text)
-        start, in_prompt = min(agreed, opens), min(agreed, opens)
-        before = max((e for m, e in ends_by_message.items() if m < i), default=0)
-        if start < before:  # the history is written otherwise as the chat goes on (Mistral moves the system prompt
-            # into the last user turn): the prompt's tail after the last text before the turn, where the row has it
-            found = _start_after(ct, messages, i, prompt, text, ends_by_message)
-            if found is None or found[0] < before or found[0] > opens:
-                return None
-            start, in_prompt = found
-        # the header as the prompt writes it, whitespace runs allowed to differ from the history's (Hermes writes
-        # ``</tool_response><|im_end|>`` in the prompt, ``</tool_response>\n<|im_end|>`` in the history)
-        in_prompt, start = agree_but_whitespace(prompt, in_prompt, text, start, opens)
-        parted = in_prompt < len(prompt) and start < opens
-        content_end = max(ends_by_message.get(i, start), start)
-        end = start + common_prefix(through[start:], text[start:]) if through.startswith(text[:start]) else start
-        if end < content_end:
-            own = locate_messages(through, messages[: i + 1], system_optional=ct.content_tokens.drops_system)
-            own_end = max((b for _, b, index, _ in own.pieces if index == i), default=None)
-            if own.missing is not None or own_end is None:
-                return None
-            end = content_end + common_prefix(through[own_end:], text[content_end:])
-        if i + 1 < len(messages) and content_end <= end < len(through) and not through.startswith(text[:len(through)]):
-            # the turn rendered last closes otherwise than the history does after its text (Apriel writes the call's
-            # id only when a result follows): the turn ends at the stop that its own closing ends with, found in the
-            # history before the next message
-            end = _through_stop(ct, through[end:], text, end, starts_by_message.get(i + 1, len(text)))
-        if i + 1 == len(messages) and end > content_end:
-            # the row's last message: what the template writes after it only when the conversation ends (Phi-3's
-            # <|endoftext|> after the stop) is not the turn's; the chat rendered going on with a user message parts there
+        check_deadline(deadline)
+        span = _FALLBACK
+        if _SHORT_CONTEXTS:
             try:
-                going_on = _render(ct, messages + [{"role": "user", "content": "Next."}], tools, False)
+                span = _span(ct, messages, i, text, _short_renders(ct, messages, i, text, tools, history, starts_by_message),
+                             ends_by_message, starts_by_message, history.before(i), tools, deadline)
+            except _Fallback:
+                span = _FALLBACK
+        if span is _FALLBACK:
+            try:
+                prompt = _render(ct, messages[:i], tools, True)
+                through = _render(ct, messages[: i + 1], tools, False)
+            except ChatTemplateError:
+                return None
+            span = _span(ct, messages, i, text, _Renders(0, prompt, through, through, messages[: i + 1], False),
+                         ends_by_message, starts_by_message, history.before(i), tools, deadline)
+        if span is None:
+            return None
+        spans.append(span)
+    return spans
+
+
+NEXT = {"role": "user", "content": "Next."}  # the message after the row's last, to tell what ends the conversation
+
+# the turns rendered from a short context where it stands for the whole (tests set it False to compare with the renders
+# from the row's start, which are the reference)
+_SHORT_CONTEXTS = True
+
+
+class _Fallback(Exception):
+    """A short context does not stand for the whole conversation here: render the turn from the row's start."""
+
+
+_FALLBACK = object()
+
+
+@dataclass(frozen=True)
+class _Renders:
+    """The conversation rendered up to a turn (``prompt``) and through it (``through``), as what follows ``base`` in the
+    row's text: the whole renderings are ``text[:base] + prompt`` and ``text[:base] + through``. ``whole`` is the
+    rendering ``through`` was cut from, of ``whole_messages`` (the turn last); ``short``: made from a short context."""
+
+    base: int
+    prompt: str
+    through: str
+    whole: str
+    whole_messages: list
+    short: bool
+    context: Any = None  # the short context (``_Context``) they were rendered from
+
+
+class _History:
+    """Per message index: the last message before it with text in the row, the furthest end of the text before it, and
+    the last user and assistant messages before it (looked up by bisection: no pass over the row per turn)."""
+
+    def __init__(self, messages: list, ends_by_message: dict[int, int]):
+        import bisect
+
+        self._bisect = bisect.bisect_left
+        self.ends = ends_by_message
+        self.with_text = sorted(ends_by_message)
+        self.furthest = list(np.maximum.accumulate([ends_by_message[m] for m in self.with_text])) if self.with_text else []
+        roles = [m.get("role") if isinstance(m, Mapping) else None for m in messages]
+        self.users = [k for k, r in enumerate(roles) if r == "user"]
+        self.assistants = [k for k, r in enumerate(roles) if r == "assistant"]
+        self.system_first = bool(roles) and roles[0] == "system"
+
+    def _last(self, found: list, i: int) -> int | None:
+        at = self._bisect(found, i)
+        return found[at - 1] if at else None
+
+    def last_with_text(self, i: int) -> int | None:
+        return self._last(self.with_text, i)
+
+    def before(self, i: int) -> int:
+        at = self._bisect(self.with_text, i)
+        return int(self.furthest[at - 1]) if at else 0
+
+    def last_user(self, i: int) -> int | None:
+        return self._last(self.users, i)
+
+    def last_assistant(self, i: int) -> int | None:
+        return self._last(self.assistants, i)
+
+
+def _short_renders(ct: Any, messages: list, i: int, text: str, tools: Any, history: _History,
+                   starts_by_message: dict[int, int]) -> _Renders:
+    """Turn ``i``'s prompt and through rendered from a short context: the system message, the turn's last user message,
+    and the messages from the later of that user message and the last assistant message before the turn. Their tails
+    after the message before the turn stand for the whole renderings' tails where the context's own messages render
+    as the row's text does, from the first of them to that message's end (``_Fallback`` else)."""
+    user, last = history.last_user(i), history.last_with_text(i)
+    if user is None or last is None:
+        raise _Fallback
+    base = history.before(i)
+    assistant = history.last_assistant(i)
+    first = user if assistant is None else max(user, assistant)
+    if last < first or history.ends[last] != base:  # (the text before the turn ends with that message's)
+        raise _Fallback
+    window = ([0] if history.system_first and user > 0 else []) + ([user] if user < first else []) + list(range(first, i))
+    if len(window) >= i:  # no shorter than the row's start: rendered from there
+        raise _Fallback
+    near = min((starts_by_message[m] for m in range(first, i) if m in starts_by_message), default=None)
+    if near is None or base < near:
+        raise _Fallback
+    short = [messages[m] for m in window]
+    try:
+        prompt = _render(ct, short, tools, True)
+        through = _render(ct, short + [messages[i]], tools, False)
+    except ChatTemplateError:
+        raise _Fallback from None
+    header = history.before(first)  # the template's text before the first message, as the row writes it
+    if header > near:
+        raise _Fallback
+    context = _Context(short, tuple(window), first, last, text[header:base], near - header)
+    return _Renders(base, prompt[context.tail(ct, prompt, short):], through[context.tail(ct, through, short + [messages[i]]):],
+                    through, short + [messages[i]], True, context)
+
+
+@dataclass(frozen=True)
+class _Context:
+    """A short context: its messages (``window``: their indexes in the row), the first of those after the system and
+    user messages it keeps, the last message with text before the turn, and the row's text from the end of the text
+    before the first (``header`` characters of the template's text before the first's) to the end of the last
+    (``own``)."""
+
+    messages: list
+    window: tuple
+    first: int
+    last: int
+    own: str
+    header: int
+
+    def tail(self, ct: Any, rendered: str, rendered_messages: list) -> int:
+        """Where in ``rendered`` (of the context's messages and more) the tail after message ``last`` starts, when the
+        history it writes from message ``first`` to there, with the template's text before it, is the row's text
+        exactly; ``_Fallback`` else. (That text places the message: "e" is found in a default system prompt too.)"""
+        found = locate_messages(rendered, rendered_messages, system_optional=ct.content_tokens.drops_system)
+        if found.missing is not None:
+            raise _Fallback
+        n = len(self.window)
+        starts = [a for a, _, index, _ in found.pieces if index < n and self.window[index] >= self.first]
+        ends = [b for _, b, index, _ in found.pieces if index < n and self.window[index] == self.last]
+        if not starts or not ends or min(starts) < self.header or \
+                rendered[min(starts) - self.header:max(ends)] != self.own:
+            raise _Fallback
+        return max(ends)
+
+
+def _span(ct: Any, messages: list, i: int, text: str, renders: _Renders, ends_by_message: dict[int, int],
+          starts_by_message: dict[int, int], before: int, tools: Any, deadline: float | None
+          ) -> tuple[int, int, int, bool, bool] | None:
+    """Turn ``i``'s span (``turn_spans``) from its renders. Read from ``renders.base`` on, the renders need no copy of
+    the row before it; a short context that meets a case only the whole renderings tell raises ``_Fallback``."""
+    base, prompt, through = renders.base, renders.prompt, renders.through
+    # (a prompt that goes on past the header can share the reply's first characters: "Here are" / "Hello")
+    opens = starts_by_message.get(i, len(text))
+    if renders.short and opens < base:
+        raise _Fallback
+    agreed = base + common_prefix(prompt, text[base: base + len(prompt)])
+    start = in_prompt = min(agreed, opens)
+    if start < before:  # the history is written otherwise as the chat goes on (Mistral moves the system prompt
+        # into the last user turn): the prompt's tail after the last text before the turn, where the row has it
+        if renders.short:
+            raise _Fallback
+        found = _start_after(ct, messages, i, prompt, text, ends_by_message)
+        if found is None or found[0] < before or found[0] > opens:
+            return None
+        start, in_prompt = found
+    # the header as the prompt writes it, whitespace runs allowed to differ from the history's (Hermes writes
+    # ``</tool_response><|im_end|>`` in the prompt, ``</tool_response>\n<|im_end|>`` in the history)
+    in_prompt, start = agree_but_whitespace(prompt, in_prompt - base, text, start, opens)
+    in_prompt += base
+    parted = in_prompt < base + len(prompt) and start < opens
+    content_end = max(ends_by_message.get(i, start), start)
+    end = start
+    if through[: start - base] == text[base:start]:  # the through rendering starts with the row up to the start
+        end = start + common_prefix(through[start - base:], text[start: start + len(through) - (start - base)])
+    if end < content_end:
+        whole = renders.whole
+        own = locate_messages(whole, renders.whole_messages, system_optional=ct.content_tokens.drops_system)
+        last = len(renders.whole_messages) - 1
+        own_end = max((b for _, b, index, _ in own.pieces if index == last), default=None)
+        if own.missing is not None or own_end is None:
+            if renders.short:
+                raise _Fallback
+            return None
+        end = content_end + common_prefix(whole[own_end:], text[content_end: content_end + len(whole) - own_end])
+    through_end = base + len(through)
+    if i + 1 < len(messages) and content_end <= end < through_end and not through.startswith(text[base:through_end]):
+        # the turn rendered last closes otherwise than the history does after its text (Apriel writes the call's
+        # id only when a result follows): the turn ends at the stop that its own closing ends with, found in the
+        # history before the next message
+        end = _through_stop(ct, through[end - base:], text, end, starts_by_message.get(i + 1, len(text)))
+    if i + 1 == len(messages) and end > content_end:
+        # the row's last message: what the template writes after it only when the conversation ends (Phi-3's
+        # <|endoftext|> after the stop) is not the turn's; the chat rendered going on with a user message parts there
+        check_deadline(deadline)
+        going_on, at = None, 0  # (read from ``base`` on when rendered from the short context)
+        if renders.short:
+            try:
+                going = renders.whole_messages + [NEXT]
+                going_on = _render(ct, going, tools, False)
+            except ChatTemplateError:
+                raise _Fallback from None
+            going_on, at = going_on[renders.context.tail(ct, going_on, going):], base
+        else:
+            try:
+                going_on = _render(ct, messages + [NEXT], tools, False)
             except ChatTemplateError:
                 going_on = None
-            if going_on is not None and going_on.startswith(text[:content_end]):
-                end = max(content_end, min(end, common_prefix(going_on, text)))
-        spans.append((start, content_end, end, i + 1 < len(messages), parted))
-    return spans
+        if going_on is not None and going_on.startswith(text[at:content_end]):
+            end = max(content_end, min(end, at + common_prefix(going_on, text[at: at + len(going_on)])))
+    return start, content_end, end, i + 1 < len(messages), parted
 
 
 def _through_stop(ct: Any, closing: str, text: str, at: int, limit: int) -> int:
@@ -295,10 +537,10 @@ def agree_but_whitespace(a: str, i: int, b: str, j: int, limit: int) -> tuple[in
 def label_row_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids: np.ndarray, *, tools: Any = None,
                               last_turn_only: bool = False, special_tokens_in_content: str = "text",
                               text: str | None = None, offsets: np.ndarray | None = None,
-                              ) -> tuple[np.ndarray | None, str | None]:
+                              deadline: float | None = None) -> tuple[np.ndarray | None, str | None]:
     """``(trained, None)``: a bool per token of ``ids``, found from the rendering, keeping the role invariant; or
     ``(None, why)`` when the turns cannot be found or their labels would train a user, system or tool message's
-    text (or leave an assistant's untrained)."""
+    text (or leave an assistant's untrained). Past ``deadline`` (``time.monotonic()``), ``RenderingOverBudget``."""
     messages = list(messages)
     try:
         text = ct.render(messages, tools=tools) if text is None else text
@@ -311,14 +553,17 @@ def label_row_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids
             return None, "its token ids are not those of its rendering"
     located = locate_messages(text, messages, system_optional=ct.content_tokens.drops_system)
     trained = trained_from_rendering(ct, messages, ids, tools=tools, last_turn_only=last_turn_only, text=text,
-                                     offsets=offsets, located=located)
+                                     offsets=offsets, located=located, deadline=deadline)
     if trained is None:
         return None, NOT_FOUND
     starts, ends = offsets[: ids.shape[0], 0], offsets[: ids.shape[0], 1]
     last_assistant = max((i for i, m in enumerate(messages) if isinstance(m, Mapping) and m.get("role") == "assistant"),
                          default=-1)
+    near = _TokenWindow(starts, ends)
     for a, b, index, required in located.pieces:
-        inside = (starts >= a) & (ends <= b) & (ends > starts)
+        lo, hi = near.within(a, b)
+        inside = slice(lo, hi)
+        inside = np.flatnonzero((starts[inside] >= a) & (ends[inside] <= b) & (ends[inside] > starts[inside])) + lo
         role = messages[index].get("role") if isinstance(messages[index], Mapping) else None
         if role == "assistant":
             if required and (not last_turn_only or index == last_assistant) and not trained[inside].all():
@@ -330,17 +575,21 @@ def label_row_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids
 
 def label_from_rendering(ct: Any, chats: Sequence[Any], input_ids: pa.Array, *, last_turn_only: bool = False,
                          ignore_index: int = -100, dtype: Any = "int64", special_tokens_in_content: str = "text",
-                         texts: Sequence[str | None] | None = None) -> Any:
+                         texts: Sequence[str | None] | None = None, seconds_per_row: float | None = None) -> Any:
     """Labels of a batch of chat rows (``input_ids``, one row per entry of ``chats``: ``(messages, tools)`` or None
     for a null row), each found from its rendering (``label_row_from_rendering``). ``texts``: each row's rendering,
     when the caller has it. A row whose turns cannot be found keeps null labels and is listed in ``rejected`` as
-    ``template_breaks_roles``. Returns an ``engine.labels.LabelledBatch``."""
+    ``template_breaks_roles``; one that takes longer than ``seconds_per_row`` (default
+    ``options.DEFAULT_ROW_RENDERING_SECONDS``) is stopped there and listed as ``rendering_over_budget``. Returns an
+    ``engine.labels.LabelledBatch``."""
     import pyarrow.compute as pc
 
     from ..engine.buffers import resolve_label_dtype
     from ..engine.labels import LabelledBatch
-    from ..engine.outcomes import TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts
+    from ..engine.outcomes import RENDERING_OVER_BUDGET, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts
+    from ..options import DEFAULT_ROW_RENDERING_SECONDS
 
+    seconds = DEFAULT_ROW_RENDERING_SECONDS if seconds_per_row is None else seconds_per_row
     if isinstance(input_ids, pa.ChunkedArray):
         input_ids = input_ids.combine_chunks()
     lengths = pc.fill_null(pc.list_value_length(input_ids), 0).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -365,10 +614,16 @@ def label_from_rendering(ct: Any, chats: Sequence[Any], input_ids: pa.Array, *, 
         if not any(isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages):
             outcomes[r] = Outcome.NO_RESPONSE
             continue
-        row, why = label_row_from_rendering(ct, messages, flat_ids[at], tools=tools, last_turn_only=last_turn_only,
-                                            special_tokens_in_content=special_tokens_in_content,
-                                            text=texts[r] if texts is not None else None,
-                                            offsets=spans[at] if placed[r] else None)
+        try:
+            row, why = label_row_from_rendering(ct, messages, flat_ids[at], tools=tools, last_turn_only=last_turn_only,
+                                                special_tokens_in_content=special_tokens_in_content,
+                                                text=texts[r] if texts is not None else None,
+                                                offsets=spans[at] if placed[r] else None,
+                                                deadline=time.monotonic() + seconds)
+        except RenderingOverBudget:
+            rejected.append((r, RENDERING_OVER_BUDGET, over_budget_message(seconds)))
+            null[r] = True
+            continue
         if row is None:
             rejected.append((r, TEMPLATE_BREAKS_ROLES, why))
             null[r] = True
@@ -493,7 +748,8 @@ def label_encoded(encoded: Any, markers: Any, *, backend: str | None = None, las
     import pyarrow.compute as pc
 
     from ..engine.labels import LabelledBatch, label_batch
-    from ..engine.outcomes import TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts
+    from ..engine.outcomes import RENDERING_OVER_BUDGET, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts
+    from ..options import DEFAULT_ROW_RENDERING_SECONDS
 
     ids = encoded.input_ids
     if isinstance(markers, FromRendering):
@@ -527,9 +783,15 @@ def label_encoded(encoded: Any, markers: Any, *, backend: str | None = None, las
             continue
         trained = None
         if messages:
-            trained = trained_from_rendering(encoded.tokenizer, messages, flat_ids[at], tools=tools,
-                                             last_turn_only=last_turn_only,
-                                             special_tokens_in_content=encoded.special_tokens_in_content)
+            try:
+                trained = trained_from_rendering(encoded.tokenizer, messages, flat_ids[at], tools=tools,
+                                                 last_turn_only=last_turn_only,
+                                                 special_tokens_in_content=encoded.special_tokens_in_content,
+                                                 deadline=time.monotonic() + DEFAULT_ROW_RENDERING_SECONDS)
+            except RenderingOverBudget:
+                rejected.append((r, RENDERING_OVER_BUDGET, over_budget_message(DEFAULT_ROW_RENDERING_SECONDS)))
+                null[r] = True
+                continue
         part = type(roles)(role=roles.role[at], message=roles.message[at], names=roles.names)
         if trained is not None and not role_breaks(trained, part, last_turn_only).any():
             flat[at] = np.where(trained, flat_ids[at], ignore_index)

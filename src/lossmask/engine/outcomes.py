@@ -1,7 +1,7 @@
 """What a row ends as, and the counts a batch or a whole job reports (SPEC.md, "What a row can end as").
 
 Also the names of what happens to rows that never reach the kernel (``invalid``, ``content_dropped``,
-``special_tokens_in_content``, ``no_exchange``) or are refused after it (``template_breaks_roles``), the rows labelled
+``special_tokens_in_content``, ``no_exchange``) or are refused after it (``template_breaks_roles``, ``rendering_over_budget``), the rows labelled
 from the rendering instead of the markers (``labelled_from_rendering``), and what a dropped row shows (``CAUSES``, ``classify_drops``): the
 stages above report these, and they are named here once.
 """
@@ -35,12 +35,14 @@ CONTENT_DROPPED = "content_dropped"  # the template dropped or rewrote a message
 SPECIAL_TOKENS = "special_tokens_in_content"  # dropped under special_tokens_in_content="drop"
 NO_EXCHANGE = "no_exchange"  # the shape policy left no user message followed by an assistant message
 TEMPLATE_BREAKS_ROLES = "template_breaks_roles"  # user/system/tool text trains, or assistant text does not
+# labelling the row from its rendering took longer than MaskOptions.max_row_rendering_seconds: dropped, not waited on
+RENDERING_OVER_BUDGET = "rendering_over_budget"
 # kept, not dropped: the markers broke the role invariant, and each assistant turn was found from the rendering
 # instead (chat/turn_spans.py), which keeps it
 LABELLED_FROM_RENDERING = "labelled_from_rendering"
 REJECTED_REASONS = (CONTENT_DROPPED, SPECIAL_TOKENS)
 # reasons a report lists only when some row has them (older reports, and code comparing them, keep their keys)
-SHAPE_REASONS = (NO_EXCHANGE, TEMPLATE_BREAKS_ROLES)
+SHAPE_REASONS = (NO_EXCHANGE, TEMPLATE_BREAKS_ROLES, RENDERING_OVER_BUDGET)
 MAX_EXAMPLES = 5  # invalid rows quoted in a report (the count is always exact)
 
 # What the dropped rows themselves show, in the order they are checked (one cause per row).

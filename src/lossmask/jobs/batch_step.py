@@ -34,10 +34,12 @@ import pyarrow.compute as pc
 
 from ..chat.encode_batch import chat_tokenizer, chats_of_rows
 from ..chat.encode_media import encode_rows
-from ..chat.turn_spans import FromRendering, breaks_message, label_from_rendering, role_breaks, trained_from_rendering
+from ..chat.turn_spans import (FromRendering, RenderingOverBudget, breaks_message, label_from_rendering, over_budget_message,
+                               role_breaks, trained_from_rendering)
 from ..engine.buffers import TokenRows, check_label_range, check_vocabulary, labels_to_arrow, rows_from_arrow
 from ..engine.labels import label_batch
-from ..engine.outcomes import CAUSES, INVALID, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts, classify_drops
+from ..engine.outcomes import (CAUSES, INVALID, RENDERING_OVER_BUDGET, TEMPLATE_BREAKS_ROLES, Outcome, OutcomeCounts,
+                               classify_drops)
 from ..engine.patterns import Markers
 from ..engine.tally import Tally
 from ..options import MaskOptions
@@ -604,7 +606,9 @@ def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid
         return first_row + (int(index[r]) if index is not None and r < index.size else int(r))
 
     relabelled = None
-    fixed = _from_rendering(input_ids, flat, starts, lengths, np.flatnonzero(broken), roles, options, rows_of)
+    over_budget: set = set()
+    fixed = _from_rendering(input_ids, flat, starts, lengths, np.flatnonzero(broken), roles, options, rows_of,
+                            over_budget)
     if fixed:
         flat = flat.copy()
         for r, trained_here in fixed.items():
@@ -626,6 +630,9 @@ def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid
                                    values, lengths), trained)
     firsts = np.flatnonzero(bad)
     for r in np.flatnonzero(broken):
+        if int(r) in over_budget:  # the rendering could not tell within the row's time: dropped under that name
+            tally.add_rejected(row_number(int(r)), RENDERING_OVER_BUDGET, over_budget_message(options.max_row_rendering_seconds))
+            continue
         at = int(firsts[np.searchsorted(firsts, starts[r])])
         tally.add_rejected(row_number(int(r)), TEMPLATE_BREAKS_ROLES, breaks_message(roles, at, int(starts[r])))
     return broken, relabelled
@@ -633,13 +640,15 @@ def _check_roles(input_ids, labels, roles, options, tally, first_row, keep_valid
 
 def _label_from_rendering(input_ids, table, kind, tokenizer, options, tally, first_row, keep_valid, encoded=None):
     """Every row labelled from its own rendering (``chat.turn_spans.label_from_rendering``): the template's markers
-    cannot be read. A row whose turns cannot be found is counted as ``template_breaks_roles`` and dropped."""
+    cannot be read. A row whose turns cannot be found is counted as ``template_breaks_roles`` and dropped, one that
+    takes longer than ``max_row_rendering_seconds`` as ``rendering_over_budget``."""
     ct = chat_tokenizer(tokenizer)
     chats = chats_of_rows(ct, table, kind, options, range(table.num_rows))
     result = label_from_rendering(ct, chats, input_ids, last_turn_only=options.last_turn_only,
                                   ignore_index=options.ignore_index, dtype=options.label_dtype,
                                   special_tokens_in_content=options.special_tokens_in_content,
-                                  texts=getattr(encoded, "texts", None))
+                                  texts=getattr(encoded, "texts", None),
+                                  seconds_per_row=options.max_row_rendering_seconds)
     index = np.flatnonzero(keep_valid) if keep_valid is not None else None
     broken = np.zeros(len(result.outcomes), dtype=bool)
     for r, reason, message in result.rejected:  # these rows leave the batch, counted by their reason
@@ -653,9 +662,10 @@ def _slice_roles(roles, at: slice):
     return type(roles)(role=roles.role[at], message=roles.message[at], names=roles.names)
 
 
-def _from_rendering(input_ids, flat, starts, lengths, rows, roles, options, rows_of) -> dict:
+def _from_rendering(input_ids, flat, starts, lengths, rows, roles, options, rows_of, over_budget: set) -> dict:
     """``{row: trained bool per token}`` for the ``rows`` whose assistant turns can be found from their rendering
-    (``chat.turn_spans``); rows that cannot be rendered again, or are not the conversation given, are left out."""
+    (``chat.turn_spans``); rows that cannot be rendered again, or are not the conversation given, are left out, and
+    those that take longer than ``max_row_rendering_seconds`` are added to ``over_budget``."""
     if rows_of is None:
         return {}
     table, kind, tokenizer = rows_of
@@ -667,8 +677,13 @@ def _from_rendering(input_ids, flat, starts, lengths, rows, roles, options, rows
         if not messages or not (flat[int(starts[r]): int(starts[r] + lengths[r])] != options.ignore_index).any():
             continue  # markers that train nothing of the row are not this template's: no rendering stands in for them
         ids = pc.list_flatten(input_ids[r : r + 1]).to_numpy(zero_copy_only=False)
-        trained = trained_from_rendering(ct, messages, ids, tools=tools, last_turn_only=options.last_turn_only,
-                                         special_tokens_in_content=options.special_tokens_in_content)
+        try:
+            trained = trained_from_rendering(ct, messages, ids, tools=tools, last_turn_only=options.last_turn_only,
+                                             special_tokens_in_content=options.special_tokens_in_content,
+                                             deadline=time.monotonic() + options.max_row_rendering_seconds)
+        except RenderingOverBudget:
+            over_budget.add(r)
+            continue
         if trained is not None:
             found[r] = trained
     return found
