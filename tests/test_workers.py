@@ -295,3 +295,75 @@ def test_workers_on_input_the_parent_reads_write_the_file_and_report_of_one_proc
     assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
     assert _report(one) == _report(two) and one.invalid_examples == two.invalid_examples
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, "one.parquet", "two.parquet"])
+
+
+def test_json_lines_slices_are_cut_at_line_ends_and_counted_with_their_blank_lines(tmp_path):
+    from lossmask.jobs.inputs import open_inputs
+    from lossmask.jobs.slices import count_json_lines, counted, json_lines_slices
+
+    rows = [json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]})
+            for i in range(300)]
+    text = "\n".join(rows[:100]) + "\n\n  \n" + "\r\n".join(rows[100:200]) + "\r\n\t\n" + "\n".join(rows[200:])  # no end
+    (tmp_path / "a.jsonl").write_text(text)
+    (tmp_path / "b.jsonl").write_text("\n".join(rows[:50]) + "\n")
+    files = open_inputs(str(tmp_path / "*.jsonl"))
+    plan = json_lines_slices(files, 1_000)
+    data = {p: open(files._local(p), "rb").read() for p in files.paths}
+    assert all(p.start == 0 or data[p.path][p.start - 1:p.start] == b"\n" for p in plan)  # each starts a line
+    assert [(p.path, p.end) for p in plan if p.end == len(data[p.path])] == [(path, len(data[path])) for path in data]
+    pieces = list(counted(plan, map(count_json_lines, plan)))
+    assert sum(p.num_rows for p in pieces) == 350
+    lines = {}
+    for piece in pieces:
+        files.record(piece)
+        for row, n, line, unit in piece.segments():
+            for k in range(n):
+                lines[row + k] = (piece.path, line + k)
+    real = [(str(tmp_path / "a.jsonl"), n + 1) for n, raw in enumerate(text.split("\n")) if raw.strip()]
+    real += [(str(tmp_path / "b.jsonl"), n + 1) for n in range(50)]
+    assert [lines[r] for r in range(350)] == real
+    assert files.where(150) == f"{tmp_path / 'a.jsonl'}, line {real[150][1]}" and real[150][1] == 153
+
+
+def test_compressed_json_and_json_arrays_are_not_cut_into_byte_ranges(tmp_path):
+    import gzip
+
+    from lossmask.jobs.inputs import open_inputs
+    from lossmask.jobs.slices import json_lines_slices
+
+    line = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress((line + "\n").encode() * 100))
+    (tmp_path / "b.json").write_text("[" + ",\n".join([line] * 100) + "]")
+    for name in ("a.jsonl.gz", "b.json"):
+        assert json_lines_slices(open_inputs(tmp_path / name), 100) is None
+
+
+def test_workers_reading_their_own_json_lines_write_the_file_and_report_of_one_process(tmp_path, eight_cores):
+    """A glob of JSON Lines files with blank lines, CRLF line ends and bad rows among them: the workers read byte
+    ranges of the files themselves, with the same file, report and row names as one process."""
+    from conftest import chat_tokenizer
+
+    lines = _chats(tmp_path, copies=40).read_text().splitlines()
+    (tmp_path / "chats.jsonl").unlink()
+    lines[1_234] = '{"messages": [{"role": "user", "content": "broken"'  # not JSON: named by its line
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("\n".join(lines[:2_000]) + "\n\n\n" + "\r\n".join(lines[2_000:3_000]))
+    (tmp_path / "in" / "b.jsonl").write_text("\n  \n".join(lines[3_000:]) + "\n")
+    kwargs = dict(tokenizer=chat_tokenizer("qwen2.5"), keep_dropped=True, max_drop_fraction=1.0, max_length=300)
+    source = str(tmp_path / "in" / "*.jsonl")
+    with pytest.raises(ValueError) as one_error:
+        mask_files(source, tmp_path / "one.parquet", **kwargs)
+    with pytest.raises(ValueError) as two_error:
+        mask_files(source, tmp_path / "two.parquet", num_proc=2, **kwargs)
+    assert str(one_error.value) == str(two_error.value) and "a.jsonl, line 1235: not valid JSON" in str(two_error.value)
+    (tmp_path / "in" / "a.jsonl").write_text((tmp_path / "in" / "a.jsonl").read_text().replace(lines[1_234], lines[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = mask_files(source, tmp_path / "one.parquet", **kwargs)
+        two = mask_files(source, tmp_path / "two.parquet", num_proc=2, **kwargs)
+    assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
+    assert _report(one) == _report(two) and two.rows_in == len(lines)
+    assert one.invalid_examples == two.invalid_examples
+    assert any("a.jsonl, line 64): column 'messages' is empty" in e for e in two.invalid_examples)
+    assert two.seconds["read"] > 0 and two.seconds.get("hand_out", 0) < two.seconds["worker"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "one.parquet", "two.parquet"]

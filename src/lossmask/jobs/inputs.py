@@ -164,16 +164,20 @@ class InputFiles:
                 yield batch, path, first, unit
                 first += batch.num_rows
 
-    def sliceable(self) -> bool:
-        """Whether workers can read this input's rows themselves (``jobs/slices.py``): Parquet files of the job's
-        own schema."""
-        return self.format == "parquet" and all(s.equals(self.schema) for s in self.file_schemas)
+    def sliceable(self) -> str | None:
+        """How workers can read this input's rows themselves (``jobs/slices.py``): ``"parquet"`` for Parquet files of
+        the job's own schema, ``"json"`` for JSON Lines (the files' bytes are cut at line ends, once it is known that
+        they are neither compressed nor a JSON array); None otherwise."""
+        if self.format == "parquet" and all(s.equals(self.schema) for s in self.file_schemas):
+            return "parquet"
+        return "json" if self.format == "json" else None
 
     def record(self, piece: Any) -> Any:
-        """Record a slice a worker reads (``first_row``, ``num_rows``, ``path``, ``first``), so that its rows are
-        named as those the parent reads; returns it."""
-        self._starts.append(piece.first_row)
-        self._segments.append(_Segment(piece.first_row, piece.num_rows, piece.path, piece.first, "row"))
+        """Record a slice a worker reads (its ``segments``: job row, rows, where they start in the file, unit), so
+        that its rows are named as those the parent reads; returns it."""
+        for first_row, rows, first, unit in piece.segments():
+            self._starts.append(first_row)
+            self._segments.append(_Segment(first_row, rows, piece.path, first, unit))
         return piece
 
     def count_rows(self) -> int | None:

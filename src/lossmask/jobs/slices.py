@@ -9,13 +9,22 @@ which costs about as much as the parent reading the file. So files written in ro
 ``batch_bytes``, each checked as the parent checks what it reads (strings that are UTF-8), and labels them one
 after another (``jobs/workers.py``).
 
-Only Parquet files whose schema is the job's are sliced here; other inputs are read by the parent and handed out
-as batches.
+A slice of a JSON Lines file is a range of its bytes that starts and ends at a line end (``JsonLinesSlice``). The parent
+cuts the files at the first line end past every ``about`` bytes (a few small reads at each cut, never a parse); the
+workers then count each slice's rows (``count_json_lines``: its line ends, and its blank lines, which are no rows)
+and the parent adds those counts up, so that each slice knows the job's row and the file's line it starts at before
+it is labelled. A worker reads its slice's bytes, cuts them into lines and reads runs of them as the parent reads
+JSON Lines (``inputs._json_table``: Arrow's JSON reader with the job's types, Python for the lines it refuses, each
+refused line named). A file that can be read only from its start is not sliced: JSON compressed with gzip, bzip2 or
+zstd (no offset in it can be sought without decompressing all before), and a file holding one JSON array (its items
+are found only by parsing it); those, and a line longer than ``inputs.MAX_LINE_BYTES``, are read by the parent and
+handed out as batches, as any input is whose files are not all of one sliceable kind.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -32,6 +41,10 @@ class ParquetSlice:
     first: int
     first_row: int
     num_rows: int
+
+    def segments(self) -> Iterator[tuple[int, int, int, str]]:
+        """``(job row, rows, first row in the file, "row")``: where the slice's rows are named from."""
+        yield self.first_row, self.num_rows, self.first, "row"
 
 
 def parquet_slices(files: Any, rows_per_slice: int, workers: int) -> list[ParquetSlice] | None:
@@ -70,6 +83,15 @@ def parquet_slices(files: Any, rows_per_slice: int, workers: int) -> list[Parque
     return plan if len(plan) >= 2 * workers else None
 
 
+def read_piece(piece: Any, step: dict) -> Iterator[pa.Table]:
+    """The rows of a slice of either kind, in a worker: ``step`` as ``workers.step_in_worker`` has it."""
+    options = step["options"]
+    if isinstance(piece, JsonLinesSlice):
+        return read_json_lines_slice(piece, step["input_schema"], step["typed"], options.batch_size,
+                                     options.batch_bytes)
+    return read_slice(piece, step["input_schema"], options.batch_size, options.batch_bytes)
+
+
 def read_slice(piece: ParquetSlice, schema: pa.Schema, max_rows: int, max_bytes: int | None) -> Iterator[pa.Table]:
     """The rows of ``piece`` as tables of at most ``max_rows`` rows and about ``max_bytes`` bytes, checked as the
     parent checks the batches it reads; a file that cannot be read is one ``ValueError`` line naming it."""
@@ -92,3 +114,136 @@ def read_slice(piece: ParquetSlice, schema: pa.Schema, max_rows: int, max_bytes:
         raise ValueError(f"{piece.path}: reading failed ({_first_line(exc)}); the file may be truncated or corrupt") \
             from None
 
+
+
+@dataclass(frozen=True)
+class JsonLinesSlice:
+    """Bytes ``start`` to ``end`` of the JSON Lines file at ``local`` (named ``path``), which start at line ``line``
+    (1-based). Once counted (``count_json_lines``): rows ``first_row`` to ``first_row + num_rows - 1`` of the job, in
+    ``runs`` of consecutive non-blank lines, each ``(line offset from line, rows)``."""
+
+    path: str
+    local: str
+    start: int
+    end: int
+    line: int = 1
+    first_row: int = 0
+    num_rows: int = 0
+    runs: tuple[tuple[int, int], ...] = ()
+
+    def segments(self) -> Iterator[tuple[int, int, int, str]]:
+        """``(job row, rows, first line, "line")`` for each run of the slice: where its rows are named from."""
+        row = self.first_row
+        for offset, rows in self.runs:
+            yield row, rows, self.line + offset, "line"
+            row += rows
+
+
+_WHITE = b" \t\n\r\x0b\x0c"  # what bytes.strip() strips: a line of these alone is blank, and no row
+
+
+def json_lines_slices(files: Any, about: int) -> list[JsonLinesSlice] | None:
+    """The byte ranges of a job's JSON Lines files, of about ``about`` bytes each, cut after a line end; None when a
+    file is not JSON Lines that can be read from any line (compressed, a JSON array) or a line is too long to cut
+    after (the parent then reads the files and reports the line)."""
+    from .inputs import MAX_LINE_BYTES, _codec_of
+
+    plan: list[JsonLinesSlice] = []
+    for path in files.paths:
+        local = files._local(path)
+        with open(local, "rb") as fh:
+            head = fh.read(1 << 12)
+            if _codec_of(head) is not None or head.lstrip(b"\xef\xbb\xbf" + _WHITE).startswith(b"["):
+                return None
+            size = os.fstat(fh.fileno()).st_size
+            start = 0
+            while start < size:
+                end = start + about
+                if end >= size:
+                    end = size
+                else:
+                    fh.seek(end)
+                    seen = 0
+                    while True:  # the first line end at or past the cut
+                        chunk = fh.read(1 << 16)
+                        at = chunk.find(b"\n")
+                        if at >= 0:
+                            end += seen + at + 1
+                            break
+                        if not chunk:
+                            end = size
+                            break
+                        seen += len(chunk)
+                        if seen > MAX_LINE_BYTES:
+                            return None
+                plan.append(JsonLinesSlice(path, local, start, end))
+                start = end
+    return plan
+
+
+def _slice_bytes(piece: JsonLinesSlice) -> bytes:
+    with open(piece.local, "rb") as fh:
+        fh.seek(piece.start)
+        return fh.read(piece.end - piece.start)
+
+
+def count_json_lines(piece: JsonLinesSlice) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """``(line ends in the slice, its runs of consecutive non-blank lines)``, in a worker: a count of line ends at
+    memory speed, and a line-by-line look only where a line may be blank (a line end followed by white space)."""
+    data = _slice_bytes(piece)
+    ends = data.count(b"\n")
+    lines = ends + (1 if data and not data.endswith(b"\n") else 0)
+    if not (data[:1] and data[:1] in _WHITE) and not any(b"\n" + bytes([c]) in data for c in _WHITE):
+        return ends, ((0, lines),) if lines else ()
+    runs: list[list[int]] = []
+    for k, raw in enumerate(data.split(b"\n")[:lines]):
+        if not raw.strip():
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    return ends, tuple((offset, rows) for offset, rows in runs)
+
+
+def counted(plan: list[JsonLinesSlice], counts: Any) -> Iterator[JsonLinesSlice]:
+    """The slices of ``plan`` with their job rows and lines, from their ``count_json_lines`` (in order); a slice of
+    no row (blank lines only) is left out."""
+    row, line, path = 0, 1, None
+    for piece, (ends, runs) in zip(plan, counts):
+        if piece.path != path:
+            path, line = piece.path, 1
+        rows = sum(n for _, n in runs)
+        if rows:
+            yield replace(piece, line=line, first_row=row, num_rows=rows, runs=runs)
+        row, line = row + rows, line + ends
+
+
+def read_json_lines_slice(piece: JsonLinesSlice, schema: pa.Schema, typed: bool, max_rows: int,
+                          max_bytes: int | None) -> Iterator[pa.Table]:
+    """The rows of ``piece`` as the parent reads JSON Lines (``inputs.read_json_lines``): runs of at most
+    ``max_rows`` consecutive non-blank lines, each read as ``schema`` (``typed``: Arrow's types of the first rows),
+    then cut into tables of about ``max_bytes``; a line that cannot be read is one ``ValueError`` naming it."""
+    from .inputs import MAX_LINE_BYTES, _json_table, _too_long
+
+    lines = _slice_bytes(piece).split(b"\n")
+    for offset, rows in piece.runs:
+        for at in range(offset, offset + rows, max_rows):
+            block = lines[at:min(at + max_rows, offset + rows)]
+            for k, raw in enumerate(block):
+                if len(raw) > MAX_LINE_BYTES:
+                    raise _too_long(piece.path, "line", piece.line + at + k)
+            table = _json_table(piece.path, block, piece.line + at, schema, "line", typed=typed)
+            for batch in table.to_batches():
+                yield from _pieces(batch, max_bytes)
+
+
+def _pieces(batch: pa.RecordBatch, max_bytes: int | None) -> Iterator[pa.Table]:
+    """``batch`` cut into even pieces of about ``max_bytes`` (slices, no copy), as ``InputFiles.batches`` cuts it."""
+    pieces = 1 if max_bytes is None else max(1, min(batch.num_rows, -(-batch.nbytes // max_bytes)))
+    step = -(-batch.num_rows // pieces)
+    for at in range(0, batch.num_rows, step):
+        yield pa.Table.from_batches([batch.slice(at, step) if pieces > 1 else batch])
+
+
+SLICES = (ParquetSlice, JsonLinesSlice)  # what a worker reads itself

@@ -247,13 +247,9 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
     parts = PartsFile(temporary, step["schema"], step["writer_options"])
     try:
         os.mkdir(step["parts"])
-        plan = None
-        if dataset.sliceable():  # the workers read their rows themselves: this process plans slices
-            from .slices import parquet_slices
-
-            plan = parquet_slices(dataset, batch_size, workers)
-        if plan is not None:
-            step["input_schema"] = dataset.schema
+        plan = _planned_slices(dataset, batch_size, workers, pool)
+        if plan is not None:  # the workers read their rows themselves: this process planned slices
+            step["input_schema"], step["typed"] = dataset.schema, dataset.heads is not None
             batches = map(dataset.record, plan)
         else:
             batches = _timed_reads(_batches(dataset, batch_size, step["options"]), tally)
@@ -282,6 +278,29 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
         raise
     finally:
         remove_quietly(step["parts"])
+
+
+def _planned_slices(dataset: InputFiles, batch_size: int, workers: int, pool: Any):
+    """The slices of the input that the workers read themselves (``jobs/slices.py``), in order; None when the
+    parent reads the input and hands it out as batches. JSON Lines are cut into byte ranges of about ``batch_size``
+    rows (the mean line of the first file's first MiB), at least ``4 * workers`` of them, and counted by the
+    workers (``count_json_lines``) as the job goes: this process adds the counts up."""
+    from . import slices
+
+    kind = dataset.sliceable()
+    if kind == "parquet":
+        return slices.parquet_slices(dataset, batch_size, workers)
+    if kind != "json":
+        return None
+    with open(dataset._local(dataset.paths[0]), "rb") as fh:
+        sample = fh.read(1 << 20)
+    line = len(sample) / max(1, sample.count(b"\n"))
+    size = sum(os.path.getsize(dataset._local(path)) for path in dataset.paths)
+    about = int(max(1 << 16, min(batch_size * line, size / (4 * workers))))
+    plan = slices.json_lines_slices(dataset, about)
+    if plan is None:
+        return None
+    return slices.counted(plan, pool.map(slices.count_json_lines, plan))
 
 
 def rows_where(dataset: InputFiles, first_row: int, rows: int) -> str | None:

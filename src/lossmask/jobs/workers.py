@@ -35,7 +35,7 @@ from ..engine import one_thread
 from .batch_step import mask_batch
 from .parquet_parts import encode_part, write_part
 from .report import Tally
-from .slices import ParquetSlice
+from . import slices
 from .stopping import kernel_call
 
 _STEP: dict[str, Any] = {}
@@ -127,12 +127,9 @@ def step_in_worker(batch: Any, first_row: int, step: dict[str, Any]) -> tuple[pa
     row's file and line."""
     started, start = time.perf_counter(), first_row
     tally = Tally()
-    if isinstance(batch, ParquetSlice):
-        from .slices import read_slice
-
+    if isinstance(batch, slices.SLICES):
         _hold(first_row, batch.num_rows)
-        tables: Iterable[pa.Table] = read_slice(batch, step["input_schema"], step["options"].batch_size,
-                                                step["options"].batch_bytes)
+        tables: Iterable[pa.Table] = slices.read_piece(batch, step)
     else:
         tables = [pa.ipc.open_stream(batch).read_all()]
         _hold(first_row, tables[0].num_rows)
@@ -271,7 +268,7 @@ def in_order(pool: Any, batches: Iterable[Any], step: dict[str, Any], workers: i
     try:
         for batch in batches:
             started = time.perf_counter()
-            rows = batch if isinstance(batch, ParquetSlice) else compact(batch)
+            rows = batch if isinstance(batch, slices.SLICES) else compact(batch)
             pending.append((batch, first_row, pool.submit(step_in_worker, rows, first_row, step)))
             tally.time("hand_out", time.perf_counter() - started)
             first_row += batch.num_rows
