@@ -16,7 +16,8 @@ each per 1,000 chats; the parent's share of the job's CPU; and whether the outpu
 one worker is ``(parent + workers) / max(parent, workers / W)``.
 
 Marginal figures (``--marginal SMALL LARGE``): each ``num_proc`` runs a job of SMALL chats and one of LARGE (the
-chats repeated, Parquet in row groups of ``--row-group-size`` rows), and the CPU per chat is the difference of the
+chats repeated, Parquet in row groups of ``--row-group-size`` rows, or JSON Lines with ``--input-format jsonl``),
+and the CPU per chat is the difference of the
 two jobs' CPU over the difference of their chats, so that set-up (forks, markers, the first batches) cancels. For
 each: the marginal CPU per chat of the parent and of the workers, the parent's share (the serial fraction: the
 ceiling of the speed-up over one worker is its inverse), the CPU per chat against ``num_proc=1``'s (what handing
@@ -24,6 +25,7 @@ the work out costs), and the wall speed-up of the large job.
 
     python benchmarks/bench_workers.py --corpus sharegpt --rows 4000
     python benchmarks/bench_workers.py --marginal 10000 40000 --families qwen2.5 --procs 1 2 --rounds 3
+    python benchmarks/bench_workers.py --marginal 10000 40000 --families qwen2.5 --procs 1 2 --input-format jsonl
     python benchmarks/bench_workers.py --rows 20000 --procs 1 2 4 8 16 --json out.json   # a larger machine
     pytest benchmarks/bench_workers.py --benchmark-enable -s     # LOSSMASK_BENCH_WORKER_ROWS (default 4000)
 """
@@ -125,9 +127,10 @@ def table(results: list[dict], load: str) -> str:
 
 
 def measure_marginal(small: int, large: int, families: list[str], procs: list[int], rounds: int, corpus: str,
-                     row_group_size: int) -> list[dict]:
+                     row_group_size: int, input_format: str = "parquet") -> list[dict]:
     """Per family and ``num_proc``: the medians over ``rounds`` of the marginal CPU per chat (parent, workers) between
-    a job of ``small`` and one of ``large`` chats, and the large job's wall."""
+    a job of ``small`` and one of ``large`` chats, and the large job's wall. ``input_format``: the chats as Parquet
+    (row groups of ``row_group_size``) or JSON Lines (``jsonl``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -138,8 +141,13 @@ def measure_marginal(small: int, large: int, families: list[str], procs: list[in
         sources = {}
         for rows in (small, large):
             repeated = (chats * (-(-rows // len(chats))))[:rows]
-            sources[rows] = folder / f"chats{rows}.parquet"
-            pq.write_table(pa.table({"messages": repeated}), sources[rows], row_group_size=row_group_size)
+            if input_format == "jsonl":
+                sources[rows] = folder / f"chats{rows}.jsonl"
+                with open(sources[rows], "w", encoding="utf-8") as fh:
+                    fh.writelines(json.dumps({"messages": chat}, ensure_ascii=False) + "\n" for chat in repeated)
+            else:
+                sources[rows] = folder / f"chats{rows}.parquet"
+                pq.write_table(pa.table({"messages": repeated}), sources[rows], row_group_size=row_group_size)
         for family in families:
             from lossmask.chat.encode_batch import chat_tokenizer
 
@@ -197,15 +205,18 @@ def main(argv=None) -> None:
                         help="marginal CPU per chat between a job of SMALL chats and one of LARGE")
     parser.add_argument("--row-group-size", type=int, default=1_000,
                         help="rows per Parquet row group of --marginal's input (default 1,000, as datasets writes)")
+    parser.add_argument("--input-format", choices=("parquet", "jsonl"), default="parquet",
+                        help="--marginal's input: Parquet (default) or JSON Lines")
     args = parser.parse_args(argv)
     procs = args.procs or list(range(1, len(os.sched_getaffinity(0)) + 1))
     print(f"start: {uptime()}", flush=True)
     if args.marginal:
         results = measure_marginal(*args.marginal, args.families, procs, args.rounds, args.corpus,
-                                   args.row_group_size)
+                                   args.row_group_size, args.input_format)
         load = uptime()
-        print(f"{args.marginal[0]:,} and {args.marginal[1]:,} chats ({args.corpus}, row groups of "
-              f"{args.row_group_size:,}), {len(os.sched_getaffinity(0))} cores")
+        shape = (f"row groups of {args.row_group_size:,}" if args.input_format == "parquet" else "JSON Lines")
+        print(f"{args.marginal[0]:,} and {args.marginal[1]:,} chats ({args.corpus}, {shape}), "
+              f"{len(os.sched_getaffinity(0))} cores")
         print(marginal_table(results, load))
         if args.json:
             Path(args.json).write_text(json.dumps({"results": results, "uptime": load}, indent=1))

@@ -367,3 +367,44 @@ def test_workers_reading_their_own_json_lines_write_the_file_and_report_of_one_p
     assert any("a.jsonl, line 64): column 'messages' is empty" in e for e in two.invalid_examples)
     assert two.seconds["read"] > 0 and two.seconds.get("hand_out", 0) < two.seconds["worker"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "one.parquet", "two.parquet"]
+
+
+def test_hf_workers_read_their_shards_from_the_dataset_arrow_cache_files(tmp_path, eight_cores, monkeypatch):
+    """A dataset loaded from disk (two cache files, joined) is labelled by workers that map its Arrow files
+    themselves: the dataset and report of one process. One selected, renamed or built in memory is handed out as
+    batches."""
+    datasets = pytest.importorskip("datasets")
+    from conftest import chat_tokenizer
+
+    from lossmask import hf
+    from lossmask.jobs.slices import ArrowSlice, dataset_slices
+
+    rows = [json.loads(line) for line in _chats(tmp_path, copies=40).read_text().splitlines()]  # two workers' worth
+    datasets.Dataset.from_list(rows[:1_000]).save_to_disk(tmp_path / "a")
+    datasets.Dataset.from_list(rows[1_000:]).save_to_disk(tmp_path / "b")
+    ds = datasets.concatenate_datasets([datasets.load_from_disk(tmp_path / "a"), datasets.load_from_disk(tmp_path / "b")])
+    plan = dataset_slices(ds, 700)
+    assert plan is not None and [p.num_rows for p in plan] == [700] * 6 + [600]
+    assert all(isinstance(p, ArrowSlice) and len(p.files) == 2 for p in plan)
+    for other in (datasets.Dataset.from_list(rows[:10]), ds.select([3, 1, 2]), ds.rename_column("messages", "m")):
+        assert dataset_slices(other, 700) is None
+    tokenizer = chat_tokenizer("qwen2.5")
+    kwargs = dict(return_report=True, quiet=True, keep_dropped=True, max_drop_fraction=1.0)
+    one, report_one = hf.mask_dataset(ds, tokenizer, **kwargs)
+    import os
+
+    import lossmask.jobs.slices as slices
+
+    read = slices.read_arrow_slice
+    (tmp_path / "reads").mkdir()
+
+    def reading(piece):  # (the forked workers have it too): which process read which shard
+        (tmp_path / "reads" / f"{os.getpid()}-{piece.first}").touch()
+        return read(piece)
+
+    monkeypatch.setattr(slices, "read_arrow_slice", reading)
+    two, report_two = hf.mask_dataset(ds, tokenizer, num_proc=2, **kwargs)
+    readers = {int(p.name.split("-")[0]) for p in (tmp_path / "reads").iterdir()}
+    assert len(readers) == 2 and os.getpid() not in readers
+    assert one.data.table.equals(two.data.table) and _report(report_one) == _report(report_two)
+    assert report_one.invalid_examples == report_two.invalid_examples and report_two.rows_in == len(rows)

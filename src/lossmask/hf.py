@@ -189,13 +189,23 @@ class _Job:
         kind = input_kind(schema, self.options, source=name)
         out_schema = output_schema(schema, self.options, kind, source=name)
         tally, parts, first_row = Tally(), [], 0
-        if getattr(dataset, "_indices", None) is None:  # no select/shuffle mapping: slices of the table, zero-copy
+        workers = self._workers(dataset, schema, kind)
+        plan = None
+        if workers > 1:  # the workers read their shards from the dataset's Arrow cache files themselves
+            from .jobs.slices import dataset_slices
+
+            from .jobs.stream import plan_workers
+
+            plan = dataset_slices(dataset, plan_workers(workers, dataset.num_rows, self.options.batch_size,
+                                                        renders=True)[1])
+        if plan is not None:
+            batches = iter(plan)
+        elif getattr(dataset, "_indices", None) is None:  # no select/shuffle mapping: slices of the table, zero-copy
             whole = dataset.data.table  # (a slice keeps the row groups it spans as chunks: one call for many of them)
             batches = (whole.slice(start, self.options.batch_size) for start in range(0, whole.num_rows, self.options.batch_size))
         else:
             batches = dataset.with_format("arrow").iter(batch_size=self.options.batch_size)
         write_weights = self.options.loss_weights_column in out_schema.names
-        workers = self._workers(dataset, schema, kind)
         if workers > 1:
             parts = self._in_workers(batches, workers, tally, kind, name, out_schema, write_weights)
         for table in batches if workers <= 1 else ():

@@ -86,6 +86,8 @@ def parquet_slices(files: Any, rows_per_slice: int, workers: int) -> list[Parque
 def read_piece(piece: Any, step: dict) -> Iterator[pa.Table]:
     """The rows of a slice of either kind, in a worker: ``step`` as ``workers.step_in_worker`` has it."""
     options = step["options"]
+    if isinstance(piece, ArrowSlice):
+        return iter([read_arrow_slice(piece)])
     if isinstance(piece, JsonLinesSlice):
         return read_json_lines_slice(piece, step["input_schema"], step["typed"], options.batch_size,
                                      options.batch_bytes)
@@ -246,4 +248,58 @@ def _pieces(batch: pa.RecordBatch, max_bytes: int | None) -> Iterator[pa.Table]:
         yield pa.Table.from_batches([batch.slice(at, step) if pieces > 1 else batch])
 
 
-SLICES = (ParquetSlice, JsonLinesSlice)  # what a worker reads itself
+@dataclass(frozen=True)
+class ArrowSlice:
+    """Rows ``first`` to ``first + num_rows - 1`` of the Arrow files ``files`` read one after another (a
+    ``datasets.Dataset``'s cache files), which are rows ``first_row`` on of the job."""
+
+    files: tuple[str, ...]
+    first: int
+    first_row: int
+    num_rows: int
+
+
+def dataset_slices(dataset: Any, rows_per_slice: int) -> list[ArrowSlice] | None:
+    """Slices of ``rows_per_slice`` rows of a ``datasets.Dataset`` whose table is its Arrow cache files as they are,
+    one after another (no index mapping, no operation replayed on a file's table, no file joined beside another);
+    None otherwise (a dataset in memory, one selected, shuffled or renamed in memory): the parent then hands its rows
+    out as batches."""
+    from datasets.table import ConcatenationTable, MemoryMappedTable
+
+    if getattr(dataset, "_indices", None) is not None:
+        return None
+    table = dataset.data
+    if isinstance(table, MemoryMappedTable):
+        blocks = [table]
+    elif isinstance(table, ConcatenationTable) and all(len(row) == 1 for row in table.blocks):
+        blocks = [row[0] for row in table.blocks]
+    else:
+        return None
+    if not blocks or any(not isinstance(b, MemoryMappedTable) or _changes_rows(b.replays) for b in blocks):
+        return None
+    files = tuple(b.path for b in blocks)
+    return [ArrowSlice(files, start, start, min(rows_per_slice, table.num_rows - start))
+            for start in range(0, table.num_rows, rows_per_slice)]
+
+
+def _changes_rows(replays: Any) -> bool:
+    """Whether operations that ``datasets`` replays on a file's table change its rows or columns (a new schema
+    metadata, which every loaded dataset has, does not)."""
+    return any(name != "replace_schema_metadata" for name, _, _ in replays or ())
+
+
+_OPENED: dict[tuple[str, ...], pa.Table] = {}
+
+
+def read_arrow_slice(piece: ArrowSlice) -> pa.Table:
+    """The rows of ``piece``, from its files mapped into memory (opened once a worker, never copied)."""
+    table = _OPENED.get(piece.files)
+    if table is None:
+        tables = [pa.ipc.open_stream(pa.memory_map(path)).read_all() for path in piece.files]
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        _OPENED.clear()
+        _OPENED[piece.files] = table
+    return table.slice(piece.first, piece.num_rows)
+
+
+SLICES = (ParquetSlice, JsonLinesSlice, ArrowSlice)  # what a worker reads itself
