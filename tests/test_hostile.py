@@ -309,7 +309,7 @@ def test_malformed_and_non_utf8_lines_are_named_by_file_and_line(tmp_path, monke
     late = pq.read_table(tmp_path / "out.parquet").column("late").to_pylist()
     assert report.rows_out == 3000 and late[2990] == 1 and late.count(None) == 2999
     (tmp_path / "out.parquet").unlink()
-    monkeypatch.setattr(lossmask.jobs.inputs, "INFER_LINES", 1000)  # a key first seen after the rows that fix the columns
+    monkeypatch.setattr(lossmask.jobs.read_json, "INFER_LINES", 1000)  # a key first seen after the rows that fix the columns
     with pytest.raises(ValueError, match=r"a\.jsonl, line 2991: key 'late' appears here but in none of the first 1,000"):
         mask_files(tmp_path / "a.jsonl", tmp_path / "out.parquet", markers=MARKERS, batch_size=256)
     lines[2990] = b'{"input_ids": [1, 2, 7, -4]}'  # an engine error, named by the job's row and the file's line
@@ -584,7 +584,7 @@ def test_an_error_quoting_a_long_value_prints_one_short_line(tmp_path, monkeypat
     lines = [json.dumps({"input_ids": CHAT}) for _ in range(30)]
     lines[20] = json.dumps({"input_ids": CHAT, "k" * 200_000: 1})  # a key first seen after the rows that fix the columns
     (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
-    monkeypatch.setattr(lossmask.jobs.inputs, "INFER_LINES", 10)
+    monkeypatch.setattr(lossmask.jobs.read_json, "INFER_LINES", 10)
     MARKERS.to_json(tmp_path / "m.json")
     code, _, err = run_cli(tmp_path / "a.jsonl", tmp_path / "out.parquet", "--markers", tmp_path / "m.json")
     assert code == 1 and err.count("\n") == 1 and "line 21: key 'kkkk" in err and "(200,000 characters)" in err

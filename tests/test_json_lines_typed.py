@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import lossmask.jobs.inputs as inputs
+import lossmask.jobs.read_json as inputs
 from lossmask.jobs.inputs import open_inputs
 from lossmask.jobs.stream import mask_files
 

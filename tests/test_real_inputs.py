@@ -206,7 +206,7 @@ def test_symlink_loop_glob_reads_each_file_once(tmp_path):
 def test_two_symlink_loops_are_walked_once_each(tmp_path):
     """With two loops, glob.glob would walk 2^40 paths (every mix of the two up to the kernel's 40 links), so this
     asks the walk itself rather than a job, which on a glob without loop checks would never end."""
-    from lossmask.jobs.inputs import glob_files
+    from lossmask.jobs.locations import glob_files
 
     data = tmp_path / "data"
     for sub in ("a", "b"):

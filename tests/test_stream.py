@@ -289,7 +289,7 @@ def test_num_proc_is_capped_by_the_cores_and_the_rows_and_says_so(deepseek, tmp_
     report = mask_files(tmp_path / "chats.jsonl", tmp_path / "out2.parquet", tokenizer=deepseek, num_proc=2)
     assert any(m.startswith("num_proc=2: 1 worker on 2 cores for 50 rows (") for m in report.messages)
     assert report.rows_out == 50
-    monkeypatch.setattr(lossmask.jobs.inputs, "INFER_LINES", 20)  # ... and not known before reading: two workers
+    monkeypatch.setattr(lossmask.jobs.read_json, "INFER_LINES", 20)  # ... and not known before reading: two workers
     report = mask_files(tmp_path / "chats.jsonl", tmp_path / "out3.parquet", tokenizer=deepseek, num_proc=2)
     assert report.rows_out == 50 and "encode_part" in report.seconds
     assert pq.read_table(tmp_path / "out3.parquet").equals(pq.read_table(tmp_path / "out2.parquet"))

@@ -14,10 +14,10 @@ cuts the files at the first line end past every ``about`` bytes (a few small rea
 workers then count each slice's rows (``count_json_lines``: its line ends, and its blank lines, which are no rows)
 and the parent adds those counts up, so that each slice knows the job's row and the file's line it starts at before
 it is labelled. A worker reads its slice's bytes, cuts them into lines and reads runs of them as the parent reads
-JSON Lines (``inputs._json_table``: Arrow's JSON reader with the job's types, Python for the lines it refuses, each
+JSON Lines (``read_json._json_table``: Arrow's JSON reader with the job's types, Python for the lines it refuses, each
 refused line named). A file that can be read only from its start is not sliced: JSON compressed with gzip, bzip2 or
 zstd (no offset in it can be sought without decompressing all before), and a file holding one JSON array (its items
-are found only by parsing it); those, and a line longer than ``inputs.MAX_LINE_BYTES``, are read by the parent and
+are found only by parsing it); those, and a line longer than ``formats.MAX_LINE_BYTES``, are read by the parent and
 handed out as batches, as any input is whose files are not all of one sliceable kind.
 """
 
@@ -55,7 +55,7 @@ def parquet_slices(files: Any, rows_per_slice: int, workers: int) -> list[Parque
     recorded with ``files`` (``InputFiles.record``) when it is handed out, so that its rows can be named."""
     import pyarrow.parquet as pq
 
-    from .inputs import _first_line
+    from .formats import _first_line
 
     plan: list[ParquetSlice] = []
     row = 0
@@ -99,7 +99,8 @@ def read_slice(piece: ParquetSlice, schema: pa.Schema, max_rows: int, max_bytes:
     parent checks the batches it reads; a file that cannot be read is one ``ValueError`` line naming it."""
     import pyarrow.parquet as pq
 
-    from .inputs import _check_utf8, _first_line, _holds_text, _rows_in_bytes
+    from .formats import _check_utf8, _first_line, _holds_text
+    from .read_arrow import _rows_in_bytes
 
     text = [i for i, field in enumerate(schema) if _holds_text(field.type)]
     first = piece.first
@@ -148,7 +149,7 @@ def json_lines_slices(files: Any, about: int) -> list[JsonLinesSlice] | None:
     """The byte ranges of a job's JSON Lines files, of about ``about`` bytes each, cut after a line end; None when a
     file is not JSON Lines that can be read from any line (compressed, a JSON array) or a line is too long to cut
     after (the parent then reads the files and reports the line)."""
-    from .inputs import MAX_LINE_BYTES, _codec_of
+    from .formats import MAX_LINE_BYTES, _codec_of
 
     plan: list[JsonLinesSlice] = []
     for path in files.paths:
@@ -223,10 +224,11 @@ def counted(plan: list[JsonLinesSlice], counts: Any) -> Iterator[JsonLinesSlice]
 
 def read_json_lines_slice(piece: JsonLinesSlice, schema: pa.Schema, typed: bool, max_rows: int,
                           max_bytes: int | None) -> Iterator[pa.Table]:
-    """The rows of ``piece`` as the parent reads JSON Lines (``inputs.read_json_lines``): runs of at most
+    """The rows of ``piece`` as the parent reads JSON Lines (``read_json.read_json_lines``): runs of at most
     ``max_rows`` consecutive non-blank lines, each read as ``schema`` (``typed``: Arrow's types of the first rows),
     then cut into tables of about ``max_bytes``; a line that cannot be read is one ``ValueError`` naming it."""
-    from .inputs import MAX_LINE_BYTES, _json_table, _too_long
+    from .formats import MAX_LINE_BYTES, _too_long
+    from .read_json import _json_table
 
     lines = _slice_bytes(piece).split(b"\n")
     for offset, rows in piece.runs:
