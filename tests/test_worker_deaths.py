@@ -108,10 +108,11 @@ def _started(job: subprocess.Popen, folder: Path, *, joined: bool) -> list[int]:
     return _children(job.pid)
 
 
-def test_sigkill_of_the_job_ends_its_workers_and_a_rerun_on_the_same_output_starts_at_once(tmp_path, chats):
+@pytest.mark.parametrize("joined", [False, True], ids=["while-labelling", "while-parts-are-joined"])
+def test_sigkill_of_the_job_ends_its_workers_and_a_rerun_on_the_same_output_starts_at_once(tmp_path, chats, joined):
     out = tmp_path / "out.parquet"
     job = _job(chats, out)
-    workers = _started(job, tmp_path, joined=False)
+    workers = _started(job, tmp_path, joined=joined)
     job.kill()
     job.wait(60)  # (its stderr stays open while any worker lives)
     _all_gone(workers)
@@ -181,3 +182,26 @@ def test_the_line_of_a_killed_worker_names_the_signal_and_the_rows_it_held():
                            "while it held rows 4000-4511 (chats.jsonl, lines 4001-4512); ")
     assert "\n" not in died
     assert "a worker process exited with status 3 before it took any rows; " in str(WorkerDied(3))
+
+
+def test_stdin_read_by_workers_gives_the_file_and_report_of_one_process(tmp_path, chats):
+    """Stdin is copied to a temporary file once, which the workers then read in byte ranges: the same output and
+    report as one process, the copy removed."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    outputs = {}
+    for procs in ("1", "2"):
+        out, report = tmp_path / f"out{procs}.parquet", tmp_path / f"report{procs}.json"
+        with open(chats, "rb") as stdin:
+            done = subprocess.run([sys.executable, "-m", "lossmask", "mask", "-", str(out), "--tokenizer",
+                                   str(_tokenizer()), "--num-proc", procs, "--no-progress", "--max-drop-fraction", "1",
+                                   "--report", str(report)], stdin=stdin, capture_output=True, text=True, timeout=600,
+                                  env={**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        counts = json.loads(report.read_text())
+        outputs[procs] = pq.read_table(out), {k: v for k, v in counts.items() if k not in ("seconds", "messages", "output")}
+    assert outputs["1"][0].equals(outputs["2"][0]) and outputs["1"][1] == outputs["2"][1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "out1.parquet", "out2.parquet",
+                                                        "report1.json", "report2.json"]
