@@ -112,6 +112,22 @@ def start_step_worker(threads: int, tokenizer: Any, parent: int = 0, held: Any =
     tokenizer.begin_job()
 
 
+def imports_before_fork() -> None:
+    """Import here, once, what every worker would otherwise import on its first batch: numba and the kernels'
+    module (about 0.5 CPU-s a process; importing starts no thread, numba's pool starts with its first parallel
+    call), and pandas, which pyarrow imports on the first ``to_numpy`` where it is installed."""
+    from ..engine import get_backend
+
+    with contextlib.suppress(ImportError):  # a machine without numba labels with another backend
+        get_backend("numba")
+        from numba.core.registry import cpu_target
+
+        # the typing and lowering registries, which numba loads on its first compile or cache load in a process
+        # (about 0.4 CPU-s); nothing is compiled and no thread started
+        cpu_target.target_context.refresh()
+    pa.array([0]).to_numpy()
+
+
 def worker_started() -> int:
     """A task that only makes the pool start its processes."""
     return os.getpid()
@@ -238,8 +254,10 @@ def worker_pool(workers: int, tokenizer: Any, threads: int) -> Iterator[Any]:
     from concurrent.futures.process import BrokenProcessPool
 
     fast = getattr(tokenizer, "fast_tokens", None)
-    if fast is not None and worker_start_method() == "fork":
-        fast.ready()  # loaded once and shared by every forked worker
+    if worker_start_method() == "fork":
+        if fast is not None:
+            fast.ready()  # loaded once and shared by every forked worker
+        imports_before_fork()
     pool = WorkerPool(workers, multiprocessing.get_context(worker_start_method()), tokenizer, threads)
     try:
         pool.start()  # the processes start here (forked at once), before anything below runs
