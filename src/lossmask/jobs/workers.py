@@ -2,15 +2,17 @@
 
 Each worker reads a batch (an Arrow IPC stream), renders, locates, tokenises and labels it (``mask_batch``, the
 step every path shares), and encodes the rows it keeps as a Parquet part (``parquet_parts.encode_part``). It sends
-back the part's bytes and the batch's tally. Parquet input in row groups that slices can be made of is read by the
-workers themselves: the parent plans the slices from the files' footers (``jobs/slices.py``) and sends only where
-they are. Other input is read by the parent and handed out as batches. Then the parent only orders the results,
-adds the tallies in input order, copies each part's bytes into the output and commits it: it does no per-row or
-per-token work, so a job scales with its workers (docs/benchmarks.md, "Workers").
+back the part's bytes and the batch's tally. Input that can be sliced is read by the workers themselves (runs of
+Parquet row groups, byte ranges of JSON Lines, row ranges of a dataset's Arrow files): the parent plans the slices
+(``jobs/slices.py``) and sends only where they are. Other input is read by the parent and handed out as batches.
+Then the parent only orders the results, adds the tallies in input order, copies each part's bytes into the output
+and commits it: it does no per-row or per-token work, so a job scales with its workers (docs/benchmarks.md,
+"Workers").
 
-Workers are forked on Linux (``worker_start_method``): they start with the tokenizer and the compiled kernels in
-memory. A forked worker labels with the serial kernels (``one_thread``), never numba's thread pool, which the
-parent may have started, and caps the Rust tokeniser's threads so that the workers share the cores.
+Workers are forked on Linux (``worker_start_method``): they start with the tokenizer in memory, and with numba and
+the kernels' module imported (``imports_before_fork``). A forked worker labels with the serial kernels
+(``one_thread``), never numba's thread pool, which the parent may have started, and caps the Rust tokeniser's
+threads so that the workers share the cores.
 
 Workers die with their job. On Linux each asks the kernel for SIGKILL when its parent ends (``PR_SET_PDEATHSIG``),
 so a job killed outright (the out-of-memory killer, ``kill -9``) leaves no worker behind, and none of them holds the
