@@ -269,16 +269,23 @@ class _Arguments(str):
         self = super().__new__(cls, first)
         forms = [first]
         if isinstance(value, (Mapping, list)):
-            forms += [json.dumps(value, ensure_ascii=False), json.dumps(value), json.dumps(value, separators=(",", ":"))]
+            written = first if value is arguments else json.dumps(value, ensure_ascii=False)
+            forms += [written, written if written.isascii() else json.dumps(value),
+                      json.dumps(value, separators=(",", ":"))]
         self.forms = tuple(dict.fromkeys(forms))
         # how far past its end a value's match may look (a number's or word's last character, ``]]>``), and more
         self.reach = max(map(len, self.forms)) + 8
-        self.leaves = [_leaf_pattern(v) for v in _leaves(value)] if isinstance(value, (Mapping, list)) and value else []
-        self.leaves = [p for p in self.leaves if p is not None]
+        values = _leaves(value) if isinstance(value, (Mapping, list)) and value else []
+        patterns = {id(v): _leaf_pattern(v) for v in values}  # (each value's pattern made once, for both orders)
+        self.leaves = [patterns[id(v)] for v in values if patterns[id(v)] is not None]
         # the values in the order of their sorted keys, for templates that write an object's keys sorted (Gemma-4)
-        ordered = [_leaf_pattern(v) for v in _leaves(_sorted_keys(value))] if self.leaves else []
-        ordered = [p for p in ordered if p is not None]
-        self.orders = [self.leaves] + ([ordered] if ordered != self.leaves else [])
+        ordered = _leaves(_sorted_keys(value)) if self.leaves else []
+        if [id(v) for v in ordered] == [id(v) for v in values]:
+            self.orders = [self.leaves]
+        else:
+            ordered = [p for p in (patterns[id(v)] if id(v) in patterns else _leaf_pattern(v) for v in ordered)
+                       if p is not None]
+            self.orders = [self.leaves] + ([ordered] if ordered != self.leaves else [])
         self.name = name if isinstance(value, (Mapping, list)) and not self.leaves else ""
         # the string values, which templates copy verbatim (the raw text when it is not a JSON object or list)
         self.strings = ([v for v in _leaves(value) if isinstance(v, str) and v.strip()]
@@ -350,7 +357,8 @@ class _TextValue:
     __slots__ = ("quoted", "raw", "core")
 
     def __init__(self, value: str):
-        forms = {json.dumps(value, ensure_ascii=False), json.dumps(value), f"'{value}'", repr(value)}
+        written = json.dumps(value, ensure_ascii=False)
+        forms = {written, written if written.isascii() else json.dumps(value), f"'{value}'", repr(value)}
         self.quoted = tuple(sorted(forms, key=len, reverse=True))
         self.raw = tuple(sorted({value, value.strip()}, key=len, reverse=True))
         self.core = value.strip()
@@ -450,7 +458,10 @@ def _written_before(text: str, piece: "_Arguments", start: int, reach: int) -> b
 
 
 def _escaped(piece: str) -> list[str]:
-    """``piece`` as ``tojson`` writes a string (without the quotes), where that differs from the piece."""
+    """``piece`` as ``tojson`` writes a string (without the quotes), where that differs from the piece (it does not
+    where every character is printable ASCII, neither a quote nor a backslash)."""
+    if piece.isascii() and piece.isprintable() and '"' not in piece and "\\" not in piece:
+        return []
     return [*({json.dumps(piece, ensure_ascii=False)[1:-1], json.dumps(piece)[1:-1]} - {piece})]
 
 
