@@ -47,7 +47,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..options import WEIGHT_FIELDS
 from .json_text import loads_nested

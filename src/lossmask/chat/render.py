@@ -500,14 +500,18 @@ class DirectRenderer:
         """Like ``encode_batch.render_chats`` for chats of plain JSON values (a list of messages, or ``{messages, tools}``)."""
         texts: list[str | None] = [None] * len(chats)
         errors: list[tuple[int, str]] = []
+        proved: dict[int, str] = {}  # the chats the proofs rendered, by their index: not rendered again
         if self.reason is None:
-            self._prove(self._compile(self.ct.template_for()), False, chats)
+            proved = self._prove(self._compile(self.ct.template_for()), False, chats)
             if any(isinstance(chat, dict) and chat.get("tools") for chat in chats):
                 try:
-                    self._prove(self._compile(self.ct.template_for(tools=True)), True, chats)
+                    proved.update(self._prove(self._compile(self.ct.template_for(tools=True)), True, chats))
                 except ChatTemplateError:  # no template for chats with tools: each row says so below
                     pass
         for i, chat in enumerate(chats):
+            if i in proved and self.reason is None:
+                texts[i] = proved[i]
+                continue
             messages, tools = (chat["messages"], chat.get("tools")) if isinstance(chat, dict) else (chat, None)
             compiled = self._proved_for(messages, tools)
             if compiled is not None:
@@ -569,10 +573,13 @@ class DirectRenderer:
             self._tools = (tools, plain)
         return plain
 
-    def _prove(self, compiled: Any, with_tools: bool, chats: Sequence[Any]) -> None:
+    def _prove(self, compiled: Any, with_tools: bool, chats: Sequence[Any]) -> dict[int, str]:
+        """Prove ``compiled`` on the first ``PROOF_ROWS`` chats of its kind (with tools or without), unless this job
+        has: each rendered by it and by ``apply_chat_template``. Returns the texts of the chats it rendered, where both
+        agree on every one (by the chat's index), else nothing (and ``reason`` says why)."""
         if (compiled, with_tools) in self._proved:
-            return
-        tried = 0
+            return {}
+        tried, texts = 0, {}
         for k, chat in enumerate(chats[:PROOF_ROWS]):
             messages, tools = (chat.get("messages"), chat.get("tools")) if isinstance(chat, dict) else (chat, None)
             if bool(tools) != with_tools or not isinstance(messages, list) or not messages:
@@ -592,12 +599,14 @@ class DirectRenderer:
             except Exception:  # noqa: BLE001 - a rejected row proves nothing
                 continue
             tried += 1
+            texts[k] = ours
             if ours != reference:
                 at = next((j for j, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
                 self.reason = (f"rendering the template directly differs from apply_chat_template on chat {k} of the "
                                f"job's first batch{' (with tools)' if with_tools else ''}, at character {at} "
                                f"({reference[at:at + 40]!r}); this job renders through apply_chat_template")
                 warnings.warn(self.reason, stacklevel=3)
-                return
+                return {}
         if tried:
             self._proved.add((compiled, with_tools))
+        return texts
