@@ -57,6 +57,61 @@ def test_direct_render_equals_apply_chat_template(family):
     assert sorted(i for i, _ in errors) == [i for i, text in enumerate(reference) if text is None]
 
 
+def _tool_chats() -> list[dict]:
+    probes = [{"messages": list(c.messages), "tools": list(c.tools)} for c in probe_conversations() if c.tools]
+    probes += [{"messages": EXTRA[-1], "tools": probes[0]["tools"]}]
+    return json.loads(json.dumps(probes))  # plain JSON, as read from a file
+
+
+@pytest.mark.parametrize("family", tokenizer_families())
+def test_direct_render_with_tools_equals_apply_chat_template(family):
+    """Chats with tools, proved on the job's first ones, render through the compiled template (the tools as
+    ``apply_chat_template`` passes them), whole and as each prefix with the generation prompt, as ``apply_chat_template``
+    renders them."""
+    ct = chat_tokenizer(family)
+    chats = _tool_chats()
+    reference = []
+    for chat in chats:
+        try:
+            reference.append(ct.render(chat["messages"], tools=chat["tools"]))
+        except ChatTemplateError:
+            reference.append(None)
+    renderer = DirectRenderer(ct)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed proof would warn
+        texts, errors = renderer.render(chats)
+    assert renderer.reason is None
+    assert texts == reference
+    assert sorted(i for i, _ in errors) == [i for i, text in enumerate(reference) if text is None]
+    rendered = [chat for chat, text in zip(chats, reference) if text is not None]
+    if not rendered:
+        return
+    assert renderer._proved_for(rendered[0]["messages"], rendered[0]["tools"]) is not None  # noqa: SLF001
+    for chat in rendered:
+        for k in range(1, len(chat["messages"]) + 1):
+            for prompt in (False, True):
+                try:
+                    expected = ct.render(chat["messages"][:k], tools=chat["tools"], add_generation_prompt=prompt)
+                except ChatTemplateError:
+                    continue
+                assert renderer.render_one(chat["messages"][:k], tools=chat["tools"],
+                                           add_generation_prompt=prompt) == expected
+
+
+def test_chats_with_tools_are_proved_apart_from_chats_without():
+    """A job whose first batch holds chats without tools only has not proved the compiled template for chats with
+    tools: those render through ``apply_chat_template`` until chats with tools are proved."""
+    ct = chat_tokenizer("qwen2.5")
+    renderer = DirectRenderer(ct)
+    plain = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    renderer.render(plain)
+    tools = _tool_chats()[0]
+    assert renderer._proved_for(plain[0], None) is not None  # noqa: SLF001
+    assert renderer._proved_for(tools["messages"], tools["tools"]) is None  # noqa: SLF001
+    renderer.render([tools])
+    assert renderer._proved_for(tools["messages"], tools["tools"]) is not None  # noqa: SLF001
+
+
 def test_template_kwargs_reach_every_render_of_a_job():
     """The batch render of Python chats used to leave the tokenizer's template variables out."""
     from lossmask.chat.tokenizer import ChatTokenizer

@@ -52,6 +52,11 @@ def _chats(tok) -> list[tuple[str, list, list | None]]:
             if collection.render(tok, messages, tools=tools) is not None:
                 chats.append((f"trace, a user every {users_every}", messages, tools))
                 break
+    for as_json in (False, True):  # calls after one user message: the tool result before each call is in its context
+        messages, tools = collection.call_trace(10, as_json=as_json)
+        if collection.render(tok, messages, tools=tools) is not None:
+            chats.append(("calls after one user", messages, tools))
+            break
     return chats
 
 
@@ -75,8 +80,9 @@ def test_turns_rendered_from_a_short_context_label_as_renders_from_the_row_start
 
 
 def test_a_long_trace_renders_each_turn_from_a_short_context(monkeypatch):
-    """Qwen2.5 on a trace of 240 messages: every turn but the first is rendered from a handful of messages, so a row's
-    work grows with its length, not its square (benchmarks/bench_rendering_mode.py measures it)."""
+    """Qwen2.5 on a trace of 240 messages (users now and then, or one user before every call): every turn but the first
+    is rendered from a handful of messages, so a row's work grows with its length, not its square
+    (benchmarks/bench_rendering_mode.py measures it)."""
     from conftest import chat_tokenizer
 
     ct = chat_tokenizer("qwen2.5")
@@ -88,8 +94,9 @@ def test_a_long_trace_renders_each_turn_from_a_short_context(monkeypatch):
         return real(ct, messages, tools, add_generation_prompt)
 
     monkeypatch.setattr(turn_spans, "_render", counting)
-    for users_every in (9, 1000):
-        messages, tools = collection.agent_trace(240, users_every=users_every)
+    for users_every in (9, 1000, None):  # None: one user message, then 120 calls with their results
+        messages, tools = collection.agent_trace(240, users_every=users_every) if users_every else \
+            collection.call_trace(120)
         ids = np.asarray(ct.encode_chats([{"messages": messages, "tools": tools}]).input_ids[0].as_py())
         rendered.clear()
         trained, why = turn_spans.label_row_from_rendering(ct, messages, ids, tools=tools)

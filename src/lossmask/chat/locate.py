@@ -47,7 +47,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..options import WEIGHT_FIELDS
 from .json_text import loads_nested
@@ -269,14 +270,23 @@ class _Arguments(str):
         self = super().__new__(cls, first)
         forms = [first]
         if isinstance(value, (Mapping, list)):
-            forms += [json.dumps(value, ensure_ascii=False), json.dumps(value), json.dumps(value, separators=(",", ":"))]
+            written = first if value is arguments else json.dumps(value, ensure_ascii=False)
+            forms += [written, written if written.isascii() else json.dumps(value),
+                      json.dumps(value, separators=(",", ":"))]
         self.forms = tuple(dict.fromkeys(forms))
-        self.leaves = [_leaf_pattern(v) for v in _leaves(value)] if isinstance(value, (Mapping, list)) and value else []
-        self.leaves = [p for p in self.leaves if p is not None]
+        # how far past its end a value's match may look (a number's or word's last character, ``]]>``), and more
+        self.reach = max(map(len, self.forms)) + 8
+        values = _leaves(value) if isinstance(value, (Mapping, list)) and value else []
+        patterns = {id(v): _leaf_pattern(v) for v in values}  # (each value's pattern made once, for both orders)
+        self.leaves = [patterns[id(v)] for v in values if patterns[id(v)] is not None]
         # the values in the order of their sorted keys, for templates that write an object's keys sorted (Gemma-4)
-        ordered = [_leaf_pattern(v) for v in _leaves(_sorted_keys(value))] if self.leaves else []
-        ordered = [p for p in ordered if p is not None]
-        self.orders = [self.leaves] + ([ordered] if ordered != self.leaves else [])
+        ordered = _leaves(_sorted_keys(value)) if self.leaves else []
+        if [id(v) for v in ordered] == [id(v) for v in values]:
+            self.orders = [self.leaves]
+        else:
+            ordered = [p for p in (patterns[id(v)] if id(v) in patterns else _leaf_pattern(v) for v in ordered)
+                       if p is not None]
+            self.orders = [self.leaves] + ([ordered] if ordered != self.leaves else [])
         self.name = name if isinstance(value, (Mapping, list)) and not self.leaves else ""
         # the string values, which templates copy verbatim (the raw text when it is not a JSON object or list)
         self.strings = ([v for v in _leaves(value) if isinstance(v, str) and v.strip()]
@@ -293,35 +303,109 @@ def _sorted_keys(value: Any) -> Any:
     return value
 
 
-def _leaf_pattern(value: Any) -> re.Pattern | None:
+def _leaf_pattern(value: Any) -> Any:
     """How a template may print one argument value: a string quoted as JSON or Python, or raw between markup
     (``>v<``, whitespace around it allowed), a number as JSON or Python writes it, a boolean or null as JSON or
-    Python; a number or word is
-    matched whole (``1`` is not found inside ``10``); an empty object or list as ``{}`` or ``[]``. Empty strings print
-    as nothing: None."""
+    Python; a number or word is matched whole (``1`` is not found inside ``10``); an empty object or list as ``{}`` or
+    ``[]``. Empty strings print as nothing: None. A string is matched by ``_TextValue`` (found with ``str.find``: a
+    pattern compiled per value cost more than searching the row); the rest by a compiled pattern (``re`` caches those
+    by their text, and a row's numbers and words repeat). Either has ``span(text, pos, endpos)``."""
     if isinstance(value, str):
-        if not value.strip():
-            return None
-        # quoted as JSON or as Python writes it (pythonic calls: ``f(city='Paris')``), or raw between markup, with
-        # any whitespace around it: ``<arg_value>v</arg_value>`` (GLM-4), ``<parameter=city>\nv\n</parameter>``
-        # (Qwen3-Coder, Nemotron-3), ``<city>v]<]minimax[>[</city>`` (MiniMax-M3), or in a CDATA block (MiniCPM5
-        # wraps a value holding ``<``: ``<![CDATA[v]]>``); the markup is the template's, outside the match
-        forms = {json.dumps(value, ensure_ascii=False), json.dumps(value), f"'{value}'", repr(value)}
-        quoted = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
-        raw = "|".join(re.escape(f) for f in sorted({value, value.strip()}, key=len, reverse=True))
-        return re.compile(rf"{quoted}|(?<=[>\]])\s*(?:{raw})\s*(?=[<\[\]])|(?<=<!\[CDATA\[)(?:{raw})(?=\]\]>)")
+        return _TextValue(value) if value.strip() else None
     if isinstance(value, (Mapping, list, tuple)):  # an empty object or list, as JSON or Python writes it
-        return re.compile(r"\{\s*\}" if isinstance(value, Mapping) else r"\[\s*\]")
+        return _Pattern(r"\{\s*\}" if isinstance(value, Mapping) else r"\[\s*\]")
     if isinstance(value, bool) or value is None:
         words = {"true", "True"} if value is True else {"false", "False"} if value is False else {"null", "None"}
-        return re.compile(r"(?<!\w)(?:" + "|".join(sorted(words)) + r")(?!\w)")
+        return _Pattern(r"(?<!\w)(?:" + "|".join(sorted(words)) + r")(?!\w)")
     if isinstance(value, (int, float)):
         forms = {json.dumps(value), repr(value), str(value)}
         if isinstance(value, float) and value.is_integer():
             forms.add(str(int(value)))
         number = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
-        return re.compile(r"(?<![\w.])(?:" + number + r")(?![\w]|\.\d)")
+        return _Pattern(r"(?<![\w.])(?:" + number + r")(?![\w]|\.\d)")
     return None
+
+
+class _Pattern:
+    """A leaf matched by a regular expression (compiled through ``re``'s cache: the same text is compiled once)."""
+
+    __slots__ = ("pattern",)
+
+    def __init__(self, pattern: str):
+        self.pattern = re.compile(pattern)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Pattern) and other.pattern == self.pattern
+
+    def span(self, text: str, pos: int, endpos: int) -> tuple[int, int] | None:
+        match = self.pattern.search(text, pos, endpos)
+        return None if match is None else match.span()
+
+
+_MARKUP_BEFORE, _MARKUP_AFTER = ">]", "<[]"
+_CDATA_OPEN, _CDATA_CLOSE = "<![CDATA[", "]]>"
+
+
+class _TextValue:
+    r"""A string argument value (not only whitespace), as a template may print it, searched as a regular expression
+    would search ``quoted | (?<=[>\]])\s*(?:raw)\s*(?=[<\[\]]) | (?<=<!\[CDATA\[)(?:raw)(?=\]\]>)``: quoted as JSON
+    or as Python writes it (pythonic calls: ``f(city='Paris')``); raw between markup with any whitespace around it
+    (``<arg_value>v</arg_value>``: GLM-4; ``<parameter=city>\nv\n</parameter>``: Qwen3-Coder, Nemotron-3;
+    ``<city>v]<]minimax[>[</city>``: MiniMax-M3), the whitespace inside the match; or in a CDATA block (MiniCPM5
+    wraps a value holding ``<``: ``<![CDATA[v]]>``). The markup is the template's, outside the match. The leftmost
+    match wins; at one start, a quoted form (the longest) before the markup."""
+
+    __slots__ = ("quoted", "raw", "core")
+
+    def __init__(self, value: str):
+        written = json.dumps(value, ensure_ascii=False)
+        forms = {written, written if written.isascii() else json.dumps(value), f"'{value}'", repr(value)}
+        self.quoted = tuple(sorted(forms, key=len, reverse=True))
+        self.raw = tuple(sorted({value, value.strip()}, key=len, reverse=True))
+        self.core = value.strip()
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _TextValue) and other.quoted == self.quoted and other.raw == self.raw
+
+    def span(self, text: str, pos: int, endpos: int) -> tuple[int, int] | None:
+        endpos = min(endpos, len(text))
+        best = None  # (start, rank, end): at one start, a quoted form wins over the markup, the markup over CDATA
+        for rank, form in enumerate(self.quoted):
+            at = text.find(form, pos, endpos)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, rank, at + len(form))
+        limit = endpos if best is None else best[0] + 1  # a later start loses
+        found = self._markup(text, pos, endpos, limit)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (found[0], len(self.quoted), found[1])
+        limit = endpos if best is None else best[0] + 1
+        for raw in self.raw:
+            at = text.find(_CDATA_OPEN + raw + _CDATA_CLOSE, max(pos - len(_CDATA_OPEN), 0), endpos)
+            start = at + len(_CDATA_OPEN)
+            if at >= 0 and start < limit and (best is None or start < best[0]):
+                best = (start, len(self.quoted) + 1, start + len(raw))
+        return None if best is None else (best[0], best[2])
+
+    def _markup(self, text: str, pos: int, endpos: int, limit: int) -> tuple[int, int] | None:
+        """The first match between markup that starts before ``limit``: the value's core with the whitespace run
+        before it, after ``>`` or ``]``; then whitespace up to ``<``, ``[`` or ``]`` (before ``endpos``)."""
+        core = self.core
+        at = text.find(core, pos, endpos)
+        while at >= 0:
+            start = at
+            while start > pos and text[start - 1].isspace():
+                start -= 1
+            if start >= limit:
+                return None
+            end = at + len(core)
+            if start > 0 and text[start - 1] in _MARKUP_BEFORE:
+                after = end
+                while after < endpos and text[after].isspace():
+                    after += 1
+                if after < endpos and text[after] in _MARKUP_AFTER:
+                    return start, after
+            at = text.find(core, at + 1, endpos)
+        return None
 
 
 def find_piece(text: str, piece: str, start: int = 0) -> tuple[int, int] | None:
@@ -331,6 +415,12 @@ def find_piece(text: str, piece: str, start: int = 0) -> tuple[int, int] | None:
 
 def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
     if isinstance(piece, _Arguments):
+        if piece.leaves:
+            # the values in their first order found first: where no JSON text of the call starts before a little past
+            # them, no later one changes them (below), and the rest of the row is not searched for it
+            near = _leaves_span(text, piece.orders[0], start, len(text))
+            if near is not None and not _written_before(text, piece, start, near[1] + piece.reach):
+                return near
         found = _find_first(text, piece.forms, start) or _find_text(text, str(piece), start)
         if found is None and piece.name:  # no value to find: the call is there when its name is
             return _find_text(text, piece.name, start)
@@ -339,24 +429,47 @@ def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
         # each value in order, after the last: the call's own text (an earlier look-alike is not the call); it wins
         # over the JSON text when it ends before that (a later tool result that echoes the arguments as JSON)
         for leaves in piece.orders:
-            at, first = start, None
-            for leaf in leaves:
-                match = leaf.search(text, at, found[0] if found is not None else len(text))
-                if match is None:
-                    break
-                first = match.start() if first is None else first
-                at = match.end()
-            else:
-                return first, at
+            span = _leaves_span(text, leaves, start, found[0] if found is not None else len(text))
+            if span is not None:
+                return span
         return found
     return _find_text(text, piece, start)
+
+
+def _leaves_span(text: str, leaves: Sequence[Any], start: int, end: int) -> tuple[int, int] | None:
+    """From the first value's start to the last's end, each value found after the one before, all before ``end``."""
+    at, first = start, None
+    for leaf in leaves:
+        match = leaf.span(text, at, end)
+        if match is None:
+            return None
+        first = match[0] if first is None else first
+        at = match[1]
+    return first, at
+
+
+def _written_before(text: str, piece: "_Arguments", start: int, reach: int) -> bool:
+    """Might the JSON text of a call (any form ``_find`` takes for it) start in ``text`` from ``start`` before
+    ``reach``? (False is certain; True may be wrong, and only costs the full search.) The values found ending
+    ``_Arguments.reach`` before ``reach`` are those found before any later JSON text: a value's match, and what it looks
+    at past its end, lies before it."""
+    raw = str(piece)
+    forms = (*piece.forms, *_escaped(raw), raw.strip(), *raw.split()[:1])
+    return any(text.find(form, start, reach + len(form) - 1) >= 0 for form in forms if form)
+
+
+def _escaped(piece: str) -> list[str]:
+    """``piece`` as ``tojson`` writes a string (without the quotes), where that differs from the piece (it does not
+    where every character is printable ASCII, neither a quote nor a backslash)."""
+    if piece.isascii() and piece.isprintable() and '"' not in piece and "\\" not in piece:
+        return []
+    return [*({json.dumps(piece, ensure_ascii=False)[1:-1], json.dumps(piece)[1:-1]} - {piece})]
 
 
 def _find_text(text: str, piece: str, start: int) -> tuple[int, int] | None:
     # as written, or as tojson writes a string (gpt-oss's tool results, Llama-3.1's ipython turns): the nearest
     # form, so that a later message quoting the raw text does not stand in for an escaped one here
-    forms = [piece, *({json.dumps(piece, ensure_ascii=False)[1:-1], json.dumps(piece)[1:-1]} - {piece})]
-    found = _find_first(text, forms, start)
+    found = _find_first(text, [piece, *_escaped(piece)], start)
     if found is not None:
         return found
     stripped = piece.strip()
@@ -383,8 +496,14 @@ def _core(text: str, span: tuple[int, int]) -> tuple[int, int]:
 
 
 def _find_first(text: str, forms: Sequence[str], start: int) -> tuple[int, int] | None:
-    hits = [(at, at + len(form)) for form in forms for at in [text.find(form, start)] if at >= 0]
-    return min(hits) if hits else None
+    """The first of ``forms`` to occur from ``start`` (at one start, the shorter): each form after the first is looked
+    for only before the best found so far, so a form the row never writes is not searched for to its end."""
+    best = None
+    for form in forms:
+        at = text.find(form, start) if best is None else text.find(form, start, best[0] + len(form))
+        if at >= 0 and (best is None or (at, at + len(form)) < best):
+            best = (at, at + len(form))
+    return best
 
 
 def _merge(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

@@ -471,12 +471,17 @@ def plain_arrow_type(arrow_type: pa.DataType) -> bool:
 
 
 class DirectRenderer:
-    """The compiled template of one ``ChatTokenizer``, with the variables ``apply_chat_template`` passes it."""
+    """The compiled template of one ``ChatTokenizer``, with the variables ``apply_chat_template`` passes it.
+
+    Rows with tools render through it too, with the tools as ``apply_chat_template`` gives them to the template
+    (transformers' ``_plain_template_data`` of the list, each tool a dict), once chats with tools are proved equal
+    to ``apply_chat_template`` in the job, as chats without are (each kind proved on its own first rows)."""
 
     def __init__(self, ct: Any):
         self.ct = ct
         self.reason: str | None = None  # why the job renders through apply_chat_template instead
-        self._proved: set[Any] = set()  # the compiled templates proved in this job
+        self._proved: set[Any] = set()  # (compiled template, with tools) proved in this job
+        self._tools: tuple[Any, Any] = (None, None)  # the last tools given, and their plain copy
         try:
             from transformers.utils.chat_template_utils import (
                 _alias_reasoning_fields, _plain_template_data,
@@ -484,7 +489,7 @@ class DirectRenderer:
         except ImportError as exc:
             self.reason = f"this transformers renders otherwise ({exc})"
             return
-        self._compile, self._alias = bounded_template, _alias_reasoning_fields
+        self._compile, self._alias, self._plain = bounded_template, _alias_reasoning_fields, _plain_template_data
         special = _plain_template_data(dict(getattr(ct.tokenizer, "special_tokens_map", {}) or {}))
         self._variables = {**special, **_plain_template_data(dict(ct.template_kwargs))}
 
@@ -495,14 +500,23 @@ class DirectRenderer:
         """Like ``encode_batch.render_chats`` for chats of plain JSON values (a list of messages, or ``{messages, tools}``)."""
         texts: list[str | None] = [None] * len(chats)
         errors: list[tuple[int, str]] = []
+        proved: dict[int, str] = {}  # the chats the proofs rendered, by their index: not rendered again
         if self.reason is None:
-            compiled = self._compile(self.ct.template_for())
-            self._prove(compiled, chats)
-        for i, chat in enumerate(chats):
-            messages, tools = (chat["messages"], chat.get("tools")) if isinstance(chat, dict) else (chat, None)
-            if self.reason is None and not tools and all(type(m) is dict for m in messages):
+            proved = self._prove(self._compile(self.ct.template_for()), False, chats)
+            if any(isinstance(chat, dict) and chat.get("tools") for chat in chats):
                 try:
-                    texts[i] = self._render(compiled, messages)
+                    proved.update(self._prove(self._compile(self.ct.template_for(tools=True)), True, chats))
+                except ChatTemplateError:  # no template for chats with tools: each row says so below
+                    pass
+        for i, chat in enumerate(chats):
+            if i in proved and self.reason is None:
+                texts[i] = proved[i]
+                continue
+            messages, tools = (chat["messages"], chat.get("tools")) if isinstance(chat, dict) else (chat, None)
+            compiled = self._proved_for(messages, tools)
+            if compiled is not None:
+                try:
+                    texts[i] = self._render(compiled, messages, tools)
                     continue
                 except RenderLimitError as exc:  # rendering it again would not end
                     errors.append((i, f"the chat template of {self.ct.name!r} rejected the conversation: {exc}"))
@@ -517,52 +531,82 @@ class DirectRenderer:
 
     def render_one(self, messages: list, *, add_generation_prompt: bool = False, tools: Any = None) -> str:
         """One conversation (a prefix of a row, for labels from the rendering): through the compiled template where
-        this job proved it equal to ``apply_chat_template``, else through ``ChatTokenizer.render``. Raises
-        ``ChatTemplateError`` as ``render`` does (an empty conversation included: the compiled template would
-        render one where ``render`` refuses it)."""
-        if messages and self.reason is None and not tools and all(type(m) is dict for m in messages):
-            compiled = self._compile(self.ct.template_for())
-            if compiled in self._proved:
-                try:
-                    if self.ct.renders_parts_only:
-                        messages = text_parts(messages)
-                    return render_bounded(compiled, messages=self._alias(messages), tools=None, documents=None,
-                                          add_generation_prompt=add_generation_prompt, **self._variables)
-                except Exception:  # noqa: BLE001 - rendered again below, for the error users see elsewhere
-                    pass
+        this job proved it equal to ``apply_chat_template`` (for chats with tools, or without, as this one is), else
+        through ``ChatTokenizer.render``. Raises ``ChatTemplateError`` as ``render`` does (an empty conversation
+        included: the compiled template would render one where ``render`` refuses it)."""
+        compiled = self._proved_for(messages, tools) if messages else None
+        if compiled is not None:
+            try:
+                return self._render(compiled, messages, tools, add_generation_prompt)
+            except Exception:  # noqa: BLE001 - rendered again below, for the error users see elsewhere
+                pass
         return self.ct.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
-    def _render(self, compiled: Any, messages: list) -> str:
+    def _proved_for(self, messages: Any, tools: Any) -> Any:
+        """The compiled template that renders this chat as ``apply_chat_template`` would, where this job proved it for
+        chats of its kind (with tools or without) and the chat is plain: each message a dict, each tool a dict (not a
+        function to describe); else None."""
+        if self.reason is not None or not all(type(m) is dict for m in messages):
+            return None
+        if tools and not (type(tools) in (list, tuple) and all(type(t) is dict for t in tools)):
+            return None
+        try:
+            compiled = self._compile(self.ct.template_for(tools=tools))
+        except ChatTemplateError:
+            return None
+        return compiled if (compiled, bool(tools)) in self._proved else None
+
+    def _render(self, compiled: Any, messages: list, tools: Any = None, add_generation_prompt: bool = False) -> str:
         if self.ct.renders_parts_only:
             messages = text_parts(messages)
-        return render_bounded(compiled, messages=self._alias(messages), tools=None, documents=None,
-                              add_generation_prompt=False, **self._variables)
+        return render_bounded(compiled, messages=self._alias(messages), tools=self._plain_tools(tools), documents=None,
+                              add_generation_prompt=add_generation_prompt, **self._variables)
 
-    def _prove(self, compiled: Any, chats: Sequence[Any]) -> None:
-        if compiled in self._proved:
-            return
-        tried = 0
-        for k, messages in enumerate(chats[:PROOF_ROWS]):
-            if not (isinstance(messages, list) and all(type(m) is dict for m in messages)):
+    def _plain_tools(self, tools: Any) -> Any:
+        """The tools as ``apply_chat_template`` gives them to the template (None for none); the copy of the last tools
+        given is kept, for a row's many renders with the same list."""
+        if not tools:
+            return None
+        given, plain = self._tools  # (read once: the labelling thread renders beside the rendering one)
+        if given is not tools:
+            plain = self._plain(list(tools))
+            self._tools = (tools, plain)
+        return plain
+
+    def _prove(self, compiled: Any, with_tools: bool, chats: Sequence[Any]) -> dict[int, str]:
+        """Prove ``compiled`` on the first ``PROOF_ROWS`` chats of its kind (with tools or without), unless this job
+        has: each rendered by it and by ``apply_chat_template``. Returns the texts of the chats it rendered, where both
+        agree on every one (by the chat's index), else nothing (and ``reason`` says why)."""
+        if (compiled, with_tools) in self._proved:
+            return {}
+        tried, texts = 0, {}
+        for k, chat in enumerate(chats[:PROOF_ROWS]):
+            messages, tools = (chat.get("messages"), chat.get("tools")) if isinstance(chat, dict) else (chat, None)
+            if bool(tools) != with_tools or not isinstance(messages, list) or not messages:
+                continue
+            if with_tools and not (isinstance(tools, list) and all(type(t) is dict for t in tools)):
+                continue
+            if not all(type(m) is dict for m in messages):
                 continue
             try:  # ours first: a row over the bounds is never rendered unbounded
-                ours = self._render(compiled, messages)
+                ours = self._render(compiled, messages, tools)
             except RenderLimitError:
                 continue
             except Exception as exc:  # noqa: BLE001
                 ours = f"<raised {exc}>"
             try:
-                reference = self.ct.render(messages)
+                reference = self.ct.render(messages, tools=tools)
             except Exception:  # noqa: BLE001 - a rejected row proves nothing
                 continue
             tried += 1
+            texts[k] = ours
             if ours != reference:
                 at = next((j for j, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
                 self.reason = (f"rendering the template directly differs from apply_chat_template on chat {k} of the "
-                               f"job's first batch, at character {at} ({reference[at:at + 40]!r}); this job renders "
-                               "through apply_chat_template")
+                               f"job's first batch{' (with tools)' if with_tools else ''}, at character {at} "
+                               f"({reference[at:at + 40]!r}); this job renders through apply_chat_template")
                 warnings.warn(self.reason, stacklevel=3)
-                return
+                return {}
         if tried:
-            self._proved.add(compiled)
-
+            self._proved.add((compiled, with_tools))
+        return texts

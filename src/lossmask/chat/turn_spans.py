@@ -374,7 +374,8 @@ class _History:
 def _short_renders(ct: Any, messages: list, i: int, text: str, tools: Any, history: _History,
                    starts_by_message: dict[int, int]) -> _Renders:
     """Turn ``i``'s prompt and through rendered from a short context: the system message, the turn's last user message,
-    and the messages from the later of that user message and the last assistant message before the turn. Their tails
+    and the messages from the later of that user message and the last assistant message before the turn (with the
+    message before that assistant message, where it is not the user message: a tool result). Their tails
     after the message before the turn stand for the whole renderings' tails where the context's own messages render
     as the row's text does, from the first of them to that message's end (``_Fallback`` else)."""
     user, last = history.last_user(i), history.last_with_text(i)
@@ -385,7 +386,11 @@ def _short_renders(ct: Any, messages: list, i: int, text: str, tools: Any, histo
     first = user if assistant is None else max(user, assistant)
     if last < first or history.ends[last] != base:  # (the text before the turn ends with that message's)
         raise _Fallback
-    window = ([0] if history.system_first and user > 0 else []) + ([user] if user < first else []) + list(range(first, i))
+    # (and the message before ``first`` where it is not that user message, a tool result before a call: the template's
+    # text before ``first`` then follows the message it follows in the row, ``</tool_response>`` and all)
+    lead = [first - 1] if first - 1 > user else []
+    window = ([0] if history.system_first and user > 0 else []) + ([user] if user < first else []) + lead \
+        + list(range(first, i))
     if len(window) >= i:  # no shorter than the row's start: rendered from there
         raise _Fallback
     near = min((starts_by_message[m] for m in range(first, i) if m in starts_by_message), default=None)
