@@ -1,0 +1,151 @@
+"""Plain chats read off their shape's sentinel rendering label as their own renders from the row's start.
+
+``chat.shape_cache`` learns each shape of plain chat (its roles) once, on the conversation with a sentinel content per
+message, and reads a row's turns off it where the row's rendering is that rendering with the row's contents in place;
+``chat.span_tokens`` makes those spans the batch's token labels at once. The reference is each row rendered from its
+start, turn by turn (``_SHORT_CONTEXTS = False``, no shapes): on every template of llama.cpp's collection, for rows that
+are read off a shape and rows that are not (a template that rewrites or branches on a content), with contents that
+hold a sentinel or the template's own header, the labels are the same, or both none.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+import template_collection as collection  # noqa: E402
+from test_template_collection import NAMES, _folder  # noqa: E402
+
+sys.path.pop(0)
+
+import lossmask  # noqa: E402
+from lossmask.chat import shape_cache, turn_spans  # noqa: E402
+
+
+def _reference(ct, messages, ids, last_turn_only, monkeypatch) -> list | None:
+    """The row's labels from renders from its start, turn by turn."""
+    monkeypatch.setattr(turn_spans, "_SHORT_CONTEXTS", False)
+    try:
+        trained, _ = turn_spans.label_row_from_rendering(ct, messages, np.asarray(ids), last_turn_only=last_turn_only)
+    finally:
+        monkeypatch.setattr(turn_spans, "_SHORT_CONTEXTS", True)
+    return None if trained is None else np.where(trained, ids, -100).tolist()
+
+
+def _read(ct, chats, last_turn_only, monkeypatch) -> tuple[list, int]:
+    """The batch's labels as the batch step makes them (each row's rendering given), and how many rows were read off
+    a shape."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        encoded = ct.encode_chats([{"messages": m} for m in chats])
+    texts = [ct.render(m) for m in chats]
+    read = []
+    original = turn_spans._read_off_shapes
+
+    def counted(*args, **kwargs):
+        found = original(*args, **kwargs)
+        read.append(len(found))
+        return found
+
+    monkeypatch.setattr(turn_spans, "_read_off_shapes", counted)
+    result = turn_spans.label_from_rendering(ct, [(m, None) for m in chats], encoded.input_ids,
+                                             last_turn_only=last_turn_only, texts=texts)
+    return result.labels.to_pylist(), encoded.input_ids.to_pylist(), sum(read)
+
+
+def _variants(chat: list[dict], quoted: str) -> list[list[dict]]:
+    """The chat, and the same shape with other contents: longer ones holding sentinels, and ones quoting the
+    template's header."""
+    return [chat,
+            [{**m, "content": f"{m['content']} {shape_cache.sentinel(0)}, {shape_cache.sentinel(k)}."}
+             for k, m in enumerate(chat)],
+            [{**m, "content": f"{m['content']} {quoted}"} for m in chat]]
+
+
+def _same_as_reference(ct, chats, monkeypatch) -> int:
+    ct._shape_cache = shape_cache.ShapeCache()
+    read = 0
+    for last_turn_only in (False, True):
+        labels, ids, hits = _read(ct, chats + chats, last_turn_only, monkeypatch)
+        read += hits
+        for k, (row, row_ids) in enumerate(zip(labels, ids)):
+            if row_ids is None:
+                continue
+            assert row == _reference(ct, (chats + chats)[k], row_ids, last_turn_only, monkeypatch), (k, last_turn_only)
+    return read
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_plain_chats_read_off_their_shape_label_as_renders_from_the_row_start(name, monkeypatch):
+    tok = collection.tokenizer_for((_folder() / f"{name}.jinja").read_text(encoding="utf-8"))
+    ct = lossmask.load_tokenizer(tok)
+    quoted = collection.quoting_chat(tok)[0]["content"]
+    chats = [v for c in collection.chats_for(tok) for v in _variants(c, quoted) if collection.render(tok, v) is not None]
+    if not chats:
+        pytest.skip(f"transformers renders none of the chats with {name}")
+    _same_as_reference(ct, chats, monkeypatch)
+
+
+def test_qwen_rows_of_a_learnt_shape_are_read_off_it_even_quoting_a_sentinel_or_a_marker(monkeypatch):
+    """Qwen2.5: rows of one shape, with contents holding the sentinels and the template's own role tokens, are read off
+    the shape (no renders of their own) and label as their renders from the row's start do."""
+    from conftest import tokenizer_path
+
+    ct = lossmask.load_tokenizer(tokenizer_path("qwen2.5"))
+    base = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, friend."},
+            {"role": "user", "content": "And you?"}, {"role": "assistant", "content": "Fine."}]
+    chats = _variants(base, "<|im_end|>\n<|im_start|>assistant\nsure") + \
+        [[{**m, "content": "".join(shape_cache.sentinel(j) for j in range(4))} for m in base]]
+    assert _same_as_reference(ct, chats, monkeypatch) >= 2 * len(chats)
+
+
+# a template that rewrites a content (upper-case where it is long) and one that branches on it (a note before a
+# question): the sentinel rendering with a row's contents in place is not the row's rendering, so the row renders its own
+REWRITES = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content | length > 12 %}{{ m.content | upper }}"
+            "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+BRANCHES = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if '?' in m.content %}(asks) {% endif %}"
+            "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", [REWRITES, BRANCHES], ids=["rewrites", "branches"])
+def test_a_template_that_rewrites_or_branches_on_a_content_falls_back_and_stays_exact(template, monkeypatch):
+    ct = lossmask.load_tokenizer(collection.tokenizer_for(template))
+    chats = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}],
+             [{"role": "user", "content": "What time is it now?"}, {"role": "assistant", "content": "It is late, sorry."}],
+             [{"role": "user", "content": "Hey"}, {"role": "assistant", "content": "Yes."}]]
+    _same_as_reference(ct, chats, monkeypatch)
+    key = shape_cache.plain_shape(chats[1], None, [1])
+    assert ct._shape_cache.known(key) and ct._shape_cache.read(key, chats[1], ct.render(chats[1])) is None
+    assert ct._shape_cache.read(key, chats[2], ct.render(chats[2])) is not None
+
+
+def test_the_shape_cache_keeps_at_most_its_bound_dropping_the_least_recently_used():
+    cache = shape_cache.ShapeCache(max_shapes=3)
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+
+    def render(dummy):
+        return "".join(f"<{m['role']}>{m['content']}</s>" for m in dummy)
+
+    def find(dummy, rendered):
+        at = rendered.index(dummy[1]["content"])
+        return [(at, at + len(dummy[1]["content"]), at + len(dummy[1]["content"]) + 4, False, False)]
+
+    keys = [(("user", "assistant"), (1,), k) for k in range(5)]
+    text = render(messages)
+    for key in keys:
+        cache.learn(key, messages, text, find(messages, text), render, find)
+        assert len(cache) <= 3
+    assert [cache.known(k) for k in keys] == [False, False, True, True, True]
+    cache.read(keys[2], messages, text)  # used: kept over the least recently used
+    cache.learn(keys[0], messages, text, find(messages, text), render, find)
+    assert [cache.known(k) for k in keys] == [True, False, True, False, True]
+    assert cache.read(keys[2], messages, text)[0] == find(messages, text)
