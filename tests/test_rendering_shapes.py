@@ -2,7 +2,8 @@
 
 ``chat.shape_cache`` learns each shape of plain chat (its roles) once, on the conversation with a sentinel content per
 message, and reads a row's turns off it where the row's rendering is that rendering with the row's contents in place;
-``chat.span_tokens`` makes those spans the batch's token labels at once. The reference is each row rendered from its
+``engine.turn_tokens`` makes those spans the batch's token labels at once (one kernel call, its plain reference held
+equal to it here). The reference is each row rendered from its
 start, turn by turn (``_SHORT_CONTEXTS = False``, no shapes): on every template of llama.cpp's collection, for rows that
 are read off a shape and rows that are not (a template that rewrites or branches on a content), with contents that
 hold a sentinel or the template's own header, the labels are the same, or both none.
@@ -149,3 +150,45 @@ def test_the_shape_cache_keeps_at_most_its_bound_dropping_the_least_recently_use
     cache.learn(keys[0], messages, text, find(messages, text), render, find)
     assert [cache.known(k) for k in keys] == [True, False, True, False, True]
     assert cache.read(keys[2], messages, text)[0] == find(messages, text)
+
+
+def test_the_turn_tokens_kernel_equals_its_plain_reference():
+    """Rows of random tokens (rising, or not; some past their text), control tokens, turn spans and message pieces: the
+    compiled pass and its plain reference mark the same tokens and leave the same rows to the row-by-row code."""
+    from lossmask.engine import turn_tokens as kernel
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n_rows = int(rng.integers(1, 5))
+        lengths = rng.integers(0, 30, n_rows)
+        spans, pieces, span_offsets, piece_offsets, row_lo, row_hi, texts = [], [], [0], [0], [], [], []
+        token_spans, special = [], []
+        for length in lengths.tolist():
+            cuts = np.sort(rng.integers(0, 60, 2 * length)).reshape(-1, 2) if length else np.zeros((0, 2), np.int64)
+            if rng.random() < 0.1 and length > 1:
+                cuts = cuts[::-1]  # not rising
+            row_lo.append(len(token_spans))
+            token_spans += cuts.tolist()
+            row_hi.append(len(token_spans))
+            special += (rng.random(length) < 0.3).tolist()
+            texts.append(int(rng.integers(40, 70)))
+            for _ in range(int(rng.integers(0, 3))):
+                a, b, c = np.sort(rng.integers(0, 60, 3)).tolist()
+                spans += [a, b, c]
+            span_offsets.append(len(spans) // 3)
+            for _ in range(int(rng.integers(0, 4))):
+                a, b = np.sort(rng.integers(0, 60, 2)).tolist()
+                pieces += [a, b, int(rng.integers(-1, 2))]
+            piece_offsets.append(len(pieces) // 3)
+        token_spans = np.asarray(token_spans, np.int32).reshape(-1, 2)
+        special = np.asarray(special, bool)
+        args = (token_spans, special, np.asarray(row_lo, np.int64), np.asarray(row_hi, np.int64),
+                np.asarray(texts, np.int64), np.asarray(spans, np.int64).reshape(-1, 3),
+                np.asarray(span_offsets, np.int64), np.asarray(pieces, np.int64).reshape(-1, 3),
+                np.asarray(piece_offsets, np.int64))
+        for closes in (True, False):
+            fast, slow = np.zeros(len(special), bool), np.zeros(len(special), bool)
+            done_fast, done_slow = np.zeros(n_rows, bool), np.zeros(n_rows, bool)
+            kernel.turn_tokens(*args, closes, fast, done_fast)
+            kernel.reference_turn_tokens(*args, closes, slow, done_slow)
+            assert done_fast.tolist() == done_slow.tolist() and fast.tolist() == slow.tolist()

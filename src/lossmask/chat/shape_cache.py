@@ -16,9 +16,10 @@ never seen. A content that holds a sentinel changes nothing: sentinels are looke
 only, never in a row.
 
 A shape is learnt the first time it is seen, or the second for a long one (``LEARN_AT_ONCE``: a row of a long shape
-seen once, as a single long trace, pays no extra renders), and kept only where the row's own spans, found by its renders, sit at the same places as the
-sentinel conversation's (a place inside a content, which a content's length cannot shift, is not kept). The
-shapes are kept per tokenizer in a bounded least-recently-used table (``MAX_SHAPES``).
+seen once, as a single long trace, pays no extra renders). Its places are read only once a row of it, labelled by
+its own renders, has its turns at the same places (``TRIES`` rows are tried, then the shape is given up); a place
+inside a content, which a content's length cannot shift, is never kept. The shapes are kept per tokenizer in a
+bounded least-recently-used table (``MAX_SHAPES``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 MAX_SHAPES = 512  # shapes kept per tokenizer (learnt ones and ones seen once), least recently used dropped first
@@ -34,8 +36,21 @@ MAX_SHAPES = 512  # shapes kept per tokenizer (learnt ones and ones seen once), 
 # recur) the second time, so that a row of a shape seen once pays no extra renders
 LEARN_AT_ONCE = 64
 
+# a shape's sentinel places are checked against the rows' own renders until one agrees; past this many rows that do
+# not (a template that branches on what the messages say), the shape is not read off
+TRIES = 4
+
 _SEEN = object()  # a shape seen once: learnt when it is seen again
 _UNFIT = object()  # a shape whose turns cannot be read off a sentinel rendering: each row renders its own
+
+
+@dataclass
+class _Pending:
+    """A shape's sentinel rendering, cut (``pieces``), and its turns' places, not yet checked against a row of it."""
+
+    pieces: tuple
+    places: tuple
+    tries: int = 0
 
 Spans = list  # [(start, text end, end, followed, parted)] as ``turn_spans`` gives them
 
@@ -90,7 +105,7 @@ class ShapeCache:
     def known(self, key: tuple) -> bool:
         """Has shape ``key`` been learnt (or found unfit)? A shape seen once, or never, has not."""
         entry = self.shapes.get(key)
-        return entry is not None and entry is not _SEEN
+        return entry is _UNFIT or type(entry) is tuple
 
     def read(self, key: tuple, messages: Sequence[dict], text: str) -> tuple[Spans, list[int]] | None:
         """``(spans, bounds)``: the row's spans read off its shape, and where each content lies in ``text``
@@ -98,7 +113,7 @@ class ShapeCache:
         row that differs from it."""
         with self._lock:
             entry = self.shapes.get(key)
-            if entry is None or entry is _SEEN or entry is _UNFIT:
+            if type(entry) is not tuple:
                 return None
             self.shapes.move_to_end(key)
         pieces, places = entry
@@ -117,9 +132,11 @@ class ShapeCache:
         if entry is None and len(messages) > LEARN_AT_ONCE:
             self._put(key, _SEEN)
             return
-        if entry is not None and entry is not _SEEN:
-            return
-        self._put(key, self._entry(messages, text, spans, render, find))
+        if entry is None or entry is _SEEN:
+            entry = self._sentinel_places(messages, render, find)
+        if type(entry) is _Pending:
+            entry = self._checked(entry, messages, text, spans)
+            self._put(key, entry)
 
     def _put(self, key: tuple, value: Any) -> None:
         with self._lock:
@@ -128,7 +145,10 @@ class ShapeCache:
             while len(self.shapes) > self.max_shapes:
                 self.shapes.popitem(last=False)
 
-    def _entry(self, messages, text, spans, render, find) -> Any:
+    @staticmethod
+    def _sentinel_places(messages, render, find) -> Any:
+        """The shape's sentinel rendering cut at the sentinels, and its turns' places (``_Pending``); ``_UNFIT`` where
+        the template does not write each sentinel once as it is, or a turn's span cannot be placed."""
         sentinels = [sentinel(k) for k in range(len(messages))]
         dummy = [{"role": m["role"], "content": s} for m, s in zip(messages, sentinels)]
         try:
@@ -145,16 +165,27 @@ class ShapeCache:
         pieces.append(rendered[cursor:])
         own = _bounds(pieces, sentinels, rendered)
         found = find(dummy, rendered) if own is not None else None
-        row = _bounds(pieces, [m["content"] for m in messages], text)
-        if found is None or row is None or len(found) != len(spans):
+        if found is None:
             return _UNFIT
         places = []
-        for (s0, t0, e0, f0, p0), (s1, t1, e1, f1, p1) in zip(found, spans):
+        for s0, t0, e0, f0, p0 in found:
             here = [_place(own, x) for x in (s0, t0, e0)]
-            if None in here or (f0, p0) != (f1, p1) or [_place(row, x) for x in (s1, t1, e1)] != here:
+            if None in here:
                 return _UNFIT
             places.append((*here, f0, p0))
-        return tuple(pieces), tuple(places)
+        return _Pending(tuple(pieces), tuple(places))
+
+    @staticmethod
+    def _checked(pending: _Pending, messages, text, spans) -> Any:
+        """The shape, learnt, where the row's own spans sit at its places; else still pending (``_UNFIT`` after
+        ``TRIES`` rows)."""
+        row = _bounds(pending.pieces, [m["content"] for m in messages], text)
+        if row is not None and len(spans) == len(pending.places) and all(
+                [_place(row, x) for x in (s, t, e)] == list(place[:3]) and (f, p) == place[3:]
+                for (s, t, e, f, p), place in zip(spans, pending.places)):
+            return pending.pieces, pending.places
+        pending.tries += 1
+        return _UNFIT if pending.tries >= TRIES else pending
 
 
 def _bounds(pieces: Sequence[str], contents: Sequence[str], text: str) -> list[int] | None:

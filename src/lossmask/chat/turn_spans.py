@@ -40,7 +40,6 @@ import pyarrow as pa
 from .locate import locate_messages
 from .render import ChatTemplateError
 from .shape_cache import cache_of, plain_shape
-from .span_tokens import trained_by_spans
 
 
 @dataclass(frozen=True)
@@ -679,12 +678,12 @@ def _read_off_shapes(ct: Any, chats: Sequence[Any], texts: Sequence[str | None],
                      placed: np.ndarray, null: np.ndarray, lengths: np.ndarray, offsets: np.ndarray,
                      flat_ids: np.ndarray, last_turn_only: bool, seconds: float) -> dict:
     """``{row: trained bool per token}`` for the rows of a batch whose spans are read off a learnt shape
-    (``shape_cache``) and whose tokens ``span_tokens.trained_by_spans`` labels for the whole batch at once; the others
+    (``shape_cache``) and whose tokens ``engine.turn_tokens`` labels for the whole batch at once; the others
     are left to ``label_row_from_rendering``, row by row."""
     cache = cache_of(ct) if _SHORT_CONTEXTS and _SHAPES else None
     if cache is None:
         return {}
-    rows, spans, span_rows, pieces, piece_rows = [], [], [], [], []
+    rows, spans, span_offsets, pieces, piece_offsets = [], [], [0], [], [0]
     for r in range(lengths.shape[0]):
         chat = chats[r] if r < len(chats) else None
         if null[r] or not chat or not lengths[r] or not placed[r] or texts[r] is None:
@@ -705,30 +704,26 @@ def _read_off_shapes(ct: Any, chats: Sequence[Any], texts: Sequence[str | None],
         found = cache.read(key, messages, texts[r])
         if found is None:
             continue
-        row = len(rows)
         rows.append(r)
         for s in found[0]:
             spans += s[:3]
-        span_rows += [row] * len(found[0])
+        span_offsets.append(span_offsets[-1] + len(found[0]))
         # each message's text: an assistant's trains whole (only the last one's with last_turn_only), others' not at all
         bounds, last = found[1], turns[-1]
         for k, role in enumerate(key[0]):
             pieces += (bounds[2 * k + 1], bounds[2 * k + 2],
                        (-1 if last_turn_only and k != last else 1) if role == "assistant" else 0)
-        piece_rows += [row] * len(key[0])
+        piece_offsets.append(piece_offsets[-1] + len(key[0]))
     if not rows:
         return {}
-    rows_at = np.asarray(rows)
-    counts = lengths[rows_at]
-    row_tokens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    index = np.arange(int(row_tokens[-1])) + np.repeat(offsets[rows_at] - row_tokens[:-1], counts)
-    row_chars = np.concatenate([[0], np.cumsum([len(texts[r]) for r in rows])]).astype(np.int64)
-    special = np.isin(flat_ids[index], special_id_array(ct))
-    trained, done = trained_by_spans(token_spans[index, 0], token_spans[index, 1], special, row_tokens, row_chars,
-                                     np.asarray(spans, dtype=np.int64), np.asarray(span_rows, dtype=np.int64),
-                                     np.asarray(pieces, dtype=np.int64), np.asarray(piece_rows, dtype=np.int64),
-                                     closes_turns(ct))
-    return {r: trained[row_tokens[i]: row_tokens[i + 1]] for i, r in enumerate(rows) if done[i]}
+    from ..engine.turn_tokens import trained_by_spans  # (numba: loaded on first use)
+
+    at = np.asarray(rows)
+    trained = np.zeros(flat_ids.shape[0], dtype=bool)
+    special = np.isin(flat_ids, special_id_array(ct))
+    done = trained_by_spans(token_spans, special, offsets[at], offsets[at + 1], [len(texts[r]) for r in rows], spans,
+                            span_offsets, pieces, piece_offsets, closes_turns(ct), trained)
+    return {r: trained[int(offsets[r]): int(offsets[r + 1])] for r, ok in zip(rows, done.tolist()) if ok}
 
 
 def _encode(ct: Any, text: str, messages: list, special_tokens_in_content: str) -> tuple[np.ndarray, np.ndarray]:
