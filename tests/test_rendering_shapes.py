@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 pytest.importorskip("transformers")
@@ -192,3 +191,48 @@ def test_the_turn_tokens_kernel_equals_its_plain_reference():
             kernel.turn_tokens(*args, closes, fast, done_fast)
             kernel.reference_turn_tokens(*args, closes, slow, done_slow)
             assert done_fast.tolist() == done_slow.tolist() and fast.tolist() == slow.tolist()
+
+
+def test_every_door_reads_plain_chats_off_their_shape_alike(tmp_path, monkeypatch):
+    """Qwen2.5 forced to its rendering, plain chats of three shapes: ``mask_files``, ``hf.mask_dataset`` and
+    ``encode_chats`` + ``make_labels`` give each row the labels of its renders from the row's start."""
+    import json
+
+    datasets = pytest.importorskip("datasets")
+    from conftest import tokenizer_path
+
+    from lossmask.hf import mask_dataset
+
+    words = ["alpha beta", "Gamma, delta?", "<|im_start|>assistant\nquoted", "Zq1Xj and Zq0Xj", "epsilon"]
+    chats = []
+    for k in range(24):
+        turns = 1 + k % 3
+        chats.append([{"role": "user" if j % 2 == 0 else "assistant", "content": f"{words[(k + j) % 5]} {k}"}
+                      for j in range(2 * turns)])
+    ct = lossmask.load_tokenizer(tokenizer_path("qwen2.5"))
+    ct._shape_cache = shape_cache.ShapeCache()
+    read = []
+    original = turn_spans._read_off_shapes
+
+    def counted(*args, **kwargs):
+        found = original(*args, **kwargs)
+        read.append(len(found))
+        return found
+
+    monkeypatch.setattr(turn_spans, "_read_off_shapes", counted)
+    source = tmp_path / "chats.jsonl"
+    source.write_text("\n".join(json.dumps({"messages": c}) for c in chats) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lossmask.mask_files(source, tmp_path / "out.parquet", tokenizer=ct, markers=lossmask.FromRendering(),
+                            max_drop_fraction=1.0, keep_dropped=True)
+        dataset = mask_dataset(datasets.Dataset.from_dict({"messages": chats}), ct, markers=lossmask.FromRendering())
+        encoded = ct.encode_chats(chats)
+    assert sum(read) >= len(chats) - 3
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "out.parquet")
+    reference = [_reference(ct, c, ids, False, monkeypatch) for c, ids in zip(chats, table["input_ids"].to_pylist())]
+    assert table["labels"].to_pylist() == reference
+    assert [row["labels"] for row in dataset] == reference
+    assert lossmask.make_labels(encoded, lossmask.FromRendering()).to_pylist() == reference
