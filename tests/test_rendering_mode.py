@@ -192,6 +192,24 @@ def test_a_row_whose_markers_break_the_roles_is_not_waited_on_either(tmp_path):
     assert report.labelled_from_rendering == 0
 
 
+def test_the_command_line_takes_the_rows_rendering_budget(tmp_path, capsys):
+    """``lossmask mask --max-row-rendering-seconds S``: the row the markers break is counted as over the budget."""
+    from test_conversation_shapes import TOOL_AFTER_TOOL
+
+    from lossmask.cli import main
+
+    source = tmp_path / "calls.jsonl"
+    source.write_text(json.dumps({"messages": TOOL_AFTER_TOOL}) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        status = main(["mask", str(source), str(tmp_path / "out.parquet"), "--tokenizer",
+                       str(tokenizer_path("deepseek-v3")), "--max-row-rendering-seconds", "1e-9", "--keep-dropped",
+                       "--max-drop-fraction", "1", "--report", str(tmp_path / "report.json"), "--no-progress"])
+    assert status == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "rendering_over_budget" in json.dumps(report), report
+
+
 def test_a_rendering_budget_must_be_a_positive_number_of_seconds():
     for bad in (0, -1.0, True, "10"):
         with pytest.raises(ValueError, match="max_row_rendering_seconds"):

@@ -74,7 +74,7 @@ def _mask_job(args: argparse.Namespace) -> int:
             prompt_weight=args.prompt_weight, train_on_eos=args.train_on_eos, reasoning=args.reasoning,
             mask_empty_think=args.mask_empty_think, loss_weights=args.loss_weights,
             loss_weights_column=args.loss_weights_column, source_column=args.source_column,
-            **_image_options(args),
+            max_row_rendering_seconds=args.max_row_rendering_seconds, **_image_options(args),
         )
         tokenizer = _tokenizer_to_show(args)
         report = mask_files(
@@ -338,6 +338,12 @@ def _add_mask_command(commands) -> None:
     mask.add_argument("--max-drop-fraction", type=float, default=0.30, metavar="F",
                       help="abort, writing nothing, when more than F of the rows train nothing (default %(default)s)")
     mask.add_argument("--last-turn-only", action="store_true", help="train only the last assistant turn of each row")
+    from .options import DEFAULT_ROW_RENDERING_SECONDS
+
+    mask.add_argument("--max-row-rendering-seconds", type=float, default=DEFAULT_ROW_RENDERING_SECONDS, metavar="S",
+                      help="labelling one row from its rendering (templates whose markers cannot be read, rows the "
+                           "markers break) stops after S seconds: the row is dropped as rendering_over_budget, counted "
+                           "and named (default %(default)g)")
     mask.add_argument("--train-prompt-turns", action="store_true",
                       help="conversational prompt/completion rows: train the assistant turns inside the prompt too "
                            "(default: only the completion trains, as TRL's completion_only_loss does)")

@@ -52,6 +52,7 @@ class EncodedBatch:
     media_span: Any = None  # ... and a bool per token: inside an image's tokens, first to last (never trained)
     weights: Any = None  # encode_rendered.PlannedWeights: what each row's messages ask to weigh (chat/weights.py)
     texts: list | None = None  # each valid row's rendering, kept when the rows are labelled from it (FromRendering)
+    chats: list | None = None  # ... and its (messages, tools) as rendered, when the batch kept them (RenderedBatch)
 
 
 def chat_tokenizer(tokenizer: Any):
@@ -80,6 +81,8 @@ class RenderedBatch:
     check: list[bool] | None = None  # per text: check the role invariant on it (shapes.normalise_shapes)
     # per text: the message index before which assistant turns weigh 0 (a conversational prompt's own turns), or None
     trained_from: list[int | None] | None = None
+    # with ``located``: each text's chat as rendered (messages, or {messages, tools}), for labels from the rendering
+    conversations: list | None = None
 
 
 def encode_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, first_row: int = 0,
@@ -154,7 +157,8 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
     errors += [(first_row + int(rows[local]), message) for local, message in failures]
     errors.sort()
     texts = [text for text in texts if text is not None]
-    chats = [_messages_of(chat) for chat, good in zip(chats, ok) if good]
+    conversations = [chat for chat, good in zip(chats, ok) if good]
+    chats = [_messages_of(chat) for chat in conversations]
     check = [c for c, good in zip(check, ok) if good]
     trained_from = [first_trained(chat, n) for chat, n in zip(chats, (n for n, good in zip(completion, ok) if good))] \
         if turns is not None else None
@@ -172,7 +176,7 @@ def render_table(tokenizer: Any, table: pa.Table, kind: str, options: Any, *, fi
                               row_numbers=row_numbers, check=check, weigh=options, trained_from=trained_from)
     seconds["locate"] = time.perf_counter() - rendered
     return RenderedBatch(texts, [], row_numbers, valid, errors, seconds=seconds, located=located, dropped=dropped,
-                         shapes=shapes)
+                         shapes=shapes, conversations=conversations)
 
 
 def completion_turns(completions: list, options: Any, takes_parts: bool) -> list[int]:
@@ -251,16 +255,19 @@ def tokenize_rendered(tokenizer: Any, rendered: RenderedBatch, options: Any, *, 
     if not encoded.keep.all():
         valid = valid.copy()
         valid[np.flatnonzero(valid)[~encoded.keep]] = False
-    texts = None
+    texts = chats = None
     if isinstance(markers, FromRendering):  # the rows are labelled from their rendering: keep it, not to render again
         texts = rendered.located.texts if rendered.located is not None else \
             [text for text, kept in zip(rendered.texts, encoded.keep) if kept]
+        if rendered.conversations is not None:  # ... and their messages, not to read them from the table again
+            chats = [(chat["messages"], chat["tools"]) if isinstance(chat, dict) else (chat, None)
+                     for chat, kept in zip(rendered.conversations, encoded.keep) if kept]
     seconds = {**rendered.seconds, "tokenize_text": time.perf_counter() - started}
     return EncodedBatch(
         _as_list32(encoded.input_ids), valid, rendered.errors, seconds=seconds,
         in_content=encoded.in_content, dropped=sorted(rendered.dropped + encoded.dropped),
         special_rows=encoded.special_rows, special_example=encoded.special_example,
-        shapes=rendered.shapes, roles=encoded.roles, weights=encoded.weights, texts=texts,
+        shapes=rendered.shapes, roles=encoded.roles, weights=encoded.weights, texts=texts, chats=chats,
     )
 
 

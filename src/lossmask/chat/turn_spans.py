@@ -39,6 +39,7 @@ import pyarrow as pa
 
 from .locate import locate_messages
 from .render import ChatTemplateError
+from .shape_cache import cache_of, plain_shape
 
 
 @dataclass(frozen=True)
@@ -273,7 +274,29 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
     Both renderings are made from a short context where it can stand for the whole (``_short_renders``): the messages
     since the turn's last user message or its last assistant message, after the system message and that user
     message, so that a row costs work in proportion to its length, not its square. Each is used only where the part
-    of the history it rewrites is the row's text exactly; else the turn is rendered from the row's start."""
+    of the history it rewrites is the row's text exactly; else the turn is rendered from the row's start.
+
+    A plain chat of a shape seen before is not rendered at all: its spans are read off the shape's sentinel rendering
+    where the row's rendering is that rendering with its contents in place (``shape_cache``)."""
+    cache = key = None
+    if _SHORT_CONTEXTS and _SHAPES:
+        key = plain_shape(messages, tools, turns)
+        cache = cache_of(ct) if key is not None else None
+        if cache is not None:
+            spans = cache.spans(key, messages, text)
+            if spans is not None:
+                return spans
+    spans = _rendered_spans(ct, messages, text, turns, tools=tools, located=located, deadline=deadline)
+    if cache is not None and spans is not None:
+        cache.learn(key, messages, text, spans, render=lambda dummy: _render(ct, dummy, tools, False),
+                    find=lambda dummy, rendered: _rendered_spans(ct, dummy, rendered, turns, tools=tools,
+                                                                 deadline=deadline))
+    return spans
+
+
+def _rendered_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *, tools: Any = None,
+                    located: Any = None, deadline: float | None = None) -> list | None:
+    """``turn_spans`` from the row's own renders."""
     if located is None:
         located = locate_messages(text, messages, system_optional=ct.content_tokens.drops_system)
     if located.missing is not None:
@@ -313,6 +336,9 @@ NEXT = {"role": "user", "content": "Next."}  # the message after the row's last,
 # the turns rendered from a short context where it stands for the whole (tests set it False to compare with the renders
 # from the row's start, which are the reference)
 _SHORT_CONTEXTS = True
+# plain chats of a shape seen before read off its sentinel rendering (tests set it False to compare with each row's
+# own renders)
+_SHAPES = True
 
 
 class _Fallback(Exception):
@@ -610,12 +636,18 @@ def label_from_rendering(ct: Any, chats: Sequence[Any], input_ids: pa.Array, *, 
         # reads ``ids`` and ``offsets`` of a ``tokenizer.FlatIds``; this module is below ``tokenizer``, so a stand-in)
         flat = SimpleNamespace(ids=flat_ids.astype(np.int32, copy=False), offsets=offsets)
         spans, placed = ct.spans_of(list(texts), flat)
+    read = _read_off_shapes(ct, chats, texts, spans, placed, null, lengths, offsets, flat_ids, last_turn_only,
+                            seconds) if spans is not None else {}
     for r in range(lengths.shape[0]):
         chat = chats[r] if r < len(chats) else None
         if null[r] or not chat or not lengths[r]:
             continue
         messages, tools = chat if isinstance(chat, tuple) else (chat, None)
         at = slice(int(offsets[r]), int(offsets[r + 1]))
+        if r in read:
+            trained[at] = read[r]
+            outcomes[r] = Outcome.TRAINED if read[r].any() else Outcome.EMPTY_RESPONSE
+            continue
         if not any(isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages):
             outcomes[r] = Outcome.NO_RESPONSE
             continue
@@ -645,6 +677,58 @@ def label_from_rendering(ct: Any, chats: Sequence[Any], input_ids: pa.Array, *, 
     # (every row comes from its rendering here, and the source says so: ``from_rendering`` lists the rows that the
     # markers could not read, of which there are none)
     return LabelledBatch(labels, trained_tokens, outcomes, counts, rejected=tuple(rejected))
+
+
+def _read_off_shapes(ct: Any, chats: Sequence[Any], texts: Sequence[str | None], token_spans: np.ndarray,
+                     placed: np.ndarray, null: np.ndarray, lengths: np.ndarray, offsets: np.ndarray,
+                     flat_ids: np.ndarray, last_turn_only: bool, seconds: float) -> dict:
+    """``{row: trained bool per token}`` for the rows of a batch whose spans are read off a learnt shape
+    (``shape_cache``) and whose tokens ``engine.turn_tokens`` labels for the whole batch at once; the others
+    are left to ``label_row_from_rendering``, row by row."""
+    cache = cache_of(ct) if _SHORT_CONTEXTS and _SHAPES else None
+    if cache is None:
+        return {}
+    rows, spans, span_offsets, pieces, piece_offsets = [], [], [0], [], [0]
+    for r in range(lengths.shape[0]):
+        chat = chats[r] if r < len(chats) else None
+        if null[r] or not chat or not lengths[r] or not placed[r] or texts[r] is None:
+            continue
+        messages, tools = chat if isinstance(chat, tuple) else (chat, None)
+        turns = [i for i, m in enumerate(messages) if type(m) is dict and m.get("role") == "assistant"]
+        if not turns:
+            continue
+        turns = turns[-1:] if last_turn_only else turns
+        key = plain_shape(messages, tools, turns)
+        if key is None:
+            continue
+        if not cache.known(key):  # the row's own renders, which learn its shape for it and the rows after it
+            try:
+                turn_spans(ct, messages, texts[r], turns, tools=tools, deadline=time.monotonic() + seconds)
+            except RenderingOverBudget:  # (left to the row-by-row code, which counts it)
+                continue
+        found = cache.read(key, messages, texts[r])
+        if found is None:
+            continue
+        rows.append(r)
+        for s in found[0]:
+            spans += s[:3]
+        span_offsets.append(span_offsets[-1] + len(found[0]))
+        # each message's text: an assistant's trains whole (only the last one's with last_turn_only), others' not at all
+        bounds, last = found[1], turns[-1]
+        for k, role in enumerate(key[0]):
+            pieces += (bounds[2 * k + 1], bounds[2 * k + 2],
+                       (-1 if last_turn_only and k != last else 1) if role == "assistant" else 0)
+        piece_offsets.append(piece_offsets[-1] + len(key[0]))
+    if not rows:
+        return {}
+    from ..engine.turn_tokens import trained_by_spans  # (numba: loaded on first use)
+
+    at = np.asarray(rows)
+    trained = np.zeros(flat_ids.shape[0], dtype=bool)
+    special = np.isin(flat_ids, special_id_array(ct))
+    done = trained_by_spans(token_spans, special, offsets[at], offsets[at + 1], [len(texts[r]) for r in rows], spans,
+                            span_offsets, pieces, piece_offsets, closes_turns(ct), trained)
+    return {r: trained[int(offsets[r]): int(offsets[r + 1])] for r, ok in zip(rows, done.tolist()) if ok}
 
 
 def _encode(ct: Any, text: str, messages: list, special_tokens_in_content: str) -> tuple[np.ndarray, np.ndarray]:

@@ -9,6 +9,8 @@ chunk, and says what each row ended as. It knows nothing of chats, templates or 
 - ``buffers``: Arrow lists (or Python lists, or padded NumPy) to and from flat buffers, zero-copy;
 - ``outcomes``: what a row ends as, why rows are dropped or rejected, and the counts;
 - ``tally``: a job's running totals, batch by batch;
+- ``turn_tokens``: assistant turns' character spans to the tokens that train, one compiled pass a batch (labels from
+  the rendering, for rows read off a learnt conversation shape);
 - ``kernels`` (the repository's ``kernels/``): numba, torch, MLX and the NumPy reference; this stage
   is the one that calls them, through ``get_backend``.
 """

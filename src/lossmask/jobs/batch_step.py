@@ -643,7 +643,10 @@ def _label_from_rendering(input_ids, table, kind, tokenizer, options, tally, fir
     cannot be read. A row whose turns cannot be found is counted as ``template_breaks_roles`` and dropped, one that
     takes longer than ``max_row_rendering_seconds`` as ``rendering_over_budget``."""
     ct = chat_tokenizer(tokenizer)
-    chats = chats_of_rows(ct, table, kind, options, range(table.num_rows))
+    chats = getattr(encoded, "chats", None)
+    if chats is None or len(chats) != table.num_rows or options.truncation == "history":
+        # (read from the table again; a row that kept only its last turns is labelled from its whole chat, as before)
+        chats = chats_of_rows(ct, table, kind, options, range(table.num_rows))
     result = label_from_rendering(ct, chats, input_ids, last_turn_only=options.last_turn_only,
                                   ignore_index=options.ignore_index, dtype=options.label_dtype,
                                   special_tokens_in_content=options.special_tokens_in_content,
