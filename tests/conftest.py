@@ -174,6 +174,20 @@ def _memory_given_back_after_each_file():
         _give_memory_back()
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray session for a test file (Ray starts slowly), given back at the file's end; a session that was
+    already running in this process (one that Ray Data started on its own) is used as it is and left running."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    if started:
+        ray.shutdown()
+
+
 def pytest_configure(config):
     _STATE["config"] = config
 
