@@ -188,6 +188,28 @@ def local_ray():
         ray.shutdown()
 
 
+# The files that take longest, longest first (docs/benchmarks.md, "The test suite"). ``make test`` runs the files in
+# two worker processes in collection order (``--dist loadfile --no-loadscope-reorder``); these are collected first, so
+# the long files start at once and the short ones fill in around them, rather than a long file starting near the end
+# while the other worker has nothing left to do. They also start in a fresh worker, before the shared tokenizer
+# caches grow.
+LONGEST_FILES = (
+    "test_vision_images.py", "test_vision.py", "test_peer_trl.py", "test_vision_video.py", "test_output_columns.py",
+    "test_prompt_completion.py", "test_weights.py", "test_templates.py", "test_conformance.py", "test_token_text.py",
+    "test_template_collection.py", "test_template_collection_agents.py", "test_weighted_loss.py",
+    "test_trl_drop_in.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """In a pytest-xdist worker, the ``LONGEST_FILES`` first, in that order; the other files, and the tests within a
+    file, keep their order (every worker sorts alike, so their collections stay the same)."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {name: k for k, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_configure(config):
     _STATE["config"] = config
 
