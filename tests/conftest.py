@@ -194,10 +194,10 @@ def local_ray():
 # while the other worker has nothing left to do. They also start in a fresh worker, before the shared tokenizer
 # caches grow.
 LONGEST_FILES = (
-    "test_vision_images.py", "test_vision.py", "test_peer_trl.py", "test_vision_video.py", "test_output_columns.py",
-    "test_prompt_completion.py", "test_weights.py", "test_templates.py", "test_conformance.py", "test_token_text.py",
-    "test_template_collection.py", "test_template_collection_agents.py", "test_weighted_loss.py",
-    "test_trl_drop_in.py",
+    "test_vision_images.py", "test_vision_agreement.py", "test_vision.py", "test_peer_trl.py", "test_vision_video.py",
+    "test_output_columns.py", "test_prompt_completion.py", "test_weights.py", "test_templates.py",
+    "test_conformance.py", "test_token_text.py", "test_template_collection.py", "test_template_collection_agents.py",
+    "test_weighted_loss.py", "test_trl_drop_in.py",
 )
 
 
