@@ -127,7 +127,7 @@ def tokenizers_dir() -> Path:
 
 
 # Past this resident size at the end of a test file, the shared caches below are emptied (they refill on next need).
-CACHES_KEPT_UNDER = 2 << 30
+CACHES_KEPT_UNDER = 3 << 29  # 1.5 GiB: test_token_text adds 1.7 GiB to what its worker holds
 
 
 def _trim_heap() -> None:
