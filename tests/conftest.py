@@ -127,7 +127,7 @@ def tokenizers_dir() -> Path:
 
 
 # Past this resident size at the end of a test file, the shared caches below are emptied (they refill on next need).
-CACHES_KEPT_UNDER = 2 << 30
+CACHES_KEPT_UNDER = 3 << 29  # 1.5 GiB: test_token_text adds 1.7 GiB to what its worker holds
 
 
 def _trim_heap() -> None:
@@ -172,6 +172,42 @@ def _memory_given_back_after_each_file():
         _CHAT_TOKENIZERS.clear()
         _DETECTED.clear()
         _give_memory_back()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray session for a test file (Ray starts slowly), given back at the file's end; a session that was
+    already running in this process (one that Ray Data started on its own) is used as it is and left running."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+# The files that take longest, longest first (docs/benchmarks.md, "The test suite"). ``make test`` runs the files in
+# two worker processes in collection order (``--dist loadfile --no-loadscope-reorder``); these are collected first, so
+# the long files start at once and the short ones fill in around them, rather than a long file starting near the end
+# while the other worker has nothing left to do. They also start in a fresh worker, before the shared tokenizer
+# caches grow.
+LONGEST_FILES = (
+    "test_vision_images.py", "test_vision_agreement.py", "test_vision.py", "test_peer_trl.py", "test_vision_video.py",
+    "test_output_columns.py", "test_prompt_completion.py", "test_weights.py", "test_templates.py",
+    "test_conformance.py", "test_token_text.py", "test_template_collection.py", "test_template_collection_agents.py",
+    "test_weighted_loss.py", "test_trl_drop_in.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """In a pytest-xdist worker, the ``LONGEST_FILES`` first, in that order; the other files, and the tests within a
+    file, keep their order (every worker sorts alike, so their collections stay the same)."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {name: k for k, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_configure(config):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -150,7 +151,9 @@ def test_lossmask_mask_output_trains_the_same(tmp_path, model_dir, data_dir, tok
 
 def test_errors_name_the_setting(tmp_path, model_dir, data_dir, capsys):
     path = config_file(tmp_path, model_dir, data_dir, train=False)
+    formatwarning = warnings.formatwarning
     assert lora.main(["-c", str(path)]) == 1
+    assert warnings.formatwarning is formatwarning  # called from Python, the command leaves the warning format as it was
     assert "pass --train" in capsys.readouterr().err
     assert lora.main(["-c", str(path), "--train", "--data", "mlx-community/WikiSQL"]) == 1
     assert "not a local folder" in capsys.readouterr().err

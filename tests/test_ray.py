@@ -1,4 +1,4 @@
-"""``lossmask.ray.mask_dataset`` on a local Ray (one session for the module: Ray starts slowly)."""
+"""``lossmask.ray.mask_dataset`` on a local Ray (``local_ray``: one session for the module, Ray starts slowly)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,6 @@ import lossmask  # noqa: E402
 import lossmask.ray  # noqa: E402
 
 from test_stream import MARKERS, random_rows  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
 
 
 def test_labels_and_counts_aggregate_across_workers(local_ray, tmp_path):

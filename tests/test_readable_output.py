@@ -232,8 +232,10 @@ def test_dropped_leading_assistant_messages_are_explained_once_with_the_option_t
 def test_a_commands_warnings_print_as_one_line_without_a_source_line(monkeypatch):
     from lossmask.jobs.display import warnings_on_one_line
 
-    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
-    warnings_on_one_line("lossmask lora")
-    line = warnings.formatwarning("data has no valid.jsonl: training goes on without validation", UserWarning,
-                                  "/x/mlx.py", 387, "warnings.warn(...)")
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test, whatever happens
+    before = warnings.formatwarning
+    with warnings_on_one_line("lossmask lora"):
+        line = warnings.formatwarning("data has no valid.jsonl: training goes on without validation", UserWarning,
+                                      "/x/mlx.py", 387, "warnings.warn(...)")
     assert line == "lossmask lora: warning: data has no valid.jsonl: training goes on without validation\n"
+    assert warnings.formatwarning is before  # the command's format ends with the command

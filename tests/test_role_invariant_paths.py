@@ -160,23 +160,18 @@ def test_train_on_responses_only_keeps_the_roles(family, padding_free, tmp_path)
     assert labels[1 : len(row["labels"])] == list(row["labels"][1:]), (family, padding_free)
 
 
-def test_ray_mask_dataset_keeps_the_roles():
-    ray = pytest.importorskip("ray")
+def test_ray_mask_dataset_keeps_the_roles(local_ray):
+    ray = local_ray
     import lossmask.ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        ray.data.DataContext.get_current().enable_progress_bars = False
-        for family in sorted(CASES):
-            ds = ray.data.from_items([{"messages": json.dumps(CASES[family])}]).map(
-                lambda row: {"messages": json.loads(row["messages"])})
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                masked, report = lossmask.ray.mask_dataset(ds, tokenizer=chat_tokenizer(family), batch_size=10)
-            rows = list(masked.iter_rows())
-            assert len(rows) == 1 and report.rows_out == 1, report.summary()
-            assert report.labelled_from_rendering == (1 if family == "deepseek-v3" else 0)
-            trained = [label != -100 for label in rows[0]["labels"]]
-            _assert_trained_as_trl(family, _decode(family, rows[0]["input_ids"], trained))
-    finally:
-        ray.shutdown()
+    for family in sorted(CASES):
+        ds = ray.data.from_items([{"messages": json.dumps(CASES[family])}]).map(
+            lambda row: {"messages": json.loads(row["messages"])})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            masked, report = lossmask.ray.mask_dataset(ds, tokenizer=chat_tokenizer(family), batch_size=10)
+        rows = list(masked.iter_rows())
+        assert len(rows) == 1 and report.rows_out == 1, report.summary()
+        assert report.labelled_from_rendering == (1 if family == "deepseek-v3" else 0)
+        trained = [label != -100 for label in rows[0]["labels"]]
+        _assert_trained_as_trl(family, _decode(family, rows[0]["input_ids"], trained))

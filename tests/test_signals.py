@@ -105,6 +105,44 @@ def test_a_signal_that_lands_inside_the_kernel_is_raised_once_the_kernel_call_en
     assert len(calls) >= 2 and set(calls) == {ROWS}  # every call inside the block ran to its end
 
 
+def test_a_signal_while_a_batch_is_handed_between_threads_is_raised_once_it_is_taken(request):
+    """The signal arrives while the main thread waits for another thread's batch on a queue: it is held there, and
+    raised as ``JobStopped`` once the batch is taken. Raised inside the queue's lock code, it could leave the lock
+    released for the other thread or a wake-up lost, and the job's clean-up then waited for a thread never woken."""
+    import queue
+    import threading
+
+    from lossmask.jobs import stopping
+
+    handed, waiting, held_at_signal, taken = queue.Queue(maxsize=1), threading.Event(), [], []
+    real_handler = stopping._on_signal
+
+    def handler(sig, frame):
+        held_at_signal.append(stopping._STATE["held"])
+        real_handler(sig, frame)
+
+    def reader():  # the signal once the main thread waits, the batch once the handler has run (deadlines: hang guards)
+        waiting.wait(120)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while not held_at_signal and time.monotonic() < deadline:
+            time.sleep(0.001)
+        handed.put("batch")
+
+    before = {sig: signal.getsignal(sig) for sig in stopping.STOP_SIGNALS}
+    request.addfinalizer(lambda: [signal.signal(sig, h) for sig, h in before.items()])  # a stop leaves them ignored
+    with stopping.stop_on_signals():
+        signal.signal(signal.SIGTERM, handler)
+        thread = threading.Thread(target=reader)
+        thread.start()
+        with pytest.raises(stopping.JobStopped) as stopped:
+            with stopping.handing_over():
+                waiting.set()
+                taken.append(handed.get(timeout=120))
+        thread.join()
+    assert held_at_signal == [1] and taken == ["batch"] and stopped.value.signum == signal.SIGTERM
+
+
 def test_sighup_stops_the_job_as_sigterm_does_and_leaves_nothing(big_input):
     """Closing the terminal sends SIGHUP: the job ends as under SIGTERM, with no partial output and no lock."""
     job, err = _stop_job(big_input, [signal.SIGHUP], 0.1)

@@ -381,13 +381,11 @@ def test_hf_round_trip():
     assert masked["labels"] == out["labels"].to_pylist()
 
 
-def test_ray_round_trip():
-    ray = pytest.importorskip("ray")
+def test_ray_round_trip(local_ray):
+    ray = local_ray
     from lossmask import ray as lossmask_ray
     from conftest import tokenizer_path
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     ds = ray.data.from_items(ROWS)
     masked, report = lossmask_ray.mask_dataset(ds, tokenizer=str(tokenizer_path("chatml")), source_column="dataset")
     assert set(report.weights_by_source) == {"a", "b"}

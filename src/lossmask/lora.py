@@ -94,13 +94,13 @@ def main(argv: Sequence[str] | None = None, *, training_callback: Any = None) ->
     from .jobs.display import MAX_ERROR_LINE, one_line, warnings_on_one_line
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    warnings_on_one_line("lossmask lora")
-    try:
-        run(parse_args(argv), training_callback=training_callback)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
-        text = "\n".join(one_line(line, MAX_ERROR_LINE) for line in str(exc).split("\n"))  # escaped, bounded
-        print(f"lossmask lora: error: {text}", file=sys.stderr)
-        return 1
+    with warnings_on_one_line("lossmask lora"):
+        try:
+            run(parse_args(argv), training_callback=training_callback)
+        except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+            text = "\n".join(one_line(line, MAX_ERROR_LINE) for line in str(exc).split("\n"))  # escaped, bounded
+            print(f"lossmask lora: error: {text}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -7,6 +7,7 @@ tokens each message keeps its head and tail, with the count of what was left out
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import numpy as np
@@ -134,9 +135,16 @@ def one_line(text: str, limit: int = MAX_LINE) -> str:
     return line if len(line) <= limit else f"{line[:limit - 40]}... ({len(line) - limit + 40:,} characters more)"
 
 
-def warnings_on_one_line(command: str) -> None:
-    """Each warning a command gives is one line on stderr (``lossmask mask: warning: ...``), as its errors are: no
-    source line, no file and line number of the code that warned."""
+@contextmanager
+def warnings_on_one_line(command: str):
+    """While a command runs, each warning it gives is one line on stderr (``lossmask lora: warning: ...``), as its
+    errors are: no source line, no file and line number of the code that warned. The warning format the process had
+    is put back when the command ends (a command called from Python leaves the process as it found it)."""
     import warnings
 
+    before = warnings.formatwarning
     warnings.formatwarning = lambda message, *_, **__: f"{command}: warning: {one_line(message, MAX_ERROR_LINE)}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = before

@@ -6,8 +6,12 @@ C code calling back into Python: an exception raised there leaves the dispatcher
 an exception set (``SystemError``), and the job ends with two tracebacks instead of its clean-up. So,
 while the command line runs a job (``stop_on_signals``), a signal raises ``JobStopped`` at once only
 where no kernel is being called; inside ``kernel_call`` (the labelling step of one batch, a fraction of
-a second) it is held, and raised as the block ends. A second signal while the job already stops is
-ignored, so that the clean-up (partial files, the lock) runs to its end.
+a second) it is held, and raised as the block ends. The same holds inside ``handing_over``: where the main
+thread hands a batch to another thread or takes one from it (a queue, a future). Raised there, inside the
+lock and condition code of ``threading`` and ``queue``, the stop could leave a lock released for the thread
+that held it or a wake-up lost, and the job's clean-up then waited forever for a thread that was never
+woken. A second signal while the job already stops is ignored, so that the clean-up (partial files, the
+lock) runs to its end.
 """
 
 from __future__ import annotations
@@ -67,6 +71,20 @@ def stop_on_signals() -> Iterator[None]:
 @contextlib.contextmanager
 def kernel_call() -> Iterator[None]:
     """Hold a stop signal that arrives in this block (main thread) until the block ends, then raise it."""
+    with _held():
+        yield
+
+
+@contextlib.contextmanager
+def handing_over() -> Iterator[None]:
+    """Hold a stop signal while the main thread hands work to another thread or waits for it (``queue.Queue.put``,
+    ``Future.result``, the next batch of a reading thread), then raise it: never inside a lock's code."""
+    with _held():
+        yield
+
+
+@contextlib.contextmanager
+def _held() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -35,7 +35,7 @@ from .outputs import (OutputError, as_output_error, check_compression, check_out
                       output_lock, partial_name, remove_quietly, remove_stale_partials)
 from .report import MaskReport, Tally
 from .safety import TooManyDroppedRows, check_drop_fraction
-from .stopping import kernel_call
+from .stopping import handing_over, kernel_call
 from .workers import WorkerDied, worker_pool
 
 
@@ -253,10 +253,11 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
             batches = map(dataset.record, plan)
         else:
             batches = _timed_reads(_batches(dataset, batch_size, step["options"]), tally)
-        for batch, first_row, future in in_order(pool, batches, step, workers, tally):
+        for batch, first_row, future in _handed_over(in_order(pool, batches, step, workers, tally)):
             seen = len(tally.invalid_examples)
             try:
-                part, kept, batch_tally = future.result()
+                with handing_over():
+                    part, kept, batch_tally = future.result()
             except (ValueError, TypeError) as exc:
                 raise _with_message(exc, dataset.name_rows(str(exc), count=1)) from None
             except BrokenProcessPool:  # a worker died: one line naming the signal and the rows it held
@@ -344,7 +345,8 @@ def _job_in_process(dataset, batch_size, source, tally, kind, options, tokenizer
             seen = len(tally.invalid_examples)
             try:
                 if isinstance(encoded, Future):  # tokenised (and labelled) on a thread
-                    encoded = encoded.result()
+                    with handing_over():
+                        encoded = encoded.result()
                 if isinstance(encoded, _Labelled):
                     out = encoded.table
                     tally += encoded.tally  # in input order
@@ -485,15 +487,17 @@ class _BackgroundWriter:
         if self.error is not None:
             raise self.error
         started = time.perf_counter()
-        self.queue.put(table)
+        with handing_over():
+            self.queue.put(table)
         self.tally.time("write_wait", time.perf_counter() - started)
 
     def __enter__(self) -> "_BackgroundWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.queue.put(None)
-        self.thread.join()
+        with handing_over():
+            self.queue.put(None)
+            self.thread.join()
         self.tally.time("write", self.seconds)
         try:
             self.writer.close()
@@ -597,7 +601,8 @@ def _encoded_batches(dataset, batch_size, source, tally, kind, options, tokenize
     with ThreadPoolExecutor(1, thread_name_prefix="lossmask-tokenise") as threads:
         ahead: collections.deque = collections.deque()
         for batch, first_row, rendered in _rendered_batches(batches, kind, options, tokenizer):
-            ahead.append((batch, first_row, threads.submit(tokenise, batch, first_row, rendered)))
+            with handing_over():
+                ahead.append((batch, first_row, threads.submit(tokenise, batch, first_row, rendered)))
             if len(ahead) >= 2:
                 yield ahead.popleft()
         while ahead:
@@ -630,10 +635,25 @@ def _failed(exc: BaseException) -> Future:
 def _timed_reads(batches, tally):
     """The batches, with the time spent waiting for each added to the tally as ``read``."""
     read_started = time.perf_counter()
-    for batch in batches:
+    for batch in _handed_over(batches):
         tally.time("read", time.perf_counter() - read_started)
         yield batch
         read_started = time.perf_counter()
+
+
+def _handed_over(items):
+    """``items``, a stop signal waiting while the next is taken (``handing_over``): a reading thread hands batches
+    over through a queue, and a worker pool takes them through its own."""
+    items, done = iter(items), object()
+    try:
+        while True:
+            with handing_over():
+                item = next(items, done)
+            if item is done:
+                return
+            yield item
+    finally:
+        getattr(items, "close", lambda: None)()  # a generator's clean-up (its thread, its pending batches) now
 
 
 def _batches(dataset: InputFiles, batch_size: int, options: MaskOptions):
