@@ -128,6 +128,9 @@ def tokenizers_dir() -> Path:
 
 # Past this resident size at the end of a test file, the shared caches below are emptied (they refill on next need).
 CACHES_KEPT_UNDER = 3 << 29  # 1.5 GiB: test_token_text adds 1.7 GiB to what its worker holds
+# Past this resident size at the end of any test, they are emptied at once: a file that loads every family in turn
+# (the fast tokeniser's, the conversation shapes') would otherwise hold them all until its end, over 4 GiB.
+CACHES_DROPPED_OVER = 5 << 29  # 2.5 GiB
 
 
 def _trim_heap() -> None:
@@ -145,6 +148,8 @@ def _trim_heap() -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     _trim_heap()  # after the test's own fixtures are torn down
+    if _resident_bytes() > CACHES_DROPPED_OVER:
+        _drop_shared_caches()
 
 
 def _give_memory_back() -> int:
@@ -154,11 +159,23 @@ def _give_memory_back() -> int:
 
     gc.collect()
     _trim_heap()
+    return _resident_bytes()
+
+
+def _resident_bytes() -> int:
+    """This process's resident size in bytes, from ``/proc`` (0 where it cannot say); one small read."""
     try:
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return 0
+
+
+def _drop_shared_caches() -> None:
+    """The shared tokenizer caches emptied (they refill on next need), and what they held given back."""
+    _CHAT_TOKENIZERS.clear()
+    _DETECTED.clear()
+    _give_memory_back()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -169,9 +186,7 @@ def _memory_given_back_after_each_file():
     process still holds more than ``CACHES_KEPT_UNDER``."""
     yield
     if _give_memory_back() > CACHES_KEPT_UNDER:
-        _CHAT_TOKENIZERS.clear()
-        _DETECTED.clear()
-        _give_memory_back()
+        _drop_shared_caches()
 
 
 @pytest.fixture(scope="module")
