@@ -314,6 +314,8 @@ def rows_where(dataset: InputFiles, first_row: int, rows: int) -> str | None:
     if rows <= 0:
         return None
     first, last = dataset.where(first_row), dataset.where(first_row + rows - 1)
+    if first is None and last is None:  # not named yet (or a Parquet file's rows): the file at least
+        return escaped(dataset.paths[0]) if len(dataset.paths) == 1 and dataset.paths[0] != "-" else None
     if first is None or last is None:
         return first or last
     head, _, start = first.rpartition(" ")
