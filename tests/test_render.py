@@ -41,11 +41,16 @@ def _chats() -> list[list[dict]]:
 @pytest.mark.parametrize("family", tokenizer_families())
 def test_direct_render_equals_apply_chat_template(family):
     ct = chat_tokenizer(family)
-    chats = _chats()
+    _renders_as_apply_chat_template(ct, _chats(), lambda chat: ct.render(chat))
+
+
+def _renders_as_apply_chat_template(ct, chats: list, render) -> tuple:
+    """``DirectRenderer`` on ``chats`` proves itself without a warning and gives ``render``'s texts (``render``:
+    ``apply_chat_template`` of one chat), refusing the chats it refuses; ``(renderer, reference)``."""
     reference = []
     for chat in chats:
         try:
-            reference.append(ct.render(chat))
+            reference.append(render(chat))
         except ChatTemplateError:
             reference.append(None)
     renderer = DirectRenderer(ct)
@@ -55,6 +60,7 @@ def test_direct_render_equals_apply_chat_template(family):
     assert renderer.reason is None
     assert texts == reference
     assert sorted(i for i, _ in errors) == [i for i, text in enumerate(reference) if text is None]
+    return renderer, reference
 
 
 def _tool_chats() -> list[dict]:
@@ -70,19 +76,8 @@ def test_direct_render_with_tools_equals_apply_chat_template(family):
     renders them."""
     ct = chat_tokenizer(family)
     chats = _tool_chats()
-    reference = []
-    for chat in chats:
-        try:
-            reference.append(ct.render(chat["messages"], tools=chat["tools"]))
-        except ChatTemplateError:
-            reference.append(None)
-    renderer = DirectRenderer(ct)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a failed proof would warn
-        texts, errors = renderer.render(chats)
-    assert renderer.reason is None
-    assert texts == reference
-    assert sorted(i for i, _ in errors) == [i for i, text in enumerate(reference) if text is None]
+    renderer, reference = _renders_as_apply_chat_template(
+        ct, chats, lambda chat: ct.render(chat["messages"], tools=chat["tools"]))
     rendered = [chat for chat, text in zip(chats, reference) if text is not None]
     if not rendered:
         return

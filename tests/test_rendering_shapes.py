@@ -30,6 +30,20 @@ import lossmask  # noqa: E402
 from lossmask.chat import shape_cache, turn_spans  # noqa: E402
 
 
+
+def _count_rows_read_off_shapes(monkeypatch) -> list[int]:
+    """A list that gets, for each call of ``turn_spans._read_off_shapes``, how many rows it read off a shape."""
+    read: list[int] = []
+    original = turn_spans._read_off_shapes
+
+    def counted(*args, **kwargs):
+        found = original(*args, **kwargs)
+        read.append(len(found))
+        return found
+
+    monkeypatch.setattr(turn_spans, "_read_off_shapes", counted)
+    return read
+
 def _reference(ct, messages, ids, last_turn_only, monkeypatch) -> list | None:
     """The row's labels from renders from its start, turn by turn."""
     monkeypatch.setattr(turn_spans, "_SHORT_CONTEXTS", False)
@@ -47,15 +61,7 @@ def _read(ct, chats, last_turn_only, monkeypatch) -> tuple[list, int]:
         warnings.simplefilter("ignore")
         encoded = ct.encode_chats([{"messages": m} for m in chats])
     texts = [ct.render(m) for m in chats]
-    read = []
-    original = turn_spans._read_off_shapes
-
-    def counted(*args, **kwargs):
-        found = original(*args, **kwargs)
-        read.append(len(found))
-        return found
-
-    monkeypatch.setattr(turn_spans, "_read_off_shapes", counted)
+    read = _count_rows_read_off_shapes(monkeypatch)
     result = turn_spans.label_from_rendering(ct, [(m, None) for m in chats], encoded.input_ids,
                                              last_turn_only=last_turn_only, texts=texts)
     return result.labels.to_pylist(), encoded.input_ids.to_pylist(), sum(read)
@@ -211,15 +217,7 @@ def test_every_door_reads_plain_chats_off_their_shape_alike(tmp_path, monkeypatc
                       for j in range(2 * turns)])
     ct = lossmask.load_tokenizer(tokenizer_path("qwen2.5"))
     ct._shape_cache = shape_cache.ShapeCache()
-    read = []
-    original = turn_spans._read_off_shapes
-
-    def counted(*args, **kwargs):
-        found = original(*args, **kwargs)
-        read.append(len(found))
-        return found
-
-    monkeypatch.setattr(turn_spans, "_read_off_shapes", counted)
+    read = _count_rows_read_off_shapes(monkeypatch)
     source = tmp_path / "chats.jsonl"
     source.write_text("\n".join(json.dumps({"messages": c}) for c in chats) + "\n")
     with warnings.catch_warnings():
