@@ -20,15 +20,26 @@ seen once, as a single long trace, pays no extra renders). Its places are read o
 its own renders, has its turns at the same places (``TRIES`` rows are tried, then the shape is given up); a place
 inside a content, which a content's length cannot shift, is never kept. The shapes are kept per tokenizer in a
 bounded least-recently-used table (``MAX_SHAPES``).
+
+A chat with tools or tool calls has a shape too (``tool_shape``): everything but its free texts (contents, reasoning,
+the strings in a call's arguments), each of which gets a sentinel. It is learnt the first time it is seen, and the
+row that taught it is read off it like any other: where its rendering is the sentinel rendering with its texts in
+place (each written as it is or JSON-escaped, the one form the template's next text follows), and the message search
+finds each of its pieces (contents, arguments, names) at the shape's places. Its spans then go to the row-by-row
+token code (``turn_spans.trained_from_rendering``), not the batch's compiled pass.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 MAX_SHAPES = 512  # shapes kept per tokenizer (learnt ones and ones seen once), least recently used dropped first
 
@@ -78,6 +89,146 @@ def plain_shape(messages: Sequence[Any], tools: Any, turns: Sequence[int]) -> tu
     return tuple(roles), tuple(turns)
 
 
+# -- tool-call rows ---------------------------------------------------------------------------------------------
+
+_TEXT_KEYS = frozenset(("content", "reasoning_content", "reasoning", "thinking"))
+_SLOT = ("$",)  # a substituted text's place in a tool shape's key (no literal's key is this tuple)
+_ESCAPED = re.compile(r'[^ -~]|["\\]')  # a character that JSON escaping may write otherwise
+
+
+class _NoShape(Exception):
+    """A row whose shape cannot be told: a value no key can stand for."""
+
+
+def tool_shape(messages: Sequence[Any], tools: Any, turns: Sequence[int]) -> tuple[tuple, list[str]] | None:
+    """``(key, texts)`` of a chat with tools or tool calls: ``texts`` are its free texts in order (each message's
+    content and reasoning, each string in a call's arguments, or the arguments' JSON text where they are a string),
+    each one non-blank with no whitespace at its edges and no think tag; ``key`` is everything else as it is (roles,
+    the other fields, ids, names, argument keys, numbers) with a slot for each text, the tools and the turns asked
+    for. None for a chat with neither tools nor tool calls (``plain_shape``'s) or one holding a value JSON cannot
+    hold."""
+    if not tools and not any(type(m) is dict and (m.get("tool_calls") or m.get("role") == "tool") for m in messages):
+        return None
+    texts: list[str] = []
+    try:
+        key = ("tools", _literal(tools), tuple(_message_key(m, texts, None) for m in messages), tuple(turns))
+    except _NoShape:
+        return None
+    return _Key(key), texts
+
+
+class _Key:
+    """A tool shape's key: its nested tuple, hashed once (a long trace's key is looked up more than once a row)."""
+
+    __slots__ = ("parts", "hash")
+
+    def __init__(self, parts: tuple):
+        self.parts, self.hash = parts, hash(parts)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is _Key and self.hash == other.hash and self.parts == other.parts
+
+    def __getstate__(self) -> tuple:
+        return self.parts
+
+    def __setstate__(self, parts: tuple) -> None:
+        self.parts, self.hash = parts, hash(parts)
+
+
+def with_sentinels(messages: Sequence[Any]) -> list[dict]:
+    """The chat with each of ``tool_shape``'s texts replaced by its sentinel (``sentinel(k)`` for the ``k``-th)."""
+    out: list = []
+    texts: list[str] = []
+    for m in messages:
+        _message_key(m, texts, out)
+    return out
+
+
+def _message_key(message: Any, texts: list, copy: list | None) -> tuple:
+    """One message's part of a tool shape's key (texts appended to ``texts``); with ``copy``, its sentinel copy
+    appended there (the sentinels counted on from ``copy``'s texts so far)."""
+    if type(message) is not dict:
+        raise _NoShape
+    key, out = [], {}
+    for name, value in message.items():
+        if name in _TEXT_KEYS and type(value) is str:
+            part, out[name] = _text(value, texts, copy)
+        elif name == "tool_calls" and type(value) is list:
+            calls = [_call(c, texts, copy) for c in value]
+            part, out[name] = ("l",) + tuple(k for k, _ in calls), [c for _, c in calls]
+        else:
+            part, out[name] = _literal(value), value
+        key.append((name, part))
+    if copy is not None:
+        copy.append(out)
+    return tuple(key)
+
+
+def _call(call: Any, texts: list, copy: list | None) -> tuple[tuple, Any]:
+    if type(call) is not dict:
+        return _literal(call), call
+    key, out = [], {}
+    for name, value in call.items():
+        if name == "arguments":
+            part, out[name] = _arguments(value, texts, copy)
+        elif name == "function" and type(value) is dict:
+            inner = [(k, _arguments(v, texts, copy) if k == "arguments" else (_literal(v), v)) for k, v in value.items()]
+            part, out[name] = ("d",) + tuple((k, p[0]) for k, p in inner), {k: p[1] for k, p in inner}
+        else:
+            part, out[name] = _literal(value), value
+        key.append((name, part))
+    return ("d",) + tuple(key), out
+
+
+def _arguments(value: Any, texts: list, copy: list | None) -> tuple[Any, Any]:
+    """A call's arguments: each string in them a text (a JSON string given whole is one text)."""
+    kind = type(value)
+    if kind is str:
+        return _text(value, texts, copy)
+    if kind is dict:
+        parts = [(k, _arguments(v, texts, copy)) for k, v in value.items()]
+        return ("d",) + tuple((k, p[0]) for k, p in parts), {k: p[1] for k, p in parts}
+    if kind is list:
+        parts = [_arguments(v, texts, copy) for v in value]
+        return ("l",) + tuple(p[0] for p in parts), [p[1] for p in parts]
+    return _literal(value), value
+
+
+def _text(value: str, texts: list, copy: list | None) -> tuple[Any, str]:
+    if not value or value.strip() != value or "<think>" in value or "</think>" in value:
+        return value, value  # (kept in the key as it is)
+    texts.append(value)
+    return _SLOT, sentinel(len(texts) - 1) if copy is not None else value
+
+
+def _literal(value: Any) -> Any:
+    kind = type(value)
+    if kind is str:
+        return value
+    if value is None or kind in (bool, int, float):
+        return kind.__name__, value
+    if kind is dict:
+        return ("d",) + tuple((k, _literal(v)) for k, v in value.items())
+    if kind in (list, tuple):
+        return ("l",) + tuple(_literal(v) for v in value)
+    raise _NoShape
+
+
+def _forms(value: str) -> tuple[str, ...]:
+    """How a template may write a text: as it is, or escaped as ``tojson`` writes it inside a JSON string."""
+    if _ESCAPED.search(value) is None:
+        return (value,)
+    forms = [value]
+    for ascii_only in (False, True):
+        escaped = json.dumps(value, ensure_ascii=ascii_only)[1:-1]
+        if escaped not in forms:
+            forms.append(escaped)
+    return tuple(forms)
+
+
 class ShapeCache:
     """The shapes learnt for one tokenizer: per shape, the template's text around the contents of its sentinel
     rendering (``pieces``, one more than the messages) and each turn's span as places (``_place``)."""
@@ -86,6 +237,9 @@ class ShapeCache:
         self.max_shapes = max_shapes
         self.shapes: OrderedDict = OrderedDict()
         self._lock = threading.Lock()  # (a job's batches may be labelled on threads that share the tokenizer)
+        # tool shapes whose learning row was read off them, and not: past ``TRIES`` more misses than reads, a tool
+        # shape is no longer learnt (a template that branches on its texts would make each new shape cost twice)
+        self.tool_reads = self.tool_misses = 0
 
     def __getstate__(self) -> dict:  # (a worker process gets the shapes learnt so far, and a lock of its own)
         return {"max_shapes": self.max_shapes,
@@ -93,6 +247,7 @@ class ShapeCache:
 
     def __setstate__(self, state: dict) -> None:
         self.max_shapes, self.shapes, self._lock = state["max_shapes"], state["shapes"], threading.Lock()
+        self.tool_reads = self.tool_misses = 0
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -137,6 +292,79 @@ class ShapeCache:
         if type(entry) is _Pending:
             entry = self._checked(entry, messages, text, spans)
             self._put(key, entry)
+
+    def read_tools(self, key: tuple, texts: Sequence[str], text: str, located: Any) -> Spans | None:
+        """The spans of a row with tool calls read off its shape (``tool_shape``), or None: a shape not learnt, or a
+        row whose rendering is not the shape's with its texts in place (each written as it is or JSON-escaped, one
+        way only), or whose messages the message search (``located``, the row's) finds elsewhere than the shape's."""
+        with self._lock:
+            entry = self.shapes.get(key)
+            if type(entry) is not tuple:
+                return None
+            self.shapes.move_to_end(key)
+        pieces, order, places, piece_places = entry
+        bounds = _filled(pieces, order, texts, text)
+        if bounds is None or len(located.pieces) != len(piece_places) or \
+                not np.array_equal(_places(bounds, located.pieces), piece_places):
+            return None
+        return [(bounds[a] + da, bounds[b] + db, bounds[c] + dc, follows, parted)
+                for (a, da), (b, db), (c, dc), follows, parted in places]
+
+    def learns_tools(self) -> bool:
+        """Are new tool shapes still learnt (not past ``TRIES`` more learning rows missed than read)?"""
+        return self.tool_misses < self.tool_reads + TRIES
+
+    def learn_tools(self, key: tuple, dummy: list, texts: int, render: Callable[[list], str],
+                    locate: Callable[[list, str], Any], find: Callable[[list, str, Any], Spans | None]) -> None:
+        """Learn tool shape ``key`` from its sentinel chat ``dummy`` (``with_sentinels``, ``texts`` sentinels):
+        ``render`` renders it, ``locate`` finds its messages, ``find`` its spans. ``_UNFIT`` where the template
+        writes a sentinel twice, or a turn's span or a message's piece cannot be placed."""
+        self._put(key, self._tool_places(dummy, texts, render, locate, find))
+
+    def learnt(self, read: bool) -> None:
+        """Count whether a tool shape's learning row was read off it."""
+        with self._lock:
+            if read:
+                self.tool_reads += 1
+            else:
+                self.tool_misses += 1
+
+    @staticmethod
+    def _tool_places(dummy, texts, render, locate, find) -> Any:
+        try:
+            rendered = render(dummy)
+        except Exception:  # (a template that refuses the sentinels: each row renders its own)
+            return _UNFIT
+        found = []
+        for k in range(texts):
+            s = sentinel(k)
+            at = rendered.find(s)
+            if at >= 0:
+                if rendered.find(s, at + 1) >= 0:  # written twice: not one substitution
+                    return _UNFIT
+                found.append((at, k))
+        found.sort()
+        pieces, order, bounds, cursor = [], [], [0], 0
+        for at, k in found:
+            pieces.append(rendered[cursor:at])
+            order.append(k)
+            cursor = at + len(sentinel(k))
+            bounds += [at, cursor]
+        pieces.append(rendered[cursor:])
+        located = locate(dummy, rendered)
+        spans = find(dummy, rendered, located) if located.missing is None else None
+        if spans is None:
+            return _UNFIT
+        places = []
+        for s0, t0, e0, f0, p0 in spans:
+            here = [_place(bounds, x) for x in (s0, t0, e0)]
+            if None in here:
+                return _UNFIT
+            places.append((*here, f0, p0))
+        piece_places = _places(bounds, located.pieces)
+        if (piece_places[:, [0, 2]] < 0).any():
+            return _UNFIT
+        return tuple(pieces), tuple(order), tuple(places), piece_places
 
     def _put(self, key: tuple, value: Any) -> None:
         with self._lock:
@@ -206,6 +434,39 @@ def _bounds(pieces: Sequence[str], contents: Sequence[str], text: str) -> list[i
         cursor = at = at + len(content)
         bounds += [found, at]
     return bounds
+
+
+def _filled(pieces: Sequence[str], order: Sequence[int], texts: Sequence[str], text: str) -> list[int] | None:
+    """``[0, start, end, ...]`` of each text placed in ``text`` (in ``order``) when ``text`` is ``pieces`` with a form of
+    each text between them (``_forms``: the one form that the next piece follows); None else."""
+    bounds, at = [0], 0
+    for j, k in enumerate(order):
+        if not text.startswith(pieces[j], at):
+            return None
+        at += len(pieces[j])
+        fits = [f for f in _forms(texts[k]) if text.startswith(f, at) and text.startswith(pieces[j + 1], at + len(f))]
+        if len(fits) != 1:
+            return None
+        bounds += [at, at + len(fits[0])]
+        at += len(fits[0])
+    if at + len(pieces[-1]) != len(text) or not text.startswith(pieces[-1], at):
+        return None
+    return bounds
+
+
+def _places(bounds: list[int], pieces: Sequence[tuple]) -> np.ndarray:
+    """Each message piece ``(start, end, message index, required)`` as a row ``[j, start - bounds[j], k, end - bounds[k],
+    index, required]`` (``_place``'s places of its start and end); a place inside a text is ``-1, -1``."""
+    at = np.asarray(pieces, dtype=np.int64).reshape(-1, 4)
+    edges = np.asarray(bounds, dtype=np.int64)
+    out = np.empty((at.shape[0], 6), dtype=np.int64)
+    for column, x in ((0, at[:, 0]), (2, at[:, 1])):
+        j = np.searchsorted(edges, x, "right") - 1
+        inside = (j % 2 == 1) & (x > edges[j])
+        out[:, column] = np.where(inside, -1, j)
+        out[:, column + 1] = np.where(inside, -1, x - edges[j])
+    out[:, 4:] = at[:, 2:]
+    return out
 
 
 def _place(bounds: list[int], x: int) -> tuple[int, int] | None:

@@ -30,16 +30,17 @@ every row: ``FromRendering`` stands where the markers would, and each row keeps 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from .locate import locate_messages
 from .render import ChatTemplateError
-from .shape_cache import cache_of, plain_shape
+from .shape_cache import cache_of, plain_shape, tool_shape, with_sentinels
 
 
 @dataclass(frozen=True)
@@ -276,8 +277,9 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
     message, so that a row costs work in proportion to its length, not its square. Each is used only where the part
     of the history it rewrites is the row's text exactly; else the turn is rendered from the row's start.
 
-    A plain chat of a shape seen before is not rendered at all: its spans are read off the shape's sentinel rendering
-    where the row's rendering is that rendering with its contents in place (``shape_cache``)."""
+    A plain chat of a shape seen before, or a chat with tools or tool calls whose shape is learnt, is not rendered at
+    all: its spans are read off the shape's sentinel rendering where the row's rendering is that rendering with its
+    texts in place (``shape_cache``)."""
     cache = key = None
     if _SHORT_CONTEXTS and _SHAPES:
         key = plain_shape(messages, tools, turns)
@@ -286,11 +288,44 @@ def turn_spans(ct: Any, messages: list, text: str, turns: Sequence[int], *,
             spans = cache.spans(key, messages, text)
             if spans is not None:
                 return spans
+        elif key is None:
+            spans = _tool_shape_spans(ct, messages, text, turns, tools, located, deadline)
+            if spans is not None:
+                return spans
     spans = _rendered_spans(ct, messages, text, turns, tools=tools, located=located, deadline=deadline)
     if cache is not None and spans is not None:
         cache.learn(key, messages, text, spans, render=lambda dummy: _render(ct, dummy, tools, False),
                     find=lambda dummy, rendered: _rendered_spans(ct, dummy, rendered, turns, tools=tools,
                                                                  deadline=deadline))
+    return spans
+
+
+def _tool_shape_spans(ct: Any, messages: list, text: str, turns: Sequence[int], tools: Any, located: Any,
+                      deadline: float | None) -> list | None:
+    """``turn_spans`` of a row with tools or tool calls read off its shape (``shape_cache.tool_shape``), learnt the
+    first time it is seen from its sentinel chat's own renders (while the tokenizer's learning rows are mostly read
+    off their new shape); None where the row is not read so."""
+    shape = tool_shape(messages, tools, turns)
+    cache = cache_of(ct) if shape is not None else None
+    if cache is None:
+        return None
+    key, texts = shape
+    if located is None:
+        located = locate_messages(text, messages, system_optional=ct.content_tokens.drops_system)
+    if located.missing is not None:
+        return None
+    if cache.known(key):
+        return cache.read_tools(key, texts, text, located)
+    if not cache.learns_tools():
+        return None
+    check_deadline(deadline)
+    drops_system = ct.content_tokens.drops_system
+    cache.learn_tools(key, with_sentinels(messages), len(texts), render=lambda dummy: _render(ct, dummy, tools, False),
+                      locate=lambda dummy, rendered: locate_messages(rendered, dummy, system_optional=drops_system),
+                      find=lambda dummy, rendered, found: _rendered_spans(ct, dummy, rendered, turns, tools=tools,
+                                                                           located=found, deadline=deadline))
+    spans = cache.read_tools(key, texts, text, located)
+    cache.learnt(spans is not None)
     return spans
 
 
@@ -591,6 +626,8 @@ def label_row_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids
     last_assistant = max((i for i, m in enumerate(messages) if isinstance(m, Mapping) and m.get("role") == "assistant"),
                          default=-1)
     near = _TokenWindow(starts, ends)
+    if near.sorted and located.pieces:
+        return _held_to_roles(trained, near, messages, located.pieces, last_turn_only, last_assistant)
     for a, b, index, required in located.pieces:
         lo, hi = near.within(a, b)
         inside = slice(lo, hi)
@@ -602,6 +639,30 @@ def label_row_from_rendering(ct: Any, messages: Sequence[Mapping[str, Any]], ids
         elif trained[inside].any():
             return None, f"the text of message {index} ({role}) would train: {NOT_FOUND}"
     return trained, None
+
+
+def _held_to_roles(trained: np.ndarray, near: _TokenWindow, messages: list, pieces: Sequence[tuple], last_turn_only: bool,
+                   last_assistant: int) -> tuple[np.ndarray | None, str | None]:
+    """``label_row_from_rendering``'s check of each message piece's tokens, for all pieces at once where the tokens'
+    starts and ends rise: each piece's tokens (those wholly inside it, not empty) counted by running sums."""
+    at = np.asarray(pieces, dtype=np.int64).reshape(-1, 4)
+    lo = np.searchsorted(near.starts, at[:, 0], "left")
+    hi = np.maximum(lo, np.searchsorted(near.ends, at[:, 1], "right"))
+    shown = near.ends > near.starts
+    tokens = np.concatenate([[0], np.cumsum(shown)])
+    trained_tokens = np.concatenate([[0], np.cumsum(shown & trained[: near.n])])
+    inside, trains = tokens[hi] - tokens[lo], trained_tokens[hi] - trained_tokens[lo]
+    roles = [m.get("role") if isinstance(m, Mapping) else None for m in messages]
+    index = at[:, 2]
+    assistant = np.asarray([r == "assistant" for r in roles], dtype=bool)[index]
+    asked = (at[:, 3] != 0) & ((index == last_assistant) if last_turn_only else True)
+    bad = np.flatnonzero((assistant & asked & (trains < inside)) | (~assistant & (trains > 0)))
+    if not bad.size:
+        return trained, None
+    k = int(index[bad[0]])
+    if assistant[bad[0]]:
+        return None, f"the text of message {k} (assistant) does not train in the turn found for it"
+    return None, f"the text of message {k} ({roles[k]}) would train: {NOT_FOUND}"
 
 
 def label_from_rendering(ct: Any, chats: Sequence[Any], input_ids: pa.Array, *, last_turn_only: bool = False,
