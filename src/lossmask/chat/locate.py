@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -176,12 +178,50 @@ def locate_messages(text: str, messages: Sequence[Any], *, system_optional: bool
         pieces.append((*spans[-1], index, True))
     else:
         return Located(_merge(spans), None, tuple(pieces), ("content",) * len(pieces))
+    located = _RECENT.get(text, messages, system_optional)
+    if located is not None:
+        return located
     located = _locate_pieces(text, messages, system_optional)
     if located.missing is not None:  # text a template trims may recur later as written: look for it trimmed first
         trimmed = _locate_pieces(text, messages, system_optional, trimmed=True)
         if trimmed.missing is None:
-            return trimmed
+            located = trimmed
+    _RECENT.put(text, messages, system_optional, located)
     return located
+
+
+class _Recent:
+    """The general walk's last answers, kept by the rendered text's identity: a row's messages are located when its
+    batch is encoded, and again when its turns are labelled from its rendering (``turn_spans``), on the same text
+    object and the same message objects. An answer is given again only for that very text and those very messages
+    (and the same ``system_optional``); at most ``max_chars`` characters of text are kept, the oldest dropped first."""
+
+    def __init__(self, max_chars: int = 1 << 23):
+        self.max_chars, self.chars = max_chars, 0
+        self.entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, text: str, messages: Sequence[Any], system_optional: bool) -> Located | None:
+        entry = self.entries.get(id(text))
+        if entry is None or entry[0] is not text or entry[2] != system_optional or len(entry[1]) != len(messages) \
+                or not all(a is b for a, b in zip(entry[1], messages)):
+            return None
+        return entry[3]
+
+    def put(self, text: str, messages: Sequence[Any], system_optional: bool, located: Located) -> None:
+        if len(text) > self.max_chars:
+            return
+        with self._lock:
+            old = self.entries.pop(id(text), None)
+            if old is not None:
+                self.chars -= len(old[0])
+            self.entries[id(text)] = (text, tuple(messages), system_optional, located)
+            self.chars += len(text)
+            while self.chars > self.max_chars:
+                self.chars -= len(self.entries.popitem(last=False)[1][0])
+
+
+_RECENT = _Recent()
 
 
 def _locate_pieces(text: str, messages: Sequence[Any], system_optional: bool, skip: frozenset = frozenset(),
