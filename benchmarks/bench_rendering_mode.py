@@ -17,6 +17,8 @@ measures, each run in-process through ``mask_files``, with the machine's load be
   ``SFTTrainer`` preparation (``assistant_only_loss``) on Qwen2.5 when ``trl`` is installed.
 - ``long``: CPU seconds of one row of 600 and of 2,400 short messages (a two-message job subtracted), on the same paths.
 
+``--kinds plain tools`` picks plain exchanges, tool-call traces or both for ``turns`` and ``long``.
+
     python benchmarks/bench_rendering_mode.py --rows 4000 --families qwen2.5 llama-3.1
     python benchmarks/bench_rendering_mode.py --measure turns long
 """
@@ -91,6 +93,8 @@ def main(argv=None) -> None:
     parser.add_argument("--messages", nargs="+", type=int, default=[600, 2400])
     parser.add_argument("--repeat", type=int, default=2, help="CPU measures: the least of this many runs")
     parser.add_argument("--paths", nargs="+", default=None, help="CPU measures: only the paths naming one of these")
+    parser.add_argument("--kinds", nargs="+", choices=("plain", "tools"), default=["plain", "tools"],
+                        help="CPU measures: plain exchanges, tool-call traces, or both")
     args = parser.parse_args(argv)
     if "turns" in args.measure or "long" in args.measure:
         cpu_measures(args)
@@ -224,6 +228,8 @@ def cpu_measures(args) -> None:
             floor[label] = _cpu_job(small, folder, tokenizer, markers, max(args.repeat, 3))[0]
         if "turns" in args.measure:
             for kind, make in (("plain exchanges", plain_row), ("tool-call traces", tool_row)):
+                if ("tools" if make is tool_row else "plain") not in args.kinds:
+                    continue
                 print(f"\nCPU-us a token, {args.turn_rows} rows of about {args.row_tokens:,} tokens, {kind}:")
                 extra = " | one render of each row, Gemma-4" if "rendering, Gemma-4" in paths else ""
                 print("| turns | " + " | ".join(paths) + " | TRL (Qwen2.5)" + extra + " |")
@@ -249,6 +255,8 @@ def cpu_measures(args) -> None:
             print("| one row of | " + " | ".join(paths) + " |")
             print("| ---: |" + " ---: |" * len(paths))
             for kind, make in (("messages", plain_row), ("messages, tool calls", tool_row)):
+                if ("tools" if make is tool_row else "plain") not in args.kinds:
+                    continue
                 for count in args.messages:
                     row = make(count // 2, count * 60)  # about 15 tokens a message
                     cells = []
