@@ -55,8 +55,8 @@ def test_agent_chats_train_each_turn_through_its_stop_and_nothing_else_on_every_
         pytest.skip(f"transformers renders none of the agent chats with {name}")
     source = tmp_path / "agent.jsonl"
     source.write_text("".join(json.dumps({"messages": m, "tools": t}) + "\n" for _, m, t in rows))
-    # one adapter over the tokenizer for every door (what it reads off the template once, each door reuses; the
-    # doors' own wrapping of a Hugging Face tokenizer is test_template_collection's)
+    # one adapter over the tokenizer for every door: what it reads off the template once, each door reuses (a door
+    # given the Hugging Face tokenizer itself: test_null_keys_from_arrow_are_not_arguments)
     ct = lossmask.load_tokenizer(tok)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
