@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 import tempfile
 import warnings
 
@@ -21,10 +22,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import chat_tokenizer
+from conftest import FIXTURES, chat_tokenizer
 from lossmask import MaskOptions, mask_files
 from lossmask.chat.encode_batch import messages_from_arrow
 from lossmask.cli import main
+
+sys.path.insert(0, str(FIXTURES))
+from loaded_once import folders_loaded_once  # noqa: E402
+
+sys.path.pop(0)
 
 U = lambda text: {"role": "user", "content": text}  # noqa: E731
 A = lambda text: {"role": "assistant", "content": text}  # noqa: E731
@@ -293,17 +299,10 @@ MESSAGES = st.sampled_from([U("Hi there."), U("Tell me more."), A("Sure thing.")
        merge=st.sampled_from(["merge", "keep"]), leading=st.sampled_from(["drop", "keep"]),
        empty=st.sampled_from(["drop", "keep"]), family=st.sampled_from(["phi-3", "falcon", "deepseek-v3.1"]))
 def test_cli_property_every_messy_run_adds_up_and_keeps_the_roles(chats, merge, leading, empty, family):
-    from unittest import mock
-
     from conftest import tokenizer_path
-    from lossmask.chat import tokenizer as adapters
 
-    # the CLI is given the family's folder; its load of that folder is answered by the tokenizer loaded once per test
-    # run (what the job then reads off the template, each example reuses). The CLI's own load of a folder:
-    # test_cli_flags_are_documented_and_reach_the_job
-    folder, load = str(tokenizer_path(family)), adapters.load_tokenizer
-    loaded_once = lambda obj, **kw: chat_tokenizer(family) if obj == folder and not kw else load(obj, **kw)  # noqa: E731
-    with tempfile.TemporaryDirectory() as base, mock.patch.object(adapters, "load_tokenizer", loaded_once):
+    # the CLI is given the family's folder, answered by the tokenizer loaded once per test run
+    with tempfile.TemporaryDirectory() as base, folders_loaded_once(family):
         source, output, report_path = (os.path.join(base, n) for n in ("in.jsonl", "out.parquet", "r.json"))
         with open(source, "w") as fh:
             for chat in chats:
