@@ -18,10 +18,15 @@ import pytest
 pytest.importorskip("transformers")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from conftest import chat_tokenizer, tokenizer_path  # noqa: E402
+from conftest import FIXTURES, chat_tokenizer, tokenizer_path  # noqa: E402
 
 import lossmask  # noqa: E402
 from lossmask.chat.turn_spans import FromRendering  # noqa: E402
+
+sys.path.insert(0, str(FIXTURES))
+from loaded_once import folders_loaded_once  # noqa: E402
+
+sys.path.pop(0)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "chats.jsonl"
 
@@ -194,14 +199,13 @@ def test_a_row_whose_markers_break_the_roles_is_not_waited_on_either(tmp_path):
 
 def test_the_command_line_takes_the_rows_rendering_budget(tmp_path, capsys):
     """``lossmask mask --max-row-rendering-seconds S``: the row the markers break is counted as over the budget."""
-    from loaded_once import folders_loaded_once
     from test_conversation_shapes import TOOL_AFTER_TOOL
 
     from lossmask.cli import main
 
     source = tmp_path / "calls.jsonl"
     source.write_text(json.dumps({"messages": TOOL_AFTER_TOOL}) + "\n")
-    # the folder answered by the tokenizer loaded once per test run (imported with test_conversation_shapes)
+    # the folder answered by the tokenizer loaded once per test run
     with warnings.catch_warnings(), folders_loaded_once("deepseek-v3"):
         warnings.simplefilter("ignore")
         status = main(["mask", str(source), str(tmp_path / "out.parquet"), "--tokenizer",
