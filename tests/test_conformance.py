@@ -36,7 +36,14 @@ STOP_TOKENS = {
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request) -> str:
+    """One family; module-scoped, so that pytest runs each family's tests one after the other and its tokenizer and
+    markers are used while loaded (a file that went through every family once per test would load them again once
+    the shared caches are emptied at their size bound)."""
+    return request.param
+
+
 def test_detected_markers_verify_exactly(family):
     ct = chat_tokenizer(family)
     markers, report = detected_markers(family)
@@ -45,7 +52,6 @@ def test_detected_markers_verify_exactly(family):
     assert {ct.decode(p) for p in markers.end} == STOP_TOKENS[family]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
 def test_ground_truth_starts_where_the_generation_prompt_ends(family):
     """Where the generation prompt's tokens are a prefix of the whole chat's tokens, the first
     trained token of that turn is the one right after them: a token-level cross-check of the
@@ -93,7 +99,6 @@ def random_conversations(seed: int, count: int) -> list[list[dict]]:
     return conversations
 
 
-@pytest.mark.parametrize("family", FAMILIES)
 def test_detected_markers_hold_on_unseen_conversations(family):
     ct = chat_tokenizer(family)
     markers, report = detected_markers(family)

@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 import tempfile
 import warnings
 
@@ -21,10 +22,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import chat_tokenizer
+from conftest import FIXTURES, chat_tokenizer
 from lossmask import MaskOptions, mask_files
 from lossmask.chat.encode_batch import messages_from_arrow
 from lossmask.cli import main
+
+sys.path.insert(0, str(FIXTURES))
+from loaded_once import folders_loaded_once  # noqa: E402
+
+sys.path.pop(0)
 
 U = lambda text: {"role": "user", "content": text}  # noqa: E731
 A = lambda text: {"role": "assistant", "content": text}  # noqa: E731
@@ -295,8 +301,8 @@ MESSAGES = st.sampled_from([U("Hi there."), U("Tell me more."), A("Sure thing.")
 def test_cli_property_every_messy_run_adds_up_and_keeps_the_roles(chats, merge, leading, empty, family):
     from conftest import tokenizer_path
 
-    chat_tokenizer(family)  # loaded once per test run; the CLI loads its own
-    with tempfile.TemporaryDirectory() as base:
+    # the CLI is given the family's folder, answered by the tokenizer loaded once per test run
+    with tempfile.TemporaryDirectory() as base, folders_loaded_once(family):
         source, output, report_path = (os.path.join(base, n) for n in ("in.jsonl", "out.parquet", "r.json"))
         with open(source, "w") as fh:
             for chat in chats:

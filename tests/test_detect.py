@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from conftest import chat_tokenizer, detected_markers, tokenizer_path
+from conftest import FIXTURES, chat_tokenizer, detected_markers, tokenizer_path
 from lossmask import ChatTokenizer, MarkerDetectionError, Markers, detect_markers, load_tokenizer, markers_from_strings, verify
 from lossmask.markers.detect import detect_markers_with_report
+
+sys.path.insert(0, str(FIXTURES))
+from loaded_once import folders_loaded_once  # noqa: E402
+
+sys.path.pop(0)
 
 
 def decoded(ct, patterns) -> set[str]:
@@ -347,7 +354,8 @@ def test_a_rendered_kind_that_is_not_exact_is_refused():
 def test_lossmask_detect_prints_the_kinds(capsys):
     from lossmask.cli import main
 
-    assert main(["detect", str(tokenizer_path("deepseek-v3"))]) == 0
+    with folders_loaded_once("deepseek-v3"):  # the folder answered by the tokenizer loaded once per test run
+        assert main(["detect", str(tokenizer_path("deepseek-v3"))]) == 0
     out = capsys.readouterr().out
     assert "conversation kinds:" in out
     assert "parallel tools  exact: arguments as JSON strings" in out
@@ -359,7 +367,8 @@ def test_lossmask_detect_json_lists_the_kinds(capsys):
 
     from lossmask.cli import main
 
-    assert main(["detect", str(tokenizer_path("phi-3")), "--json"]) == 0
+    with folders_loaded_once("phi-3"):
+        assert main(["detect", str(tokenizer_path("phi-3")), "--json"]) == 0
     kinds = {k["kind"]: k for k in json.loads(capsys.readouterr().out)["verification"]["kinds"]}
     assert kinds["system"]["status"] == "not rendered" and "message 0 (system)" in kinds["system"]["detail"]
     assert kinds["plain"]["status"] == "exact"

@@ -77,10 +77,7 @@ def test_fast_ids_equal_tokenizers(family):
 def test_disagreement_switches_back_naming_the_text():
     """A fast encoder that gives other ids (here: another vocabulary's) is refused on the first batch."""
     ct = chat_tokenizer("qwen2.5")
-    from lossmask import load_tokenizer
-    from conftest import tokenizer_path
-
-    other = load_tokenizer(tokenizer_path("llama-3.1"))
+    other = chat_tokenizer("llama-3.1")  # read, not changed: the FastTokens below is a new one of its own
     wrong = FastTokens(other, "llama-3.1 ids for a qwen2.5 job")
     texts = ["same text in both? no", "The capital of France is Paris."]
     reference = ct._encode_reference
@@ -111,11 +108,10 @@ def test_proof_runs_once_per_job_and_workers_reload():
 
 
 def test_switched_off_by_environment(monkeypatch):
-    from lossmask import load_tokenizer
-    from conftest import tokenizer_path
+    from lossmask import ChatTokenizer
 
     monkeypatch.setenv("LOSSMASK_FAST_TOKENIZER", "0")
-    ct = load_tokenizer(tokenizer_path("qwen2.5"))
+    ct = ChatTokenizer(chat_tokenizer("qwen2.5").tokenizer)  # a new adapter (its own fast encoder) on the loaded one
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         flat = ct.encode_flat(["hello world", ""])

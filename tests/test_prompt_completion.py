@@ -17,13 +17,20 @@ never does, in any row kind.
 
 from __future__ import annotations
 
+import sys
+
 import pyarrow as pa
 import pytest
 
-from conftest import chat_tokenizer, detected_markers
+from conftest import FIXTURES, chat_tokenizer, detected_markers
 from lossmask import MaskOptions
 from lossmask.engine.tally import Tally
 from lossmask.jobs.batch_step import mask_batch
+
+sys.path.insert(0, str(FIXTURES))
+from loaded_once import folders_loaded_once  # noqa: E402
+
+sys.path.pop(0)
 
 FAMILIES = ("gemma-3", "smollm3", "qwen2.5", "llama-3.1")
 # what each tokenizer's own __call__ puts before a text (its tokenizer.json post-processor)
@@ -145,8 +152,9 @@ def test_cli_train_prompt_turns_trains_the_prompts_assistant_turn(tmp_path):
     ct = chat_tokenizer("qwen2.5")
     trained = {}
     for flags in ([], ["--train-prompt-turns"]):
-        assert main(["mask", str(tmp_path / "in.jsonl"), str(tmp_path / "out.parquet"), "--tokenizer",
-                     str(tokenizer_path("qwen2.5")), "--no-progress", *flags]) == 0
+        with folders_loaded_once("qwen2.5"):  # the folder answered by the tokenizer loaded once per test run
+            assert main(["mask", str(tmp_path / "in.jsonl"), str(tmp_path / "out.parquet"), "--tokenizer",
+                         str(tokenizer_path("qwen2.5")), "--no-progress", *flags]) == 0
         table = pq.read_table(tmp_path / "out.parquet")
         ids, labels = table.column("input_ids").to_pylist()[0], table.column("labels").to_pylist()[0]
         trained[bool(flags)] = ct.decode([i for i, label in zip(ids, labels) if label != -100])

@@ -18,10 +18,15 @@ import pytest
 pytest.importorskip("transformers")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from conftest import chat_tokenizer, tokenizer_path  # noqa: E402
+from conftest import FIXTURES, chat_tokenizer, tokenizer_path  # noqa: E402
 
 import lossmask  # noqa: E402
 from lossmask.chat.turn_spans import FromRendering  # noqa: E402
+
+sys.path.insert(0, str(FIXTURES))
+from loaded_once import folders_loaded_once  # noqa: E402
+
+sys.path.pop(0)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "chats.jsonl"
 
@@ -46,7 +51,7 @@ def _mask(tmp_path: Path, source: Path, tokenizer, **kwargs):
 def test_labels_from_the_rendering_equal_the_verified_markers_labels(family, tmp_path):
     """The bundled example chats (tool calls, a row cut after the header, rows the template rejects) on templates
     whose markers verify: the same rows, ids and labels from the rendering as from the markers."""
-    tokenizer = str(tokenizer_path(family))
+    tokenizer = chat_tokenizer(family)  # loaded once per test run, for both jobs
     by_markers, with_markers = _mask(tmp_path, EXAMPLES, tokenizer, max_length=256)
     by_rendering, with_rendering = _mask(tmp_path, EXAMPLES, tokenizer, max_length=256, markers=FromRendering())
     assert with_rendering["input_ids"].to_pylist() == with_markers["input_ids"].to_pylist()
@@ -171,7 +176,7 @@ def test_a_row_past_its_rendering_budget_is_dropped_counted_and_named(tmp_path):
     report still adds up; the same row within the default budget is kept."""
     source = tmp_path / "long.jsonl"
     source.write_text(json.dumps({"messages": _long_chat(200)}) + "\n")
-    tokenizer = str(tokenizer_path("qwen2.5"))
+    tokenizer = chat_tokenizer("qwen2.5")
     report, table = _mask(tmp_path, source, tokenizer, markers=FromRendering(), max_row_rendering_seconds=1e-9)
     assert report.dropped["rendering_over_budget"] == 1 and report.rows_out == 0
     assert any(e.startswith("rendering_over_budget: row 0: ") and "max_row_rendering_seconds" in e
@@ -187,7 +192,7 @@ def test_a_row_whose_markers_break_the_roles_is_not_waited_on_either(tmp_path):
 
     source = tmp_path / "calls.jsonl"
     source.write_text(json.dumps({"messages": TOOL_AFTER_TOOL}) + "\n")
-    report, _ = _mask(tmp_path, source, str(tokenizer_path("deepseek-v3")), max_row_rendering_seconds=1e-9)
+    report, _ = _mask(tmp_path, source, chat_tokenizer("deepseek-v3"), max_row_rendering_seconds=1e-9)
     assert report.dropped.get("rendering_over_budget") == 1 and "template_breaks_roles" not in report.dropped
     assert report.labelled_from_rendering == 0
 
@@ -200,7 +205,8 @@ def test_the_command_line_takes_the_rows_rendering_budget(tmp_path, capsys):
 
     source = tmp_path / "calls.jsonl"
     source.write_text(json.dumps({"messages": TOOL_AFTER_TOOL}) + "\n")
-    with warnings.catch_warnings():
+    # the folder answered by the tokenizer loaded once per test run
+    with warnings.catch_warnings(), folders_loaded_once("deepseek-v3"):
         warnings.simplefilter("ignore")
         status = main(["mask", str(source), str(tmp_path / "out.parquet"), "--tokenizer",
                        str(tokenizer_path("deepseek-v3")), "--max-row-rendering-seconds", "1e-9", "--keep-dropped",

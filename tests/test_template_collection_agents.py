@@ -55,10 +55,13 @@ def test_agent_chats_train_each_turn_through_its_stop_and_nothing_else_on_every_
         pytest.skip(f"transformers renders none of the agent chats with {name}")
     source = tmp_path / "agent.jsonl"
     source.write_text("".join(json.dumps({"messages": m, "tools": t}) + "\n" for _, m, t in rows))
+    # one adapter over the tokenizer for every door: what it reads off the template once, each door reuses (a door
+    # given the Hugging Face tokenizer itself: test_null_keys_from_arrow_are_not_arguments)
+    ct = lossmask.load_tokenizer(tok)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        resolution = lossmask.resolve_markers(tok)
-        report = lossmask.mask_files(source, tmp_path / "out.parquet", tokenizer=tok, max_drop_fraction=1.0)
+        resolution = lossmask.resolve_markers(ct)
+        report = lossmask.mask_files(source, tmp_path / "out.parquet", tokenizer=ct, max_drop_fraction=1.0)
     assert resolution.source != "none", f"{name} renders agent chats, yet the full sequence would train"
     assert report.rows_out == len(rows), f"{name} ({resolution.source}) dropped an agent chat: {report.summary()}"
     table = pq.read_table(tmp_path / "out.parquet")
@@ -71,8 +74,7 @@ def test_agent_chats_train_each_turn_through_its_stop_and_nothing_else_on_every_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dataset = datasets.Dataset.from_json(str(source))
-        through_hf = lossmask.hf.mask_dataset(dataset, tok, quiet=True, max_drop_fraction=1.0)
-        ct = lossmask.load_tokenizer(tok)
+        through_hf = lossmask.hf.mask_dataset(dataset, ct, quiet=True, max_drop_fraction=1.0)
         encoded = ct.encode_chats([{"messages": m, "tools": t} for _, m, t in rows])
         labelled = lossmask.label_batch(encoded, resolution.markers)
     assert through_hf["labels"] == labels, f"{name}: hf.mask_dataset labels otherwise than mask_files"
