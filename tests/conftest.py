@@ -129,8 +129,10 @@ def tokenizers_dir() -> Path:
 # Past this resident size at the end of a test file, the shared caches below are emptied (they refill on next need).
 CACHES_KEPT_UNDER = 3 << 29  # 1.5 GiB: test_token_text adds 1.7 GiB to what its worker holds
 # Past this resident size at the end of any test, they are emptied at once: a file that loads every family in turn
-# (the fast tokeniser's, the conversation shapes') would otherwise hold them all until its end, over 4 GiB.
-CACHES_DROPPED_OVER = 5 << 29  # 2.5 GiB
+# (the fast tokeniser's, the conversation shapes') would otherwise hold them all until its end, over 4 GiB. At
+# 2.5 GiB a worker still peaked at 4.32 GB (a test's own peak on top); 2.25 GiB costs tests/test_content.py 1.14x the
+# CPU (families loaded again) for a 0.3 GB lower peak (docs/benchmarks.md).
+CACHES_DROPPED_OVER = 9 << 28  # 2.25 GiB
 
 
 def _trim_heap() -> None:

@@ -292,6 +292,33 @@ def test_cli_show_loads_the_tokenizer_once_for_the_job_and_the_preview(tmp_path,
                  "--show", "1"]) == 0
     assert "[Hello] [.]" in capsys.readouterr().out and loads == [tok]
 
+
+def test_show_reuses_the_markers_a_job_or_an_earlier_show_resolved(tmp_path, capsys, monkeypatch):
+    import lossmask.show as show_module
+
+    monkeypatch.setenv("LOSSMASK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LOSSMASK_CACHE", raising=False)
+    resolved = []
+    real = show_module.resolve_markers
+
+    def counting(*args, **kwargs):
+        resolved.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(show_module, "resolve_markers", counting)
+    tok = str(tokenizer_path("llama-3.2"))
+    assert main(["show", tok]) == 0 and len(resolved) == 1
+    first = capsys.readouterr().out
+    assert main(["show", tok]) == 0 and len(resolved) == 1  # the stored resolution: no detection
+    assert capsys.readouterr().out == first
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"messages": CHAT}) + "\n")
+    other = str(tokenizer_path("phi-3"))
+    assert main(["mask", str(source), str(tmp_path / "out.parquet"), "--tokenizer", other, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["show", other, str(source)]) == 0 and len(resolved) == 1  # what the job resolved
+    assert "[Paris." in capsys.readouterr().out
+
 # -- lossmask show reads what lossmask mask reads -------------------------------------------------------------
 
 CHAT = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]

@@ -177,6 +177,19 @@ def test_kernel_finds_a_changed_character_anywhere_in_a_long_piece():
         assert exact.tolist() == [True] + [False] * len(original), (v, exact)
 
 
+def _offsets_only(ct):
+    """A second adapter of ``ct``'s tokenizer with no byte table: every span from tokenizers' offsets. What does not
+    depend on the table (the serialised vocabulary and its digest, the content tokens and their text encoder: two
+    copies of the vocabulary), where ``ct`` has it already, is taken from ``ct``, not computed again."""
+    import lossmask
+
+    fresh = lossmask.load_tokenizer(ct.tokenizer)
+    shared = ("tokenizer_json", "tokenizer_digest", "content_tokens", "text_encoder")
+    fresh.__dict__.update({name: ct.__dict__[name] for name in shared if name in ct.__dict__})
+    fresh.__dict__["token_text"] = None
+    return fresh
+
+
 def test_weights_the_same_by_bytes_and_by_offsets(tmp_path):
     """roles_to_train on real templates: the loss weights are the same whether spans come from bytes or tokenizers."""
     import json
@@ -197,8 +210,7 @@ def test_weights_the_same_by_bytes_and_by_offsets(tmp_path):
     for family in ("qwen2.5", "llama-3.1", "gemma-3", "mistral-v3"):
         ct = chat_tokenizer(family)
         lossmask.mask_files(source, tmp_path / "bytes.parquet", tokenizer=ct, **options)
-        fresh = lossmask.load_tokenizer(ct.tokenizer)
-        fresh.__dict__["token_text"] = None  # no byte table: every span from tokenizers' offsets
+        fresh = _offsets_only(ct)
         lossmask.mask_files(source, tmp_path / "offsets.parquet", tokenizer=fresh, **options)
         by_bytes, by_offsets = pq.read_table(tmp_path / "bytes.parquet"), pq.read_table(tmp_path / "offsets.parquet")
         assert by_bytes.column("loss_weights").to_pylist() == by_offsets.column("loss_weights").to_pylist(), family
@@ -232,8 +244,7 @@ def test_a_batch_mixing_rows_by_bytes_by_offsets_and_unweighed(tmp_path):
     for family in ("qwen2.5", "llama-3.1"):
         ct = chat_tokenizer(family)
         lossmask.mask_files(source, tmp_path / "bytes.parquet", tokenizer=ct, **options)
-        fresh = lossmask.load_tokenizer(ct.tokenizer)
-        fresh.__dict__["token_text"] = None
+        fresh = _offsets_only(ct)
         lossmask.mask_files(source, tmp_path / "offsets.parquet", tokenizer=fresh, **options)
         by_bytes, by_offsets = pq.read_table(tmp_path / "bytes.parquet"), pq.read_table(tmp_path / "offsets.parquet")
         assert by_bytes.num_rows == 40
@@ -263,8 +274,7 @@ def test_real_sharegpt_weights_the_same_by_bytes_and_by_offsets(tmp_path, family
                    loss_weights=True, max_drop_fraction=1.0, progress=False)
     ct = chat_tokenizer(family)
     report = lossmask.mask_files(source, tmp_path / "bytes.parquet", tokenizer=ct, **options)
-    fresh = lossmask.load_tokenizer(ct.tokenizer)
-    fresh.__dict__["token_text"] = None
+    fresh = _offsets_only(ct)
     lossmask.mask_files(source, tmp_path / "offsets.parquet", tokenizer=fresh, **options)
     by_bytes, by_offsets = pq.read_table(tmp_path / "bytes.parquet"), pq.read_table(tmp_path / "offsets.parquet")
     assert report.rows_out > 150

@@ -604,6 +604,17 @@ def _resolve_quietly(ct: Any, model_name: str | None) -> Resolution:
         return resolve_markers(ct, model_name)
 
 
+def _resolve_as_the_job(ct: Any, model_name: str | None) -> Resolution:
+    """``_resolve_quietly`` through the job's on-disk marker cache (``markers.cache``), under the job's key: a
+    tokenizer that ``lossmask mask`` or ``show`` resolved before skips detection. No verification report comes back
+    from the cache, so ``detect`` (which prints it) resolves afresh."""
+    from .jobs.stream import resolve_markers_cached
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a hit emits the stored warnings again: the commands print ``messages``
+        return resolve_markers_cached(ct, lambda: _resolve_quietly(ct, model_name), model_name=model_name, strict=False)
+
+
 def run_show(tokenizer: Any, conversation_path: str | os.PathLike | None = None, *, html_path: str | os.PathLike | None = None,
              model_name: str | None = None, out: TextIO | None = None, colour: bool | None = None, row: int = 0,
              options: Any = None) -> int:
@@ -614,7 +625,7 @@ def run_show(tokenizer: Any, conversation_path: str | os.PathLike | None = None,
 
     out = out or sys.stdout
     ct = load_tokenizer(tokenizer)
-    resolution = _resolve_quietly(ct, model_name)
+    resolution = _resolve_as_the_job(ct, model_name)
     if conversation_path is None:
         shown = label_conversation(ct, resolution=resolution)
     else:
