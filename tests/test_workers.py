@@ -318,7 +318,9 @@ def test_workers_slicing_json_arrays_and_compressed_json_write_the_file_and_repo
     lines = _chats(tmp_path, copies=40).read_text().splitlines()
     (tmp_path / "chats.jsonl").unlink()
     source = _write_shape(tmp_path, lines, shape)
-    before = set(os.listdir(tempfile.gettempdir()))
+    temporary = tmp_path.parent / f"{tmp_path.name}-tmp"  # where the decompressed copies are made
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     plans = _sliced(monkeypatch)
     kwargs = dict(tokenizer=chat_tokenizer("qwen2.5"), keep_dropped=True, max_drop_fraction=1.0, max_length=300,
                   batch_size=256)
@@ -334,7 +336,7 @@ def test_workers_slicing_json_arrays_and_compressed_json_write_the_file_and_repo
         assert any("a.json, row " in e for e in two.invalid_examples)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [Path(source).name if shape != "glob" else "in", "one.parquet", "two.parquet"])
-    assert {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("lossmask-")} == set()
+    assert list(temporary.iterdir()) == []
 
 
 @pytest.mark.parametrize("fault", ["not-json", "unbalanced", "not-an-object", "no-comma", "not-utf-8",
@@ -376,27 +378,12 @@ def test_a_malformed_item_of_a_json_array_read_by_workers_is_the_line_of_one_pro
 
 
 def test_json_array_items_are_found_in_any_chunks_as_a_plain_scan_finds_them():
-    """The vectorised scan (``array_items.ArrayScan``) against a plain byte-by-byte reading, on arrays whose strings
+    """The scan's kernel (``array_items.ArrayScan``) against a plain byte-by-byte reading, on arrays whose strings
     hold brackets, commas, quotes and runs of backslashes, fed in chunks that cut them anywhere."""
     import io
     import random
 
-    from lossmask.jobs.array_items import ArrayScan, scan_array
-
-    def plain(data: bytes) -> list[int]:
-        depth, inside, escaped, commas = 0, False, False, []
-        for i, byte in enumerate(data):
-            if inside:
-                escaped, inside = (False, inside) if escaped else (byte == 92, byte != 34)
-            elif byte == 34:
-                inside = True
-            elif byte in b"[{":
-                depth += 1
-            elif byte in b"]}":
-                depth -= 1
-            elif byte == 44 and depth == 1:
-                commas.append(i)
-        return commas
+    from lossmask.jobs.array_items import ArrayScan, reference_item_commas, scan_array
 
     rng = random.Random(7)
     text = lambda: "".join(rng.choice(['a', '\\', '"', ',', '[', '{', '}', ']', ' ', 'é', '\n'])  # noqa: E731
@@ -404,13 +391,14 @@ def test_json_array_items_are_found_in_any_chunks_as_a_plain_scan_finds_them():
     for _ in range(60):
         items = [{"k" + text(): [text(), {"x": text()}, 1]} for _ in range(rng.randint(1, 30))]
         data = json.dumps(items, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1])).encode()
-        commas = plain(data)
+        commas = reference_item_commas(data)
         for chunk in (1, 3, 64, 1 << 20):
             scan = ArrayScan(rng.choice([1, 50, 10 ** 6]))
             for at in range(0, len(data), chunk):
                 assert scan.feed(data[at:at + chunk])
             assert scan.finish() and scan.items == len(items)
             assert all(comma in commas for comma, _ in scan.cuts)
+            assert scan.separators == len(commas)
             read = []
             for start, end, first, count in scan.ranges:
                 assert first == len(read) and (end == len(data) - 1 or end in commas)
@@ -420,7 +408,7 @@ def test_json_array_items_are_found_in_any_chunks_as_a_plain_scan_finds_them():
     for data, items in [(b"[]", 0), (b" [ ] \n", 0), (b"\xef\xbb\xbf[{}]", 1)]:
         scan = scan_array(io.BytesIO(data), 1)
         assert not scan.failed and scan.items == items
-    for data in [b"[1,2,]", b"[1,2] x", b"[1,2", b"[1]]", b"x[1]", b'["a]'] :
+    for data in [b"[1,2,]", b"[1,2] x", b"[1,2", b"[1]]", b"x[1]", b'["a]', b"{}", b"[1}"]:
         assert scan_array(io.BytesIO(data), 1).failed
 
 

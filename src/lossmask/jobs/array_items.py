@@ -1,27 +1,24 @@
 """Where the items of a file holding one JSON array begin and end, found in its bytes without parsing a row.
 
 An item ends at a comma outside every string at depth 1 (inside the array's brackets, in no object or list of an
-item). ``ArrayScan`` finds those commas a chunk of bytes at a time with numpy, carrying from one chunk to the next
-whether the bytes are inside a string, the depth, and the backslashes that ended the chunk (a quote after an odd run
-of them is part of the string). Nothing here checks that the items are JSON: the reader of each range does that
-(``read_json._array_items``), with the same messages as when the file is read whole. What would make a range
-reader's messages differ from the whole file's, or its memory unbounded, makes the scan give up (``failed``): text
-after the array's end, a file that ends inside it, brackets that close more than they open, a trailing comma, an
-item longer than ``formats.MAX_LINE_BYTES``. The file is then read whole, which names the fault.
+item). ``ArrayScan`` finds those commas a chunk of bytes at a time with a numba kernel (``item_commas``: one pass,
+the body of a string skipped at a compare a byte), carrying from one chunk to the next whether the bytes are inside
+a string, the depth, and whether a backslash ended the chunk (the quote after it is part of the string).
+``reference_item_commas`` is the same, written plainly; ``tests/test_workers.py`` holds the two equal. Nothing here
+checks that the items are JSON: the reader of each range does that (``read_json._array_items``), with the same
+messages as when the file is read whole. What would make a range reader's messages differ from the whole file's, or
+its memory unbounded, makes the scan give up (``failed``): text after the array's end, a file that ends inside it,
+brackets that close more than they open, a trailing comma, an item longer than ``formats.MAX_LINE_BYTES``. The file
+is then read whole, which names the fault.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from . import formats
 
-_QUOTE, _BACKSLASH, _COMMA = ord('"'), ord("\\"), ord(",")
-_STRUCTURE = np.zeros(256, dtype=bool)
-_STRUCTURE[list(b"[]{},")] = True
-_DEPTH = np.zeros(256, dtype=np.int64)
-_DEPTH[list(b"[{")] = 1
-_DEPTH[list(b"]}")] = -1
 FINE = 1 << 16  # the ranges a scan cuts: joined into a job's slices once the file's size is known
 WHITE = b" \t\n\r"  # JSON's white space, and what may stand before and after the array (a byte order mark too)
 
@@ -58,26 +55,20 @@ class ArrayScan:
             self.failed = bool(chunk.strip(WHITE))
             return not self.failed
         codes = np.frombuffer(chunk, dtype=np.uint8)
-        quotes = self._real_quotes(codes)
-        at = np.flatnonzero(_STRUCTURE[codes])
-        if at.size:  # keep the brackets and commas outside strings
-            at = at[((np.searchsorted(quotes, at) + self.in_string) & 1) == 0]
-        self.in_string = (self.in_string + quotes.size) & 1
-        depth = self.depth + np.cumsum(_DEPTH[codes[at]])
+        commas = np.empty(codes.size, dtype=np.int64)  # pages are touched only for the commas found
+        found, close, first, self.depth, self.in_string, self.backslashes = item_commas(
+            codes, self.depth, self.in_string, self.backslashes, commas)
         if self.opened is None:
-            if not at.size or codes[at[0]] != ord("[") or chunk[:at[0]].lstrip(b"\xef\xbb\xbf" + WHITE):
+            if first < 0 or chunk[first:first + 1] != b"[" or chunk[:first].lstrip(b"\xef\xbb\xbf" + WHITE):
                 self.failed = True
                 return False
-            self.opened = self.last = base + int(at[0]) + 1
-        ends = np.flatnonzero(depth <= 0)
-        if ends.size:
-            close = int(at[ends[0]])
-            if depth[ends[0]] < 0 or codes[close] != ord("]") or chunk[close + 1:].strip(WHITE):
-                self.failed = True
-                return False
+            self.opened = self.last = base + first + 1
+        if close == -2 or close >= 0 and (chunk[close:close + 1] != b"]" or chunk[close + 1:].strip(WHITE)):
+            self.failed = True
+            return False
+        if close >= 0:
             self.closed = base + close
-            at, depth = at[:ends[0]], depth[:ends[0]]
-        commas = base + at[(depth == 1) & (codes[at] == _COMMA)]
+        commas = base + commas[:found]
         starts = np.concatenate(([self.last], commas + 1))
         stops = np.concatenate((commas, [self.closed if self.closed is not None else self.offset]))
         if (stops - starts > formats.MAX_LINE_BYTES).any():
@@ -90,33 +81,7 @@ class ArrayScan:
             stop = len(chunk) if self.closed is None else self.closed - base
             self.content = bool(chunk[max(0, self.last - base):stop].strip(WHITE))
         self.separators += commas.size
-        if depth.size:
-            self.depth = int(depth[-1])
         return True
-
-    def _real_quotes(self, codes: np.ndarray) -> np.ndarray:
-        """The quotes of ``codes`` that open or close a string: those after an even run of backslashes."""
-        quotes = np.flatnonzero(codes == _QUOTE)
-        slashes = np.flatnonzero(codes == _BACKSLASH)
-        carried, self.backslashes = self.backslashes, 0
-        if not slashes.size:
-            if carried and quotes.size and quotes[0] == 0:
-                quotes = quotes[1:] if carried & 1 else quotes
-            return quotes
-        # the first backslash of the run each backslash is in
-        begins = np.concatenate(([True], np.diff(slashes) != 1))
-        first = slashes[np.maximum.accumulate(np.where(begins, np.arange(slashes.size), 0))]
-        runs = np.zeros(quotes.size, dtype=np.int64)
-        after = quotes[(quotes > 0)]
-        after = after[codes[after - 1] == _BACKSLASH]
-        if after.size:
-            k = np.searchsorted(slashes, after - 1)
-            runs[np.searchsorted(quotes, after)] = after - first[k] + np.where(first[k] == 0, carried, 0)
-        if quotes.size and quotes[0] == 0:
-            runs[0] = carried
-        if slashes[-1] == codes.size - 1:
-            self.backslashes = int(codes.size - first[-1]) + (carried if first[-1] == 0 else 0)
-        return quotes[(runs & 1) == 0]
 
     def _cut(self, commas: np.ndarray) -> None:
         """Record a cut at the first item-ending comma at or past every ``about`` bytes since the last cut."""
@@ -157,3 +122,68 @@ def scan_array(fh, about: int, chunk: int = 4 << 20) -> ArrayScan:
             break
     scan.finish()
     return scan
+
+
+@njit(cache=True, nogil=True)
+def item_commas(codes, depth, in_string, backslashes, commas):
+    """One pass over ``codes`` (a chunk's bytes), from the state the last chunk left (``depth``; ``in_string``; a
+    ``backslashes`` run inside a string that ended it, of which only the parity counts): the commas at depth 1
+    outside strings written to ``commas``. Returns ``(commas found, the closing bracket's byte: -1 if not in the
+    chunk, -2 where brackets close more than they opened, the opening bracket's byte: -1 if not in the chunk, then
+    the state at the chunk's end)``. Stops at the closing bracket."""
+    found, first = 0, -1
+    escaped = backslashes & 1
+    i, n = 0, codes.shape[0]
+    while i < n:
+        c = codes[i]
+        if in_string:
+            if escaped:
+                escaped = 0
+            elif c == 92:
+                escaped = 1
+            elif c == 34:
+                in_string = 0
+            i += 1
+            while in_string and not escaped and i < n and codes[i] != 34 and codes[i] != 92:
+                i += 1  # the body of a string, at the speed of a compare a byte
+            continue
+        if c == 34:
+            in_string = 1
+        elif c == 44:
+            if depth == 1:
+                commas[found] = i
+                found += 1
+        elif c == 91 or c == 123:
+            if depth == 0 and first < 0:
+                first = i
+            depth += 1
+        elif c == 93 or c == 125:
+            depth -= 1
+            if depth == 0:
+                return found, i, first, depth, in_string, escaped
+            if depth < 0:
+                return found, -2, first, depth, in_string, escaped
+        i += 1
+    return found, -1, first, depth, in_string, escaped
+
+
+def reference_item_commas(data: bytes) -> list[int]:
+    """The bytes of ``data`` (a whole JSON array) that are commas between its items, found one byte at a time."""
+    depth, inside, escaped, commas = 0, False, False, []
+    for i, byte in enumerate(data):
+        if inside:
+            if escaped:
+                escaped = False
+            elif byte == 92:
+                escaped = True
+            elif byte == 34:
+                inside = False
+        elif byte == 34:
+            inside = True
+        elif byte in b"[{":
+            depth += 1
+        elif byte in b"]}":
+            depth -= 1
+        elif byte == 44 and depth == 1:
+            commas.append(i)
+    return commas
