@@ -18,7 +18,8 @@ import stat
 import sys
 from typing import Any
 
-from .formats import _MAGIC, MAX_LINE_BYTES, _too_long
+from . import formats
+from .formats import _MAGIC, _too_long
 
 PARTIAL_SUFFIX = ".partial"
 STDIN = "<stdin>"  # the name of input "-" in messages
@@ -162,7 +163,7 @@ _COPIES: set[str] = set()
 def _copy_stream(path: str) -> str:
     """Copy stdin, a pipe or a FIFO to a temporary file once, and return its path.
 
-    Unless the stream is a compressed or a Parquet/Arrow file, a run of ``MAX_LINE_BYTES`` without a line
+    Unless the stream is a compressed or a Parquet/Arrow file, a run of ``formats.MAX_LINE_BYTES`` without a line
     end stops the copy there (``/dev/zero`` would otherwise fill the disk). A temporary folder that is full
     or cannot be written is one line naming the stream and ``TMPDIR``, and what to do."""
     import tempfile
@@ -202,7 +203,7 @@ def _copy_stream(path: str) -> str:
 
 
 class LineGuard:
-    """Whether the lines of a stream fed to it chunk by chunk stay within ``MAX_LINE_BYTES``; ``line``: the line
+    """Whether the lines of a stream fed to it chunk by chunk stay within ``formats.MAX_LINE_BYTES``; ``line``: the line
     being read (1-based)."""
 
     def __init__(self) -> None:
@@ -215,7 +216,7 @@ class LineGuard:
         else:
             self.line += chunk.count(b"\n")
             self.since = len(chunk) - end - 1
-        return self.since <= MAX_LINE_BYTES
+        return self.since <= formats.MAX_LINE_BYTES
 
 
 _HELD: dict[str, int] = {}  # a copy's path as the workers open it -> this process's descriptor of it
@@ -224,7 +225,7 @@ _HELD: dict[str, int] = {}  # a copy's path as the workers open it -> this proce
 def decompressed_copy(path: str) -> tuple[str, Any] | None:
     """The JSON file ``path`` (gzip, bzip2 or zstd) decompressed once into a temporary file: ``(its path, the
     ``array_items.ArrayScan`` of a JSON array, None for JSON Lines)``. The decompression stays bounded as when the
-    parent reads the file: it stops at a line (or an item) longer than ``MAX_LINE_BYTES``, and None is returned, as
+    parent reads the file: it stops at a line (or an item) longer than ``formats.MAX_LINE_BYTES``, and None is returned, as
     for a file that cannot be decompressed or a temporary folder without room: the parent then reads the file
     itself and names the fault. On Linux the copy is unlinked at once and read through this process's descriptor
     (``/proc/PID/fd/N``), so that nothing is left whatever ends the job, SIGKILL included; elsewhere it is removed

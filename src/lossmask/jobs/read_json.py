@@ -25,7 +25,8 @@ from typing import Iterator
 import pyarrow as pa
 
 from .display import json_kind, quoted, shortened
-from .formats import MAX_LINE_BYTES, _not_decompressed, _open_json, _too_long, unite_schemas
+from . import formats
+from .formats import _not_decompressed, _open_json, _too_long, unite_schemas
 
 INFER_LINES = 10_000  # JSON Lines: the rows of each file whose values fix the column types
 
@@ -122,9 +123,9 @@ def _decompressing(records: Iterator, name: str, codec: str) -> Iterator:
 
 
 def _lines(fh, name: str) -> Iterator[tuple[int, bytes]]:
-    """``(line number, bytes)`` for each non-blank line; a line over ``MAX_LINE_BYTES`` is refused as it is read."""
-    for number, raw in enumerate(iter(functools.partial(fh.readline, MAX_LINE_BYTES + 1), b""), start=1):
-        if len(raw) - raw.endswith(b"\n") > MAX_LINE_BYTES:
+    """``(line number, bytes)`` for each non-blank line; a line over ``formats.MAX_LINE_BYTES`` is refused as it is read."""
+    for number, raw in enumerate(iter(functools.partial(fh.readline, formats.MAX_LINE_BYTES + 1), b""), start=1):
+        if len(raw) - raw.endswith(b"\n") > formats.MAX_LINE_BYTES:
             raise _too_long(name, "line", number)
         if raw.strip():
             yield number, raw
@@ -135,7 +136,7 @@ _SPACE = re.compile(r"[ \t\r\n]*")
 
 def _array_items(fh, name: str, first: int = 0) -> Iterator[tuple[int, bytes]]:
     """``(item number, its JSON text on one line)`` for each item of a file holding one JSON array, read in
-    chunks: one item at a time is held in memory (at most ``MAX_LINE_BYTES``), not the whole array. ``first``: the
+    chunks: one item at a time is held in memory (at most ``formats.MAX_LINE_BYTES``), not the whole array. ``first``: the
     number of the first item (a worker reads a range of the array's items as an array of its own,
     ``jobs/slices.py``). A byte that is not UTF-8 is named by the item that holds it, wherever the chunks end."""
     import codecs
@@ -180,7 +181,7 @@ def _array_items(fh, name: str, first: int = 0) -> Iterator[tuple[int, bytes]]:
                                      "re-encode the file as UTF-8") from None
                 if ended:
                     raise ValueError(f"{name}, row {index}: not valid JSON ({exc.msg})") from None
-                if len(text) - pos > MAX_LINE_BYTES:
+                if len(text) - pos > formats.MAX_LINE_BYTES:
                     raise _too_long(name, "row", index) from None
                 read(max(1 << 20, 2 * (len(text) - pos)))  # the item may go on beyond the text read so far
             except RecursionError:

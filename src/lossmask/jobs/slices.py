@@ -15,10 +15,14 @@ workers then count each slice's rows (``count_json_lines``: its line ends, and i
 and the parent adds those counts up, so that each slice knows the job's row and the file's line it starts at before
 it is labelled. A worker reads its slice's bytes, cuts them into lines and reads runs of them as the parent reads
 JSON Lines (``read_json._json_table``: Arrow's JSON reader with the job's types, Python for the lines it refuses, each
-refused line named). A file that can be read only from its start is not sliced: JSON compressed with gzip, bzip2 or
-zstd (no offset in it can be sought without decompressing all before), and a file holding one JSON array (its items
-are found only by parsing it); those, and a line longer than ``formats.MAX_LINE_BYTES``, are read by the parent and
-handed out as batches, as any input is whose files are not all of one sliceable kind.
+refused line named). A line longer than ``formats.MAX_LINE_BYTES`` makes the parent read the files.
+
+A slice of a file holding one JSON array is a range of its bytes holding whole items (``JsonArraySlice``): the parent
+finds the commas between items (``array_items.ArrayScan``, numpy over the bytes, no row parsed), so it knows each
+slice's items before it is handed out. A worker reads its range between brackets with the reader of whole arrays
+(``read_json._array_items``), so an item at fault is named as when the file is read whole. A file compressed with
+gzip, bzip2 or zstd is decompressed once into a temporary copy (``InputFiles.decompressed``), then sliced as above.
+Input whose files cannot all be cut so is read by the parent and handed out as batches.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import pyarrow as pa
+
+from . import formats
 
 
 @dataclass(frozen=True)
@@ -221,8 +227,6 @@ def _joined_ranges(ranges: list[tuple[int, int, int, int]], about: int) -> Itera
 def _json_lines_file_slices(path: str, local: str, about: int) -> list[JsonLinesSlice] | None:
     """The byte ranges of a JSON Lines file, of about ``about`` bytes each, cut after a line end; None when a line
     is too long to cut after (the parent then reads the file and names the line)."""
-    from .formats import MAX_LINE_BYTES
-
     plan: list[JsonLinesSlice] = []
     with open(local, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -244,7 +248,7 @@ def _json_lines_file_slices(path: str, local: str, about: int) -> list[JsonLines
                         end = size
                         break
                     seen += len(chunk)
-                    if seen > MAX_LINE_BYTES:
+                    if seen > formats.MAX_LINE_BYTES:
                         return None
             plan.append(JsonLinesSlice(path, local, start, end))
             start = end
@@ -305,7 +309,7 @@ def read_json_lines_slice(piece: JsonLinesSlice, schema: pa.Schema, typed: bool,
     """The rows of ``piece`` as the parent reads JSON Lines (``read_json.read_json_lines``): runs of at most
     ``max_rows`` consecutive non-blank lines, each read as ``schema`` (``typed``: Arrow's types of the first rows),
     then cut into tables of about ``max_bytes``; a line that cannot be read is one ``ValueError`` naming it."""
-    from .formats import MAX_LINE_BYTES, _too_long
+    from .formats import _too_long
     from .read_json import _json_table
 
     lines = _slice_bytes(piece).split(b"\n")
@@ -313,7 +317,7 @@ def read_json_lines_slice(piece: JsonLinesSlice, schema: pa.Schema, typed: bool,
         for at in range(offset, offset + rows, max_rows):
             block = lines[at:min(at + max_rows, offset + rows)]
             for k, raw in enumerate(block):
-                if len(raw) > MAX_LINE_BYTES:
+                if len(raw) > formats.MAX_LINE_BYTES:
                     raise _too_long(piece.path, "line", piece.line + at + k)
             table = _json_table(piece.path, block, piece.line + at, schema, "line", typed=typed)
             for batch in table.to_batches():
