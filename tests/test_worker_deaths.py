@@ -176,6 +176,52 @@ def test_sigkill_of_a_worker_ends_the_job_with_one_line_and_leaves_nothing(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == [chats.name]
 
 
+# The job, run by a script that pauses it as it starts to commit its output (every part copied in, the footer not yet
+# written): it says so in a file (READY), then waits for another (GO), so that a test kills a process at that stage
+# without racing a clock.
+_PAUSED_AT_COMMIT = """
+import os, sys, time
+from lossmask.jobs.parquet_parts import PartsFile
+ready, go = sys.argv[1], sys.argv[2]
+close = PartsFile.close
+def paused(self):
+    open(ready, "w").close()
+    deadline = time.monotonic() + 300  # a hang guard, far past any wait of the test
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return close(self)
+PartsFile.close = paused
+from lossmask.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_sigkill_of_the_job_while_it_commits_its_output_ends_its_workers_and_the_rerun_cleans_up(tmp_path, chats):
+    out, ready, go = tmp_path / "out.parquet", tmp_path / "ready", tmp_path / "go"
+    job = subprocess.Popen([sys.executable, "-c", _PAUSED_AT_COMMIT, str(ready), str(go), "mask", str(chats),
+                            str(out), "--tokenizer", str(_tokenizer()), "--num-proc", "2", "--no-progress",
+                            "--max-drop-fraction", "1", "--report", str(tmp_path / "report.json")],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if not _wait(lambda: ready.exists() or job.poll() is not None, 300):
+        job.kill()
+    if not ready.exists():
+        _, err = job.communicate(timeout=60)
+        pytest.fail(f"the job did not reach its commit: {err[-2000:]}")
+    workers = _children(job.pid)
+    assert len(workers) == 2
+    job.kill()
+    job.wait(60)
+    _all_gone(workers)
+    job.communicate(timeout=60)
+    assert _partial(tmp_path) is not None  # left for the next job on OUTPUT to remove
+    rerun = subprocess.run([sys.executable, "-m", "lossmask", "mask", str(chats), str(out), "--tokenizer",
+                            str(_tokenizer()), "--no-progress", "--max-drop-fraction", "1", "--num-proc", "2"],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "out.parquet", "ready"]
+
+
 def test_the_line_of_a_killed_worker_names_the_signal_and_the_rows_it_held():
     from lossmask.jobs.workers import WorkerDied
 

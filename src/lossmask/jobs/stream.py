@@ -221,6 +221,11 @@ def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, token
         )
         if report_partial is not None:
             result.to_json(report_partial)
+        if pool is not None:  # a worker killed since its last part: the job stops, as at any other stage
+            died = pool.ended()
+            if died is not None:
+                raise WorkerDied(died.status, died.first_row, died.rows,
+                                 where=rows_where(dataset, died.first_row, died.rows))
         commit([(temporary, output)] + ([(report_partial, report)] if report is not None else []))
     except BaseException as exc:
         show(None, tally)
@@ -242,7 +247,6 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
     from .parquet_parts import PartsFile
     from .workers import in_order
 
-    source = step["source"]
     step = {name: value for name, value in step.items() if name != "tokenizer"}  # the workers have theirs
     parts = PartsFile(temporary, step["schema"], step["writer_options"])
     try:
