@@ -232,17 +232,24 @@ def test_the_line_of_a_killed_worker_names_the_signal_and_the_rows_it_held():
     assert "a worker process exited with status 3 before it took any rows; " in str(WorkerDied(3))
 
 
-def test_stdin_read_by_workers_gives_the_file_and_report_of_one_process(tmp_path, chats):
-    """Stdin is copied to a temporary file once, which the workers then read in byte ranges: the same output and
-    report as one process, the copy removed."""
+@pytest.mark.parametrize("shape", ["jsonl", "json.gz"], ids=["json-lines", "gzip-json-array"])
+def test_stdin_read_by_workers_gives_the_file_and_report_of_one_process(tmp_path, chats, shape):
+    """Stdin is copied to a temporary file once (JSON Lines, or a gzip JSON array, decompressed once more), which the
+    workers then read in byte ranges: the same output and report as one process, the copies removed."""
+    import gzip
     import json
 
     import pyarrow.parquet as pq
 
+    source = chats
+    if shape == "json.gz":
+        source = tmp_path / "chats.json.gz"
+        source.write_bytes(gzip.compress(("[" + ",\n".join(chats.read_text().splitlines()) + "]").encode()))
+        chats.unlink()
     outputs = {}
     for procs in ("1", "2"):
         out, report = tmp_path / f"out{procs}.parquet", tmp_path / f"report{procs}.json"
-        with open(chats, "rb") as stdin:
+        with open(source, "rb") as stdin:
             done = subprocess.run([sys.executable, "-m", "lossmask", "mask", "-", str(out), "--tokenizer",
                                    str(_tokenizer()), "--num-proc", procs, "--no-progress", "--max-drop-fraction", "1",
                                    "--report", str(report)], stdin=stdin, capture_output=True, text=True, timeout=600,
@@ -251,5 +258,6 @@ def test_stdin_read_by_workers_gives_the_file_and_report_of_one_process(tmp_path
         counts = json.loads(report.read_text())
         outputs[procs] = pq.read_table(out), {k: v for k, v in counts.items() if k not in ("seconds", "messages", "output")}
     assert outputs["1"][0].equals(outputs["2"][0]) and outputs["1"][1] == outputs["2"][1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "out1.parquet", "out2.parquet",
+    assert outputs["2"][1]["rows_in"] == 24_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name, "out1.parquet", "out2.parquet",
                                                         "report1.json", "report2.json"]
