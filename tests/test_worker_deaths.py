@@ -222,6 +222,50 @@ def test_sigkill_of_the_job_while_it_commits_its_output_ends_its_workers_and_the
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "out.parquet", "ready"]
 
 
+def _exited(pid: int) -> bool:
+    """Whether every thread of ``pid`` has ended: only then does its parent see it end (a killed process's main
+    thread shows as a zombie while its other threads are still ending)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    return not any(_alive(int(task)) for task in tasks)
+
+
+def test_sigkill_of_a_worker_while_the_job_commits_its_output_stops_it_with_one_line(tmp_path, chats):
+    out, ready, go = tmp_path / "out.parquet", tmp_path / "ready", tmp_path / "go"
+    job = subprocess.Popen([sys.executable, "-c", _PAUSED_AT_COMMIT, str(ready), str(go), "mask", str(chats),
+                            str(out), "--tokenizer", str(_tokenizer()), "--num-proc", "2", "--no-progress",
+                            "--max-drop-fraction", "1", "--report", str(tmp_path / "report.json")],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if not _wait(lambda: ready.exists() or job.poll() is not None, 300):
+        job.kill()
+    if not ready.exists():
+        _, err = job.communicate(timeout=60)
+        pytest.fail(f"the job did not reach its commit: {err[-2000:]}")
+    workers = _children(job.pid)
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    assert _wait(lambda: _exited(workers[0]), 120)
+    go.touch()
+    try:
+        _, err = job.communicate(timeout=60)  # a hang guard: the job ends at once
+    except subprocess.TimeoutExpired:
+        for pid in [*_children(job.pid), job.pid]:
+            os.kill(pid, signal.SIGKILL)
+        job.communicate()
+        pytest.fail("the job did not end after one of its workers was killed")
+    finally:
+        _all_gone(workers)
+    assert job.returncode == 1, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert "killed by signal 9 (SIGKILL" in lines[0] and " while it held rows " in lines[0], lines[0]
+    assert "chats.jsonl, lines " in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "go", "ready"]
+
+
 def test_the_line_of_a_killed_worker_names_the_signal_and_the_rows_it_held():
     from lossmask.jobs.workers import WorkerDied
 
