@@ -16,7 +16,8 @@ each per 1,000 chats; the parent's share of the job's CPU; and whether the outpu
 one worker is ``(parent + workers) / max(parent, workers / W)``.
 
 Marginal figures (``--marginal SMALL LARGE``): each ``num_proc`` runs a job of SMALL chats and one of LARGE (the
-chats repeated, Parquet in row groups of ``--row-group-size`` rows, or JSON Lines with ``--input-format jsonl``),
+chats repeated, Parquet in row groups of ``--row-group-size`` rows, or JSON with ``--input-format``: ``jsonl``,
+``jsonl.gz``, ``json``, one JSON array),
 and the CPU per chat is the difference of the
 two jobs' CPU over the difference of their chats, so that set-up (forks, markers, the first batches) cancels. For
 each: the marginal CPU per chat of the parent and of the workers, the parent's share (the serial fraction: the
@@ -26,6 +27,7 @@ the work out costs), and the wall speed-up of the large job.
     python benchmarks/bench_workers.py --corpus sharegpt --rows 4000
     python benchmarks/bench_workers.py --marginal 10000 40000 --families qwen2.5 --procs 1 2 --rounds 3
     python benchmarks/bench_workers.py --marginal 10000 40000 --families qwen2.5 --procs 1 2 --input-format jsonl
+    python benchmarks/bench_workers.py --marginal 10000 40000 --families qwen2.5 --procs 1 2 --input-format json
     python benchmarks/bench_workers.py --rows 20000 --procs 1 2 4 8 16 --json out.json   # a larger machine
     pytest benchmarks/bench_workers.py --benchmark-enable -s     # LOSSMASK_BENCH_WORKER_ROWS (default 4000)
 """
@@ -130,7 +132,8 @@ def measure_marginal(small: int, large: int, families: list[str], procs: list[in
                      row_group_size: int, input_format: str = "parquet") -> list[dict]:
     """Per family and ``num_proc``: the medians over ``rounds`` of the marginal CPU per chat (parent, workers) between
     a job of ``small`` and one of ``large`` chats, and the large job's wall. ``input_format``: the chats as Parquet
-    (row groups of ``row_group_size``) or JSON Lines (``jsonl``)."""
+    (row groups of ``row_group_size``), JSON Lines (``jsonl``), gzip JSON Lines (``jsonl.gz``) or one JSON array
+    (``json``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -141,10 +144,17 @@ def measure_marginal(small: int, large: int, families: list[str], procs: list[in
         sources = {}
         for rows in (small, large):
             repeated = (chats * (-(-rows // len(chats))))[:rows]
-            if input_format == "jsonl":
-                sources[rows] = folder / f"chats{rows}.jsonl"
-                with open(sources[rows], "w", encoding="utf-8") as fh:
-                    fh.writelines(json.dumps({"messages": chat}, ensure_ascii=False) + "\n" for chat in repeated)
+            if input_format in ("jsonl", "jsonl.gz", "json"):
+                import gzip
+
+                sources[rows] = folder / f"chats{rows}.{input_format}"
+                opened = gzip.open if input_format.endswith(".gz") else open
+                with opened(sources[rows], "wt", encoding="utf-8") as fh:
+                    texts = (json.dumps({"messages": chat}, ensure_ascii=False) for chat in repeated)
+                    if input_format == "json":  # one JSON array, an item a line, as json.dump(indent=...) writes
+                        fh.write("[\n" + ",\n".join(texts) + "\n]\n")
+                    else:
+                        fh.writelines(text + "\n" for text in texts)
             else:
                 sources[rows] = folder / f"chats{rows}.parquet"
                 pq.write_table(pa.table({"messages": repeated}), sources[rows], row_group_size=row_group_size)
@@ -205,8 +215,8 @@ def main(argv=None) -> None:
                         help="marginal CPU per chat between a job of SMALL chats and one of LARGE")
     parser.add_argument("--row-group-size", type=int, default=1_000,
                         help="rows per Parquet row group of --marginal's input (default 1,000, as datasets writes)")
-    parser.add_argument("--input-format", choices=("parquet", "jsonl"), default="parquet",
-                        help="--marginal's input: Parquet (default) or JSON Lines")
+    parser.add_argument("--input-format", choices=("parquet", "jsonl", "jsonl.gz", "json"), default="parquet",
+                        help="--marginal's input: Parquet (default), JSON Lines, gzip JSON Lines or one JSON array")
     args = parser.parse_args(argv)
     procs = args.procs or list(range(1, len(os.sched_getaffinity(0)) + 1))
     print(f"start: {uptime()}", flush=True)
@@ -214,7 +224,8 @@ def main(argv=None) -> None:
         results = measure_marginal(*args.marginal, args.families, procs, args.rounds, args.corpus,
                                    args.row_group_size, args.input_format)
         load = uptime()
-        shape = (f"row groups of {args.row_group_size:,}" if args.input_format == "parquet" else "JSON Lines")
+        shape = {"parquet": f"row groups of {args.row_group_size:,}", "jsonl": "JSON Lines",
+                 "jsonl.gz": "gzip JSON Lines", "json": "one JSON array"}[args.input_format]
         print(f"{args.marginal[0]:,} and {args.marginal[1]:,} chats ({args.corpus}, {shape}), "
               f"{len(os.sched_getaffinity(0))} cores")
         print(marginal_table(results, load))

@@ -176,6 +176,96 @@ def test_sigkill_of_a_worker_ends_the_job_with_one_line_and_leaves_nothing(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == [chats.name]
 
 
+# The job, run by a script that pauses it as it starts to commit its output (every part copied in, the footer not yet
+# written): it says so in a file (READY), then waits for another (GO), so that a test kills a process at that stage
+# without racing a clock.
+_PAUSED_AT_COMMIT = """
+import os, sys, time
+from lossmask.jobs.parquet_parts import PartsFile
+ready, go = sys.argv[1], sys.argv[2]
+close = PartsFile.close
+def paused(self):
+    open(ready, "w").close()
+    deadline = time.monotonic() + 300  # a hang guard, far past any wait of the test
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return close(self)
+PartsFile.close = paused
+from lossmask.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_sigkill_of_the_job_while_it_commits_its_output_ends_its_workers_and_the_rerun_cleans_up(tmp_path, chats):
+    out, ready, go = tmp_path / "out.parquet", tmp_path / "ready", tmp_path / "go"
+    job = subprocess.Popen([sys.executable, "-c", _PAUSED_AT_COMMIT, str(ready), str(go), "mask", str(chats),
+                            str(out), "--tokenizer", str(_tokenizer()), "--num-proc", "2", "--no-progress",
+                            "--max-drop-fraction", "1", "--report", str(tmp_path / "report.json")],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if not _wait(lambda: ready.exists() or job.poll() is not None, 300):
+        job.kill()
+    if not ready.exists():
+        _, err = job.communicate(timeout=60)
+        pytest.fail(f"the job did not reach its commit: {err[-2000:]}")
+    workers = _children(job.pid)
+    assert len(workers) == 2
+    job.kill()
+    job.wait(60)
+    _all_gone(workers)
+    job.communicate(timeout=60)
+    assert _partial(tmp_path) is not None  # left for the next job on OUTPUT to remove
+    rerun = subprocess.run([sys.executable, "-m", "lossmask", "mask", str(chats), str(out), "--tokenizer",
+                            str(_tokenizer()), "--no-progress", "--max-drop-fraction", "1", "--num-proc", "2"],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "out.parquet", "ready"]
+
+
+def _exited(pid: int) -> bool:
+    """Whether every thread of ``pid`` has ended: only then does its parent see it end (a killed process's main
+    thread shows as a zombie while its other threads are still ending)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    return not any(_alive(int(task)) for task in tasks)
+
+
+def test_sigkill_of_a_worker_while_the_job_commits_its_output_stops_it_with_one_line(tmp_path, chats):
+    out, ready, go = tmp_path / "out.parquet", tmp_path / "ready", tmp_path / "go"
+    job = subprocess.Popen([sys.executable, "-c", _PAUSED_AT_COMMIT, str(ready), str(go), "mask", str(chats),
+                            str(out), "--tokenizer", str(_tokenizer()), "--num-proc", "2", "--no-progress",
+                            "--max-drop-fraction", "1", "--report", str(tmp_path / "report.json")],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if not _wait(lambda: ready.exists() or job.poll() is not None, 300):
+        job.kill()
+    if not ready.exists():
+        _, err = job.communicate(timeout=60)
+        pytest.fail(f"the job did not reach its commit: {err[-2000:]}")
+    workers = _children(job.pid)
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    assert _wait(lambda: _exited(workers[0]), 120)
+    go.touch()
+    try:
+        _, err = job.communicate(timeout=60)  # a hang guard: the job ends at once
+    except subprocess.TimeoutExpired:
+        for pid in [*_children(job.pid), job.pid]:
+            os.kill(pid, signal.SIGKILL)
+        job.communicate()
+        pytest.fail("the job did not end after one of its workers was killed")
+    finally:
+        _all_gone(workers)
+    assert job.returncode == 1, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert "killed by signal 9 (SIGKILL" in lines[0] and " while it held rows " in lines[0], lines[0]
+    assert "chats.jsonl, lines " in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "go", "ready"]
+
+
 def test_the_line_of_a_killed_worker_names_the_signal_and_the_rows_it_held():
     from lossmask.jobs.workers import WorkerDied
 
@@ -186,17 +276,24 @@ def test_the_line_of_a_killed_worker_names_the_signal_and_the_rows_it_held():
     assert "a worker process exited with status 3 before it took any rows; " in str(WorkerDied(3))
 
 
-def test_stdin_read_by_workers_gives_the_file_and_report_of_one_process(tmp_path, chats):
-    """Stdin is copied to a temporary file once, which the workers then read in byte ranges: the same output and
-    report as one process, the copy removed."""
+@pytest.mark.parametrize("shape", ["jsonl", "json.gz"], ids=["json-lines", "gzip-json-array"])
+def test_stdin_read_by_workers_gives_the_file_and_report_of_one_process(tmp_path, chats, shape):
+    """Stdin is copied to a temporary file once (JSON Lines, or a gzip JSON array, decompressed once more), which the
+    workers then read in byte ranges: the same output and report as one process, the copies removed."""
+    import gzip
     import json
 
     import pyarrow.parquet as pq
 
+    source = chats
+    if shape == "json.gz":
+        source = tmp_path / "chats.json.gz"
+        source.write_bytes(gzip.compress(("[" + ",\n".join(chats.read_text().splitlines()) + "]").encode()))
+        chats.unlink()
     outputs = {}
     for procs in ("1", "2"):
         out, report = tmp_path / f"out{procs}.parquet", tmp_path / f"report{procs}.json"
-        with open(chats, "rb") as stdin:
+        with open(source, "rb") as stdin:
             done = subprocess.run([sys.executable, "-m", "lossmask", "mask", "-", str(out), "--tokenizer",
                                    str(_tokenizer()), "--num-proc", procs, "--no-progress", "--max-drop-fraction", "1",
                                    "--report", str(report)], stdin=stdin, capture_output=True, text=True, timeout=600,
@@ -205,5 +302,6 @@ def test_stdin_read_by_workers_gives_the_file_and_report_of_one_process(tmp_path
         counts = json.loads(report.read_text())
         outputs[procs] = pq.read_table(out), {k: v for k, v in counts.items() if k not in ("seconds", "messages", "output")}
     assert outputs["1"][0].equals(outputs["2"][0]) and outputs["1"][1] == outputs["2"][1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "out1.parquet", "out2.parquet",
+    assert outputs["2"][1]["rows_in"] == 24_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name, "out1.parquet", "out2.parquet",
                                                         "report1.json", "report2.json"]

@@ -4,6 +4,8 @@ every row counted once, nothing left behind when a worker fails; ``hf.mask_datas
 from __future__ import annotations
 
 import json
+import os
+import re
 import warnings
 from pathlib import Path
 
@@ -273,33 +275,146 @@ def test_a_part_written_to_a_file_is_copied_in_and_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["joined.parquet"]
 
 
-@pytest.mark.parametrize("shape", ["json-array", "gzip"])
-def test_workers_on_input_the_parent_reads_write_the_file_and_report_of_one_process(tmp_path, eight_cores, shape):
+def _sliced(monkeypatch) -> list:
+    """The plans ``json_slices`` returns in this process, recorded as the job makes them."""
+    import lossmask.jobs.slices as slices
+
+    plans, plan = [], slices.json_slices
+    monkeypatch.setattr(slices, "json_slices", lambda *a: plans.append(plan(*a)) or plans[-1])
+    return plans
+
+
+def _write_shape(folder: Path, lines: list[str], shape: str) -> str:
+    """``lines`` (JSON objects) written as a JSON array, gzip JSON Lines, a gzip JSON array or a glob of all three."""
     import gzip
+
+    array = lambda rows: "[\n" + ",\n".join(rows) + "\n]\n"  # noqa: E731
+    if shape == "json-array":
+        (folder / "chats.json").write_text(array(lines))
+        return str(folder / "chats.json")
+    if shape == "gzip":
+        (folder / "chats.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+        return str(folder / "chats.jsonl.gz")
+    if shape == "gzip-array":
+        (folder / "chats.json.gz").write_bytes(gzip.compress(array(lines).encode()))
+        return str(folder / "chats.json.gz")
+    third = len(lines) // 3
+    (folder / "in").mkdir()
+    (folder / "in" / "a.json").write_text("[" + ",".join(lines[:third]) + "]")  # one line
+    (folder / "in" / "b.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines[third:2 * third]) + "\n").encode()))
+    (folder / "in" / "c.jsonl").write_text("\n".join(lines[2 * third:]) + "\n")
+    return str(folder / "in" / "*")
+
+
+@pytest.mark.parametrize("shape", ["json-array", "gzip", "gzip-array", "glob"])
+def test_workers_slicing_json_arrays_and_compressed_json_write_the_file_and_report_of_one_process(
+        tmp_path, eight_cores, monkeypatch, shape):
+    """JSON arrays and gzip JSON (Lines or array) are cut into byte ranges that the workers read themselves (a
+    compressed file from its decompressed copy): the same file, report and row names as one process, nothing left."""
+    import tempfile
 
     from conftest import chat_tokenizer
 
     lines = _chats(tmp_path, copies=40).read_text().splitlines()
     (tmp_path / "chats.jsonl").unlink()
-    if shape == "json-array":
-        source = tmp_path / "chats.json"
-        source.write_text("[\n" + ",\n".join(lines) + "\n]\n")
-    else:
-        source = tmp_path / "chats.jsonl.gz"
-        source.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
-    kwargs = dict(tokenizer=chat_tokenizer("qwen2.5"), keep_dropped=True, max_drop_fraction=1.0)
+    source = _write_shape(tmp_path, lines, shape)
+    temporary = tmp_path.parent / f"{tmp_path.name}-tmp"  # where the decompressed copies are made
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    plans = _sliced(monkeypatch)
+    kwargs = dict(tokenizer=chat_tokenizer("qwen2.5"), keep_dropped=True, max_drop_fraction=1.0, max_length=300,
+                  batch_size=256)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         one = mask_files(source, tmp_path / "one.parquet", **kwargs)
         two = mask_files(source, tmp_path / "two.parquet", num_proc=2, **kwargs)
+    assert len(plans) == 1 and plans[0] is not None and len(plans[0]) >= 4  # read by the workers, in slices
     assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "two.parquet"))
     assert _report(one) == _report(two) and one.invalid_examples == two.invalid_examples
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, "one.parquet", "two.parquet"])
+    assert two.rows_in == len(lines) and one.invalid_examples
+    if shape == "glob":
+        assert any("a.json, row " in e for e in two.invalid_examples)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [Path(source).name if shape != "glob" else "in", "one.parquet", "two.parquet"])
+    assert list(temporary.iterdir()) == []
+
+
+@pytest.mark.parametrize("fault", ["not-json", "unbalanced", "not-an-object", "no-comma", "not-utf-8",
+                                   "trailing-comma", "after-the-array"])
+@pytest.mark.parametrize("gzipped", [False, True], ids=["plain", "gzip"])
+def test_a_malformed_item_of_a_json_array_read_by_workers_is_the_line_of_one_process(tmp_path, eight_cores, fault,
+                                                                                       gzipped, monkeypatch):
+    """Past the first rows (which fix the schema), a fault that an item holds is found by the worker reading it;
+    one at the array's end makes the parent read the file itself. Either way: one process's line."""
+    import gzip
+
+    from conftest import chat_tokenizer
+
+    rows = EXAMPLES.read_text().splitlines() * 100  # 12,000 items; item 11,000 is past the first rows
+    text = "[\n" + ",\n".join(rows) + "\n]\n"
+    at = text.index(rows[11_000], sum(len(r) + 2 for r in rows[:11_000]))
+    broken = {"not-json": text[:at] + '{"messages": nope}' + text[at + len(rows[11_000]):],
+              "unbalanced": text[:at] + '{"messages": [}' + text[at + len(rows[11_000]):],
+              "not-an-object": text[:at] + "[1, 2]" + text[at + len(rows[11_000]):],
+              "no-comma": text[:at - 2] + " " + text[at - 1:],
+              "not-utf-8": None,
+              "trailing-comma": text.rstrip()[:-1].rstrip() + ",\n]",
+              "after-the-array": text + "{}"}[fault]
+    data = broken.encode() if broken is not None else text[:at + 18].encode() + b"\xff" + text[at + 19:].encode()
+    source = tmp_path / ("chats.json.gz" if gzipped else "chats.json")
+    source.write_bytes(gzip.compress(data) if gzipped else data)
+    kwargs = dict(tokenizer=chat_tokenizer("qwen2.5"), max_drop_fraction=1.0, batch_size=256)
+    plans = _sliced(monkeypatch)
+    with pytest.raises(ValueError) as one:
+        mask_files(source, tmp_path / "one.parquet", **kwargs)
+    with pytest.raises(ValueError) as two:
+        mask_files(source, tmp_path / "two.parquet", num_proc=2, **kwargs)
+    assert str(one.value) == str(two.value) and len(str(two.value).splitlines()) == 1
+    assert "chats.json" in str(two.value)
+    assert (plans == [None]) == (fault in ("unbalanced", "trailing-comma", "after-the-array"))
+    if fault != "after-the-array":  # the item at fault (the one before a missing comma; after a trailing one)
+        assert re.search(r", row (10999|11000|12000): ", str(two.value))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]
+
+
+def test_json_array_items_are_found_in_any_chunks_as_a_plain_scan_finds_them():
+    """The scan's kernel (``array_items.ArrayScan``) against a plain byte-by-byte reading, on arrays whose strings
+    hold brackets, commas, quotes and runs of backslashes, fed in chunks that cut them anywhere."""
+    import io
+    import random
+
+    from lossmask.jobs.array_items import ArrayScan, reference_item_commas, scan_array
+
+    rng = random.Random(7)
+    text = lambda: "".join(rng.choice(['a', '\\', '"', ',', '[', '{', '}', ']', ' ', 'é', '\n'])  # noqa: E731
+                           for _ in range(rng.randint(0, 12)))
+    for _ in range(60):
+        items = [{"k" + text(): [text(), {"x": text()}, 1]} for _ in range(rng.randint(1, 30))]
+        data = json.dumps(items, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1])).encode()
+        commas = reference_item_commas(data)
+        for chunk in (1, 3, 64, 1 << 20):
+            scan = ArrayScan(rng.choice([1, 50, 10 ** 6]))
+            for at in range(0, len(data), chunk):
+                assert scan.feed(data[at:at + chunk])
+            assert scan.finish() and scan.items == len(items)
+            assert all(comma in commas for comma, _ in scan.cuts)
+            assert scan.separators == len(commas)
+            read = []
+            for start, end, first, count in scan.ranges:
+                assert first == len(read) and (end == len(data) - 1 or end in commas)
+                read += json.loads(b"[" + data[start:end] + b"]")
+                assert len(read) == first + count
+            assert read == items
+    for data, items in [(b"[]", 0), (b" [ ] \n", 0), (b"\xef\xbb\xbf[{}]", 1)]:
+        scan = scan_array(io.BytesIO(data), 1)
+        assert not scan.failed and scan.items == items
+    for data in [b"[1,2,]", b"[1,2] x", b"[1,2", b"[1]]", b"x[1]", b'["a]', b"{}", b"[1}"]:
+        assert scan_array(io.BytesIO(data), 1).failed
 
 
 def test_json_lines_slices_are_cut_at_line_ends_and_counted_with_their_blank_lines(tmp_path):
     from lossmask.jobs.inputs import open_inputs
-    from lossmask.jobs.slices import count_json_lines, counted, json_lines_slices
+    from lossmask.jobs.slices import _json_lines_file_slices, count_json_lines, counted
 
     rows = [json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]})
             for i in range(300)]
@@ -307,7 +422,7 @@ def test_json_lines_slices_are_cut_at_line_ends_and_counted_with_their_blank_lin
     (tmp_path / "a.jsonl").write_text(text)
     (tmp_path / "b.jsonl").write_text("\n".join(rows[:50]) + "\n")
     files = open_inputs(str(tmp_path / "*.jsonl"))
-    plan = json_lines_slices(files, 1_000)
+    plan = [piece for path in files.paths for piece in _json_lines_file_slices(path, files._local(path), 1_000)]
     data = {p: open(files._local(p), "rb").read() for p in files.paths}
     assert all(p.start == 0 or data[p.path][p.start - 1:p.start] == b"\n" for p in plan)  # each starts a line
     assert [(p.path, p.end) for p in plan if p.end == len(data[p.path])] == [(path, len(data[path])) for path in data]
@@ -325,17 +440,25 @@ def test_json_lines_slices_are_cut_at_line_ends_and_counted_with_their_blank_lin
     assert files.where(150) == f"{tmp_path / 'a.jsonl'}, line {real[150][1]}" and real[150][1] == 153
 
 
-def test_compressed_json_and_json_arrays_are_not_cut_into_byte_ranges(tmp_path):
+def test_a_compressed_file_is_decompressed_once_to_a_copy_that_is_gone_once_closed(tmp_path):
     import gzip
 
     from lossmask.jobs.inputs import open_inputs
-    from lossmask.jobs.slices import json_lines_slices
+    from lossmask.jobs.slices import JsonArraySlice, JsonLinesSlice, json_slices
 
     line = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
-    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress((line + "\n").encode() * 100))
-    (tmp_path / "b.json").write_text("[" + ",\n".join([line] * 100) + "]")
-    for name in ("a.jsonl.gz", "b.json"):
-        assert json_lines_slices(open_inputs(tmp_path / name), 100) is None
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress((line + "\n").encode() * 20_000))
+    (tmp_path / "b.json.gz").write_bytes(gzip.compress(("[" + ",\n".join([line] * 20_000) + "]").encode()))
+    files = open_inputs(str(tmp_path / "*.gz"))
+    plan = json_slices(files, 1_000, 2)
+    assert {type(p) for p in plan} == {JsonLinesSlice, JsonArraySlice} and len(plan) >= 8
+    copies = {p.local for p in plan}
+    assert len(copies) == 2 and all(os.path.getsize(c) > 1_000_000 for c in copies)
+    assert sum(p.num_rows for p in plan if isinstance(p, JsonArraySlice)) == 20_000
+    files.close()
+    assert not any(os.path.exists(c) for c in copies)
+    (tmp_path / "c.json.gz").write_bytes(gzip.compress(("[" + ",".join([line] * 10_001) + "] and more").encode()))
+    assert json_slices(open_inputs(tmp_path / "c.json.gz"), 1_000, 2) is None  # the parent reads it, and says so
 
 
 def test_workers_reading_their_own_json_lines_write_the_file_and_report_of_one_process(tmp_path, eight_cores):

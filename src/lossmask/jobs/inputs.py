@@ -26,7 +26,8 @@ import pyarrow as pa
 
 from .display import escaped
 from .formats import _check_utf8, _first_line, _format_of, _holds_text, unite_schemas
-from .locations import PARTIAL_SUFFIX, _copy_stream, _list_paths, _read_once, _remove_copy
+from .locations import (PARTIAL_SUFFIX, _copy_stream, _list_paths, _read_once, _remove_copy, decompressed_copy,
+                        remove_copy)
 from .read_arrow import _parquet_batches, _scanned_batches
 from .read_json import _Head, _typed_json_inputs, json_lines_schema, read_json_lines
 
@@ -59,14 +60,27 @@ class InputFiles:
                            else None)
         self._segments: list[_Segment] = []
         self._starts: list[int] = []
+        self._decompressed: dict[str, Any] = {}
 
     def close(self) -> None:
-        """Remove the temporary copies of stdin and pipes (also done at exit, should a job not call this)."""
+        """Remove the temporary copies of stdin and pipes, and the decompressed ones (also done at exit, should a
+        job not call this)."""
         for copy in self.copies.values():
             _remove_copy(copy)
+        for copied in self._decompressed.values():
+            if copied is not None:
+                remove_copy(copied[0])
+        self._decompressed.clear()
 
     def _local(self, path: str) -> str:
         return self.copies.get(path, path)
+
+    def decompressed(self, path: str) -> tuple[str, Any] | None:
+        """The compressed JSON file ``path`` decompressed once into a temporary copy, for workers to read slices of
+        (``locations.decompressed_copy``): ``(its path, the scan of a JSON array or None)``; None when it cannot be."""
+        if path not in self._decompressed:
+            self._decompressed[path] = decompressed_copy(self._local(path))
+        return self._decompressed[path]
 
     # -- reading -------------------------------------------------------------------------------------
 
@@ -140,8 +154,8 @@ class InputFiles:
 
     def sliceable(self) -> str | None:
         """How workers can read this input's rows themselves (``jobs/slices.py``): ``"parquet"`` for Parquet files of
-        the job's own schema, ``"json"`` for JSON Lines (the files' bytes are cut at line ends, once it is known that
-        they are neither compressed nor a JSON array); None otherwise."""
+        the job's own schema, ``"json"`` for JSON (byte ranges of JSON Lines cut at line ends, of a JSON array cut
+        between items, of a compressed file's decompressed copy); None otherwise."""
         if self.format == "parquet" and all(s.equals(self.schema) for s in self.file_schemas):
             return "parquet"
         return "json" if self.format == "json" else None

@@ -10,6 +10,7 @@ exit).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fnmatch
 import glob
 import os
@@ -17,7 +18,8 @@ import stat
 import sys
 from typing import Any
 
-from .formats import _MAGIC, MAX_LINE_BYTES, _too_long
+from . import formats
+from .formats import _MAGIC, _too_long
 
 PARTIAL_SUFFIX = ".partial"
 STDIN = "<stdin>"  # the name of input "-" in messages
@@ -161,7 +163,7 @@ _COPIES: set[str] = set()
 def _copy_stream(path: str) -> str:
     """Copy stdin, a pipe or a FIFO to a temporary file once, and return its path.
 
-    Unless the stream is a compressed or a Parquet/Arrow file, a run of ``MAX_LINE_BYTES`` without a line
+    Unless the stream is a compressed or a Parquet/Arrow file, a run of ``formats.MAX_LINE_BYTES`` without a line
     end stops the copy there (``/dev/zero`` would otherwise fill the disk). A temporary folder that is full
     or cannot be written is one line naming the stream and ``TMPDIR``, and what to do."""
     import tempfile
@@ -176,7 +178,7 @@ def _copy_stream(path: str) -> str:
     reading = False
     try:
         with os.fdopen(fd, "wb") as out, (sys.stdin.buffer if path == STDIN else open(path, "rb")) as stream:
-            check, line, since = None, 1, 0
+            check = None
             while True:
                 reading = True
                 chunk = stream.read(1 << 20)
@@ -184,16 +186,10 @@ def _copy_stream(path: str) -> str:
                 if not chunk:
                     break
                 if check is None:
-                    check = not chunk.startswith((b"PAR1", b"ARROW1", b"FEA1", *(magic for magic, _ in _MAGIC)))
-                if check:
-                    end = chunk.rfind(b"\n")
-                    if end < 0:
-                        since += len(chunk)
-                    else:
-                        line += chunk.count(b"\n")
-                        since = len(chunk) - end - 1
-                    if since > MAX_LINE_BYTES:
-                        raise _too_long(path, "line", line)
+                    check = None if chunk.startswith((b"PAR1", b"ARROW1", b"FEA1", *(m for m, _ in _MAGIC))) \
+                        else LineGuard()
+                if check is not None and not check.feed(chunk):
+                    raise _too_long(path, "line", check.line)
                 out.write(chunk)
     except OSError as exc:
         _remove_copy(copy)
@@ -204,6 +200,90 @@ def _copy_stream(path: str) -> str:
         _remove_copy(copy)
         raise
     return copy
+
+
+class LineGuard:
+    """Whether the lines of a stream fed to it chunk by chunk stay within ``formats.MAX_LINE_BYTES``; ``line``: the line
+    being read (1-based)."""
+
+    def __init__(self) -> None:
+        self.line, self.since = 1, 0
+
+    def feed(self, chunk: bytes) -> bool:
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            self.since += len(chunk)
+        else:
+            self.line += chunk.count(b"\n")
+            self.since = len(chunk) - end - 1
+        return self.since <= formats.MAX_LINE_BYTES
+
+
+_HELD: dict[str, int] = {}  # a copy's path as the workers open it -> this process's descriptor of it
+
+
+def decompressed_copy(path: str) -> tuple[str, Any] | None:
+    """The JSON file ``path`` (gzip, bzip2 or zstd) decompressed once into a temporary file: ``(its path, the
+    ``array_items.ArrayScan`` of a JSON array, None for JSON Lines)``. The decompression stays bounded as when the
+    parent reads the file: it stops at a line (or an item) longer than ``formats.MAX_LINE_BYTES``, and None is returned, as
+    for a file that cannot be decompressed or a temporary folder without room: the parent then reads the file
+    itself and names the fault. On Linux the copy is unlinked at once and read through this process's descriptor
+    (``/proc/PID/fd/N``), so that nothing is left whatever ends the job, SIGKILL included; elsewhere it is removed
+    with the job, and at exit. ``remove_copy`` closes it."""
+    import tempfile
+    import zlib
+
+    import pyarrow as pa
+
+    from .array_items import FINE, WHITE, ArrayScan
+    from .formats import _open_json
+
+    try:
+        fd, copy = tempfile.mkstemp(prefix="lossmask-input-", suffix=".json")
+    except OSError:
+        return None
+    local = copy
+    if sys.platform.startswith("linux") and os.path.exists(f"/proc/{os.getpid()}/fd/{fd}"):
+        os.remove(copy)
+        local = f"/proc/{os.getpid()}/fd/{fd}"
+        _HELD[local] = fd
+    else:
+        os.close(fd)
+        _COPIES.add(copy)
+        if len(_COPIES) == 1:
+            atexit.register(_remove_copies)
+    scan = None
+    try:
+        source, _ = _open_json(path)
+        with source, open(local, "wb") as out:
+            guard: Any = None
+            while True:
+                chunk = source.read(4 << 20)
+                if not chunk:
+                    break
+                if guard is None:
+                    array = chunk.lstrip(b"\xef\xbb\xbf" + WHITE).startswith(b"[")
+                    guard = ArrayScan(FINE) if array else LineGuard()
+                    scan = guard if array else None
+                if not guard.feed(chunk):
+                    raise EOFError("too long")
+                out.write(chunk)
+        if scan is not None and not scan.finish():
+            raise EOFError("not an array that can be cut")
+    except (OSError, EOFError, ValueError, zlib.error, pa.ArrowException):
+        remove_copy(local)
+        return None
+    return local, scan
+
+
+def remove_copy(local: str) -> None:
+    """Remove a temporary copy (``_copy_stream``, ``decompressed_copy``)."""
+    fd = _HELD.pop(local, None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    else:
+        _remove_copy(local)
 
 
 def _no_room(path: str, folder: str, exc: OSError) -> OSError:

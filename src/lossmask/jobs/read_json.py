@@ -25,7 +25,8 @@ from typing import Iterator
 import pyarrow as pa
 
 from .display import json_kind, quoted, shortened
-from .formats import MAX_LINE_BYTES, _not_decompressed, _open_json, _too_long, unite_schemas
+from . import formats
+from .formats import _not_decompressed, _open_json, _too_long, unite_schemas
 
 INFER_LINES = 10_000  # JSON Lines: the rows of each file whose values fix the column types
 
@@ -122,9 +123,9 @@ def _decompressing(records: Iterator, name: str, codec: str) -> Iterator:
 
 
 def _lines(fh, name: str) -> Iterator[tuple[int, bytes]]:
-    """``(line number, bytes)`` for each non-blank line; a line over ``MAX_LINE_BYTES`` is refused as it is read."""
-    for number, raw in enumerate(iter(functools.partial(fh.readline, MAX_LINE_BYTES + 1), b""), start=1):
-        if len(raw) - raw.endswith(b"\n") > MAX_LINE_BYTES:
+    """``(line number, bytes)`` for each non-blank line; a line over ``formats.MAX_LINE_BYTES`` is refused as it is read."""
+    for number, raw in enumerate(iter(functools.partial(fh.readline, formats.MAX_LINE_BYTES + 1), b""), start=1):
+        if len(raw) - raw.endswith(b"\n") > formats.MAX_LINE_BYTES:
             raise _too_long(name, "line", number)
         if raw.strip():
             yield number, raw
@@ -133,25 +134,24 @@ def _lines(fh, name: str) -> Iterator[tuple[int, bytes]]:
 _SPACE = re.compile(r"[ \t\r\n]*")
 
 
-def _array_items(fh, name: str) -> Iterator[tuple[int, bytes]]:
+def _array_items(fh, name: str, first: int = 0) -> Iterator[tuple[int, bytes]]:
     """``(item number, its JSON text on one line)`` for each item of a file holding one JSON array, read in
-    chunks: one item at a time is held in memory (at most ``MAX_LINE_BYTES``), not the whole array."""
+    chunks: one item at a time is held in memory (at most ``formats.MAX_LINE_BYTES``), not the whole array. ``first``: the
+    number of the first item (a worker reads a range of the array's items as an array of its own,
+    ``jobs/slices.py``). A byte that is not UTF-8 is named by the item that holds it, wherever the chunks end."""
     import codecs
 
-    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    # a byte that is not UTF-8 is kept as a lone surrogate, which encoding the item refuses, naming it
+    decoder = codecs.getincrementaldecoder("utf-8-sig")("surrogateescape")
     scan = json.JSONDecoder().raw_decode
-    text, pos, index, ended = "", 0, 0, False
+    text, pos, index, ended = "", 0, first, False
 
     def read(size: int = 1 << 20) -> bool:
         """Append the next ``size`` bytes to ``text`` (dropping what was parsed); False at the end of the file."""
         nonlocal text, pos, ended
         data = fh.read(size)
         ended = not data
-        try:
-            text = text[pos:] + decoder.decode(data, final=ended)
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{name}, row {index}: not UTF-8 (byte 0x{exc.object[exc.start]:02x}); re-encode the file "
-                             "as UTF-8") from None
+        text = text[pos:] + decoder.decode(data, final=ended)
         pos = 0
         return not ended
 
@@ -176,9 +176,12 @@ def _array_items(fh, name: str) -> Iterator[tuple[int, bytes]]:
                 value, end = scan(text, pos)
                 break
             except json.JSONDecodeError as exc:
+                if ended and "\udc80" <= text[exc.pos:exc.pos + 1] <= "\udcff":
+                    raise ValueError(f"{name}, row {index}: not UTF-8 (byte 0x{ord(text[exc.pos]) & 0xff:02x}); "
+                                     "re-encode the file as UTF-8") from None
                 if ended:
                     raise ValueError(f"{name}, row {index}: not valid JSON ({exc.msg})") from None
-                if len(text) - pos > MAX_LINE_BYTES:
+                if len(text) - pos > formats.MAX_LINE_BYTES:
                     raise _too_long(name, "row", index) from None
                 read(max(1 << 20, 2 * (len(text) - pos)))  # the item may go on beyond the text read so far
             except RecursionError:
@@ -186,7 +189,11 @@ def _array_items(fh, name: str) -> Iterator[tuple[int, bytes]]:
         if not isinstance(value, dict):
             raise ValueError(f"{name}, row {index}: holds {json_kind(value)}, not a JSON object (one row per item)")
         # JSON text holds no raw line break inside a string: as one line, the item is read as JSON Lines are
-        yield index, text[pos:end].replace("\n", " ").replace("\r", " ").encode()
+        try:
+            yield index, text[pos:end].replace("\n", " ").replace("\r", " ").encode()
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{name}, row {index}: not UTF-8 (byte 0x{ord(exc.object[exc.start]) & 0xff:02x}); "
+                             "re-encode the file as UTF-8") from None
         index, pos = index + 1, end
         after = next_char()
         if after == "]":

@@ -15,10 +15,14 @@ workers then count each slice's rows (``count_json_lines``: its line ends, and i
 and the parent adds those counts up, so that each slice knows the job's row and the file's line it starts at before
 it is labelled. A worker reads its slice's bytes, cuts them into lines and reads runs of them as the parent reads
 JSON Lines (``read_json._json_table``: Arrow's JSON reader with the job's types, Python for the lines it refuses, each
-refused line named). A file that can be read only from its start is not sliced: JSON compressed with gzip, bzip2 or
-zstd (no offset in it can be sought without decompressing all before), and a file holding one JSON array (its items
-are found only by parsing it); those, and a line longer than ``formats.MAX_LINE_BYTES``, are read by the parent and
-handed out as batches, as any input is whose files are not all of one sliceable kind.
+refused line named). A line longer than ``formats.MAX_LINE_BYTES`` makes the parent read the files.
+
+A slice of a file holding one JSON array is a range of its bytes holding whole items (``JsonArraySlice``): the parent
+finds the commas between items (``array_items.ArrayScan``, numpy over the bytes, no row parsed), so it knows each
+slice's items before it is handed out. A worker reads its range between brackets with the reader of whole arrays
+(``read_json._array_items``), so an item at fault is named as when the file is read whole. A file compressed with
+gzip, bzip2 or zstd is decompressed once into a temporary copy (``InputFiles.decompressed``), then sliced as above.
+Input whose files cannot all be cut so is read by the parent and handed out as batches.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import pyarrow as pa
+
+from . import formats
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,9 @@ def read_piece(piece: Any, step: dict) -> Iterator[pa.Table]:
     options = step["options"]
     if isinstance(piece, ArrowSlice):
         return iter([read_arrow_slice(piece)])
+    if isinstance(piece, JsonArraySlice):
+        return read_json_array_slice(piece, step["input_schema"], step["typed"], options.batch_size,
+                                     options.batch_bytes)
     if isinstance(piece, JsonLinesSlice):
         return read_json_lines_slice(piece, step["input_schema"], step["typed"], options.batch_size,
                                      options.batch_bytes)
@@ -146,46 +155,107 @@ _WHITE = b" \t\n\r\x0b\x0c"  # what bytes.strip() strips: a line of these alone 
 _WHITE_CODES = list(_WHITE)
 
 
-def json_lines_slices(files: Any, about: int) -> list[JsonLinesSlice] | None:
-    """The byte ranges of a job's JSON Lines files, of about ``about`` bytes each, cut after a line end; None when a
-    file is not JSON Lines that can be read from any line (compressed, a JSON array) or a line is too long to cut
-    after (the parent then reads the files and reports the line)."""
-    from .formats import MAX_LINE_BYTES, _codec_of
+MAX_SLICE_BYTES = 32 << 20  # a worker holds its slice's bytes while it reads them
 
-    plan: list[JsonLinesSlice] = []
+
+def json_slices(files: Any, batch_size: int, workers: int) -> list[Any] | None:
+    """The slices of a job's JSON files, in input order: byte ranges of about ``batch_size`` rows (the mean row of
+    the first file), at least ``4 * workers`` of them and at most ``MAX_SLICE_BYTES`` each, cut after a line end of
+    JSON Lines (``JsonLinesSlice``, counted by the workers: ``count_json_lines``) or after an item of a JSON array
+    (``JsonArraySlice``, its items counted here: ``array_items.ArrayScan``). A compressed file is decompressed
+    once into a temporary copy first (``InputFiles.decompressed``), which is sliced. None when a file cannot be cut
+    so (a line or an item too long, an array the scan gave up on, a copy that failed): the parent then reads the
+    files itself, and names what is at fault."""
+    from .array_items import FINE, WHITE, scan_array
+    from .formats import _codec_of
+
+    files_read = []
     for path in files.paths:
         local = files._local(path)
         with open(local, "rb") as fh:
             head = fh.read(1 << 12)
-            if _codec_of(head) is not None or head.lstrip(b"\xef\xbb\xbf" + _WHITE).startswith(b"["):
+        scan = None
+        if _codec_of(head) is not None:
+            copied = files.decompressed(path)
+            if copied is None:
                 return None
-            size = os.fstat(fh.fileno()).st_size
-            start = 0
-            while start < size:
-                end = start + about
-                if end >= size:
-                    end = size
-                else:
-                    fh.seek(end)
-                    seen = 0
-                    while True:  # the first line end at or past the cut
-                        chunk = fh.read(1 << 16)
-                        at = chunk.find(b"\n")
-                        if at >= 0:
-                            end += seen + at + 1
-                            break
-                        if not chunk:
-                            end = size
-                            break
-                        seen += len(chunk)
-                        if seen > MAX_LINE_BYTES:
-                            return None
-                plan.append(JsonLinesSlice(path, local, start, end))
-                start = end
+            local, scan = copied
+        elif head.lstrip(b"\xef\xbb\xbf" + WHITE).startswith(b"["):
+            with open(local, "rb") as fh:
+                scan = scan_array(fh, FINE)
+        if scan is not None and scan.failed:
+            return None
+        files_read.append((path, local, scan))
+    path, local, scan = files_read[0]
+    if scan is None:
+        with open(local, "rb") as fh:
+            sample = fh.read(1 << 20)
+        row = len(sample) / max(1, sample.count(b"\n"))
+    else:
+        row = (scan.closed - scan.opened) / max(1, scan.items)
+    size = sum(os.path.getsize(local) for _, local, _ in files_read)
+    about = int(max(1 << 16, min(batch_size * row, size / (4 * workers), MAX_SLICE_BYTES)))
+    plan: list[Any] = []
+    for path, local, scan in files_read:
+        if scan is None:
+            pieces = _json_lines_file_slices(path, local, about)
+            if pieces is None:
+                return None
+            plan += pieces
+        else:
+            plan += [JsonArraySlice(path, local, start, end, first, num_rows=items)
+                     for start, end, first, items in _joined_ranges(scan.ranges, about)]
     return plan
 
 
-def _slice_bytes(piece: JsonLinesSlice) -> bytes:
+def _joined_ranges(ranges: list[tuple[int, int, int, int]], about: int) -> Iterator[tuple[int, int, int, int]]:
+    """Consecutive ``(start, end, first item, items)`` ranges of an array joined into ranges of at least ``about``
+    bytes (the last may be shorter)."""
+    joined = None
+    for start, end, first, items in ranges:
+        if joined is None:
+            joined = [start, end, first, items]
+        else:
+            joined[1], joined[3] = end, joined[3] + items
+        if joined[1] - joined[0] >= about:
+            yield tuple(joined)
+            joined = None
+    if joined is not None:
+        yield tuple(joined)
+
+
+def _json_lines_file_slices(path: str, local: str, about: int) -> list[JsonLinesSlice] | None:
+    """The byte ranges of a JSON Lines file, of about ``about`` bytes each, cut after a line end; None when a line
+    is too long to cut after (the parent then reads the file and names the line)."""
+    plan: list[JsonLinesSlice] = []
+    with open(local, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        start = 0
+        while start < size:
+            end = start + about
+            if end >= size:
+                end = size
+            else:
+                fh.seek(end)
+                seen = 0
+                while True:  # the first line end at or past the cut
+                    chunk = fh.read(1 << 16)
+                    at = chunk.find(b"\n")
+                    if at >= 0:
+                        end += seen + at + 1
+                        break
+                    if not chunk:
+                        end = size
+                        break
+                    seen += len(chunk)
+                    if seen > formats.MAX_LINE_BYTES:
+                        return None
+            plan.append(JsonLinesSlice(path, local, start, end))
+            start = end
+    return plan
+
+
+def _slice_bytes(piece: Any) -> bytes:
     with open(piece.local, "rb") as fh:
         fh.seek(piece.start)
         return fh.read(piece.end - piece.start)
@@ -214,11 +284,18 @@ def count_json_lines(piece: JsonLinesSlice) -> tuple[int, tuple[tuple[int, int],
     return int(ends.size), tuple((offset, rows) for offset, rows in runs)
 
 
-def counted(plan: list[JsonLinesSlice], counts: Any) -> Iterator[JsonLinesSlice]:
-    """The slices of ``plan`` with their job rows and lines, from their ``count_json_lines`` (in order); a slice of
-    no row (blank lines only) is left out."""
+def counted(plan: list[Any], counts: Any) -> Iterator[Any]:
+    """The slices of ``plan`` with their job rows (and lines), from the ``count_json_lines`` of its JSON Lines slices
+    (in order; the other slices know their rows); a slice of no row (blank lines only) is left out."""
     row, line, path = 0, 1, None
-    for piece, (ends, runs) in zip(plan, counts):
+    counts = iter(counts)
+    for piece in plan:
+        if not isinstance(piece, JsonLinesSlice):
+            if piece.num_rows:
+                yield replace(piece, first_row=row)
+            row += piece.num_rows
+            continue
+        ends, runs = next(counts)
         if piece.path != path:
             path, line = piece.path, 1
         rows = sum(n for _, n in runs)
@@ -232,7 +309,7 @@ def read_json_lines_slice(piece: JsonLinesSlice, schema: pa.Schema, typed: bool,
     """The rows of ``piece`` as the parent reads JSON Lines (``read_json.read_json_lines``): runs of at most
     ``max_rows`` consecutive non-blank lines, each read as ``schema`` (``typed``: Arrow's types of the first rows),
     then cut into tables of about ``max_bytes``; a line that cannot be read is one ``ValueError`` naming it."""
-    from .formats import MAX_LINE_BYTES, _too_long
+    from .formats import _too_long
     from .read_json import _json_table
 
     lines = _slice_bytes(piece).split(b"\n")
@@ -240,11 +317,78 @@ def read_json_lines_slice(piece: JsonLinesSlice, schema: pa.Schema, typed: bool,
         for at in range(offset, offset + rows, max_rows):
             block = lines[at:min(at + max_rows, offset + rows)]
             for k, raw in enumerate(block):
-                if len(raw) > MAX_LINE_BYTES:
+                if len(raw) > formats.MAX_LINE_BYTES:
                     raise _too_long(piece.path, "line", piece.line + at + k)
             table = _json_table(piece.path, block, piece.line + at, schema, "line", typed=typed)
             for batch in table.to_batches():
                 yield from _pieces(batch, max_bytes)
+
+
+@dataclass(frozen=True)
+class JsonArraySlice:
+    """Bytes ``start`` to ``end`` of the file at ``local`` (named ``path``) holding one JSON array: its items
+    ``first`` to ``first + num_rows - 1`` and the commas between them, which are rows ``first_row`` on of the job."""
+
+    path: str
+    local: str
+    start: int
+    end: int
+    first: int
+    first_row: int = 0
+    num_rows: int = 0
+
+    def segments(self) -> Iterator[tuple[int, int, int, str]]:
+        """``(job row, rows, first item, "row")``: where the slice's rows are named from."""
+        yield self.first_row, self.num_rows, self.first, "row"
+
+
+def read_json_array_slice(piece: JsonArraySlice, schema: pa.Schema, typed: bool, max_rows: int,
+                          max_bytes: int | None) -> Iterator[pa.Table]:
+    """The rows of ``piece`` as the parent reads a JSON array (``read_json.read_json_lines``): its items read as an
+    array of their own, in runs of at most ``max_rows``, each read as ``schema``, then cut into tables of about
+    ``max_bytes``; an item that cannot be read is one ``ValueError`` naming it, as the whole file's reader names it."""
+    from .read_json import _json_table
+
+    block: list[bytes] = []
+    first = piece.first
+    for number, raw in _array_slice_items(piece):
+        block.append(raw)
+        if len(block) == max_rows:
+            for batch in _json_table(piece.path, block, first, schema, "row", typed=typed).to_batches():
+                yield from _pieces(batch, max_bytes)
+            block, first = [], number + 1
+    if block:
+        for batch in _json_table(piece.path, block, first, schema, "row", typed=typed).to_batches():
+            yield from _pieces(batch, max_bytes)
+
+
+def _array_slice_items(piece: JsonArraySlice) -> Iterator[tuple[int, bytes]]:
+    """``read_json._array_items`` of the slice's bytes between brackets. Should they fail, the items are read again
+    from the slice's start through the rest of the file, as the whole file's reader reads them, so that the error
+    raised is the one it raises (an item that the scan cut wrongly, being malformed, fails there as in the file)."""
+    import io
+
+    from .read_json import _array_items
+
+    try:
+        yield from _array_items(io.BytesIO(b"[" + _slice_bytes(piece) + b"]"), piece.path, first=piece.first)
+    except ValueError as exc:
+        with open(piece.local, "rb") as fh:
+            fh.seek(piece.start)
+            for _ in _array_items(_Prefixed(b"[", fh), piece.path, first=piece.first):
+                pass
+        raise exc from None
+
+
+class _Prefixed:
+    """A binary file read after ``prefix``."""
+
+    def __init__(self, prefix: bytes, fh: Any):
+        self.prefix, self.fh = prefix, fh
+
+    def read(self, size: int = -1) -> bytes:
+        head, self.prefix = self.prefix, b""
+        return head + self.fh.read(size if size < 0 else max(0, size - len(head)))
 
 
 def _pieces(batch: pa.RecordBatch, max_bytes: int | None) -> Iterator[pa.Table]:
@@ -309,4 +453,4 @@ def read_arrow_slice(piece: ArrowSlice) -> pa.Table:
     return table.slice(piece.first, piece.num_rows)
 
 
-SLICES = (ParquetSlice, JsonLinesSlice, ArrowSlice)  # what a worker reads itself
+SLICES = (ParquetSlice, JsonLinesSlice, JsonArraySlice, ArrowSlice)  # what a worker reads itself

@@ -221,6 +221,11 @@ def _prepared_job(dataset: InputFiles, output: str, report: str | None, *, token
         )
         if report_partial is not None:
             result.to_json(report_partial)
+        if pool is not None:  # a worker killed since its last part: the job stops, as at any other stage
+            died = pool.ended()
+            if died is not None:
+                raise WorkerDied(died.status, died.first_row, died.rows,
+                                 where=rows_where(dataset, died.first_row, died.rows))
         commit([(temporary, output)] + ([(report_partial, report)] if report is not None else []))
     except BaseException as exc:
         show(None, tally)
@@ -242,7 +247,6 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
     from .parquet_parts import PartsFile
     from .workers import in_order
 
-    source = step["source"]
     step = {name: value for name, value in step.items() if name != "tokenizer"}  # the workers have theirs
     parts = PartsFile(temporary, step["schema"], step["writer_options"])
     try:
@@ -281,15 +285,10 @@ def _job_in_workers(dataset, batch_size, tally, pool, workers, step, temporary, 
         remove_quietly(step["parts"])
 
 
-MAX_SLICE_BYTES = 32 << 20
-
-
 def _planned_slices(dataset: InputFiles, batch_size: int, workers: int, pool: Any):
     """The slices of the input that the workers read themselves (``jobs/slices.py``), in order; None when the
-    parent reads the input and hands it out as batches. JSON Lines are cut into byte ranges of about ``batch_size``
-    rows (the mean line of the first file's first MiB), at least ``4 * workers`` of them and at most
-    ``MAX_SLICE_BYTES`` each (a worker holds its slice's bytes while it reads them), and counted by the
-    workers (``count_json_lines``) as the job goes: this process adds the counts up."""
+    parent reads the input and hands it out as batches. The slices of JSON Lines are counted by the workers
+    (``count_json_lines``) as the job goes: this process adds the counts up."""
     from . import slices
 
     kind = dataset.sliceable()
@@ -297,15 +296,11 @@ def _planned_slices(dataset: InputFiles, batch_size: int, workers: int, pool: An
         return slices.parquet_slices(dataset, batch_size, workers)
     if kind != "json":
         return None
-    with open(dataset._local(dataset.paths[0]), "rb") as fh:
-        sample = fh.read(1 << 20)
-    line = len(sample) / max(1, sample.count(b"\n"))
-    size = sum(os.path.getsize(dataset._local(path)) for path in dataset.paths)
-    about = int(max(1 << 16, min(batch_size * line, size / (4 * workers), MAX_SLICE_BYTES)))
-    plan = slices.json_lines_slices(dataset, about)
+    plan = slices.json_slices(dataset, batch_size, workers)
     if plan is None:
         return None
-    return slices.counted(plan, pool.map(slices.count_json_lines, plan))
+    return slices.counted(plan, pool.map(slices.count_json_lines,
+                                         [p for p in plan if isinstance(p, slices.JsonLinesSlice)]))
 
 
 def rows_where(dataset: InputFiles, first_row: int, rows: int) -> str | None:

@@ -234,6 +234,14 @@ class WorkerPool(ProcessPoolExecutor):
                 return WorkerDied(first.exitcode, self.held[k + 1], self.held[k + 2])
         return WorkerDied(first.exitcode)
 
+    def ended(self) -> WorkerDied | None:
+        """``died()`` when a worker has ended (a pool's workers live until it shuts down); None while all live. A
+        process's sentinel is ready once it has ended, whichever thread reaped it."""
+        from multiprocessing.connection import wait
+
+        ended = getattr(self, "_broken", False) or wait([p.sentinel for p in self.started], timeout=0)
+        return self.died() if ended else None
+
     def kill(self) -> None:
         """End every worker at once (SIGKILL): after a failure, none may be left writing to a pipe nobody reads."""
         for process in self.started:
@@ -273,6 +281,11 @@ def worker_pool(workers: int, tokenizer: Any, threads: int) -> Iterator[Any]:
         pool.kill()
         pool.shutdown(wait=False, cancel_futures=True)
         raise
+    died = pool.ended()  # a worker that died since the job's last look: shutting down would wait for it for ever
+    if died is not None:
+        pool.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise died
     pool.shutdown(wait=True)
 
 
