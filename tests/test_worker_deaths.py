@@ -196,7 +196,9 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-def test_sigkill_of_the_job_while_it_commits_its_output_ends_its_workers_and_the_rerun_cleans_up(tmp_path, chats):
+def _job_paused_at_commit(tmp_path: Path, chats: Path):
+    """A two-worker job on ``chats`` held just before it commits its output: ``(job, its workers, OUTPUT, the file
+    that lets it go on)``."""
     out, ready, go = tmp_path / "out.parquet", tmp_path / "ready", tmp_path / "go"
     job = subprocess.Popen([sys.executable, "-c", _PAUSED_AT_COMMIT, str(ready), str(go), "mask", str(chats),
                             str(out), "--tokenizer", str(_tokenizer()), "--num-proc", "2", "--no-progress",
@@ -210,6 +212,11 @@ def test_sigkill_of_the_job_while_it_commits_its_output_ends_its_workers_and_the
         pytest.fail(f"the job did not reach its commit: {err[-2000:]}")
     workers = _children(job.pid)
     assert len(workers) == 2
+    return job, workers, out, go
+
+
+def test_sigkill_of_the_job_while_it_commits_its_output_ends_its_workers_and_the_rerun_cleans_up(tmp_path, chats):
+    job, workers, out, go = _job_paused_at_commit(tmp_path, chats)
     job.kill()
     job.wait(60)
     _all_gone(workers)
@@ -233,19 +240,7 @@ def _exited(pid: int) -> bool:
 
 
 def test_sigkill_of_a_worker_while_the_job_commits_its_output_stops_it_with_one_line(tmp_path, chats):
-    out, ready, go = tmp_path / "out.parquet", tmp_path / "ready", tmp_path / "go"
-    job = subprocess.Popen([sys.executable, "-c", _PAUSED_AT_COMMIT, str(ready), str(go), "mask", str(chats),
-                            str(out), "--tokenizer", str(_tokenizer()), "--num-proc", "2", "--no-progress",
-                            "--max-drop-fraction", "1", "--report", str(tmp_path / "report.json")],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    if not _wait(lambda: ready.exists() or job.poll() is not None, 300):
-        job.kill()
-    if not ready.exists():
-        _, err = job.communicate(timeout=60)
-        pytest.fail(f"the job did not reach its commit: {err[-2000:]}")
-    workers = _children(job.pid)
-    assert len(workers) == 2
+    job, workers, out, go = _job_paused_at_commit(tmp_path, chats)
     os.kill(workers[0], signal.SIGKILL)
     assert _wait(lambda: _exited(workers[0]), 120)
     go.touch()
