@@ -300,3 +300,23 @@ def test_stdin_read_by_workers_gives_the_file_and_report_of_one_process(tmp_path
     assert outputs["2"][1]["rows_in"] == 24_000
     assert sorted(p.name for p in tmp_path.iterdir()) == [source.name, "out1.parquet", "out2.parquet",
                                                         "report1.json", "report2.json"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="elsewhere the copy is removed at exit, not on SIGKILL")
+def test_sigkill_of_a_job_reading_stdin_leaves_no_copy_of_it(tmp_path, chats):
+    """Stdin's copy is unlinked as soon as it is made (the job and its workers read it through the job's descriptor),
+    so a job killed while its workers label leaves nothing in ``TMPDIR``."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    out = tmp_path / "out.parquet"
+    with open(chats, "rb") as stdin:
+        job = subprocess.Popen([sys.executable, "-m", "lossmask", "mask", "-", str(out), "--tokenizer",
+                                str(_tokenizer()), "--num-proc", "2", "--no-progress", "--max-drop-fraction", "1"],
+                               stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": str(temporary)})
+    workers = _started(job, tmp_path, joined=False)
+    job.kill()
+    job.wait(60)
+    _all_gone(workers)
+    job.communicate(timeout=60)
+    assert list(temporary.iterdir()) == []

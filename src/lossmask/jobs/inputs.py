@@ -26,8 +26,7 @@ import pyarrow as pa
 
 from .display import escaped
 from .formats import _check_utf8, _first_line, _format_of, _holds_text, unite_schemas
-from .locations import (PARTIAL_SUFFIX, _copy_stream, _list_paths, _read_once, _remove_copy, decompressed_copy,
-                        remove_copy)
+from .locations import PARTIAL_SUFFIX, _copy_stream, _list_paths, _read_once, decompressed_copy, remove_copy
 from .read_arrow import _parquet_batches, _scanned_batches
 from .read_json import _Head, _typed_json_inputs, json_lines_schema, read_json_lines
 
@@ -66,7 +65,7 @@ class InputFiles:
         """Remove the temporary copies of stdin and pipes, and the decompressed ones (also done at exit, should a
         job not call this)."""
         for copy in self.copies.values():
-            _remove_copy(copy)
+            remove_copy(copy)
         for copied in self._decompressed.values():
             if copied is not None:
                 remove_copy(copied[0])
@@ -304,7 +303,7 @@ def open_inputs(input: Any, *, input_format: str | None = None, exclude: tuple[s
         return InputFiles(kept, fmt, source, unite_schemas(kept, schemas), schemas, skipped, copies)
     except BaseException:
         for copy in copies.values():
-            _remove_copy(copy)
+            remove_copy(copy)
         raise
 
 

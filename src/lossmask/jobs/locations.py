@@ -3,8 +3,8 @@ temporary copies of what can be read only once.
 
 A file reached under two names (a symlink, a hard link, a recursive glob through a symlink loop) is read once:
 files are told apart by device and inode. A FIFO or device found in a folder is left out. Input that can only be
-read once (stdin, a pipe, a FIFO) is first copied to a temporary file, which is removed when the job ends (and at
-exit).
+read once (stdin, a pipe, a FIFO) is first copied to a temporary file: on Linux one unlinked at once and read through
+the job's descriptor, so that nothing is left whatever ends the job; elsewhere removed when the job ends, and at exit.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ _COPIES: set[str] = set()
 
 
 def _copy_stream(path: str) -> str:
-    """Copy stdin, a pipe or a FIFO to a temporary file once, and return its path.
+    """Copy stdin, a pipe or a FIFO to a temporary file once, and return its path (``_temporary``: on Linux a file
+    already unlinked, read through this process's descriptor, so that nothing is left whatever ends the job).
 
     Unless the stream is a compressed or a Parquet/Arrow file, a run of ``formats.MAX_LINE_BYTES`` without a line
     end stops the copy there (``/dev/zero`` would otherwise fill the disk). A temporary folder that is full
@@ -169,15 +170,12 @@ def _copy_stream(path: str) -> str:
     import tempfile
 
     try:
-        fd, copy = tempfile.mkstemp(prefix="lossmask-input-", suffix=".copy")
+        local, folder = _temporary(".copy")
     except OSError as exc:
         raise _no_room(path, tempfile.gettempdir(), exc) from None
-    _COPIES.add(copy)
-    if len(_COPIES) == 1:
-        atexit.register(_remove_copies)
     reading = False
     try:
-        with os.fdopen(fd, "wb") as out, (sys.stdin.buffer if path == STDIN else open(path, "rb")) as stream:
+        with open(local, "wb") as out, (sys.stdin.buffer if path == STDIN else open(path, "rb")) as stream:
             check = None
             while True:
                 reading = True
@@ -192,14 +190,34 @@ def _copy_stream(path: str) -> str:
                     raise _too_long(path, "line", check.line)
                 out.write(chunk)
     except OSError as exc:
-        _remove_copy(copy)
+        remove_copy(local)
         if reading:  # the stream's own error
             raise
-        raise _no_room(path, os.path.dirname(copy), exc) from None
+        raise _no_room(path, folder, exc) from None
     except BaseException:
-        _remove_copy(copy)
+        remove_copy(local)
         raise
-    return copy
+    return local
+
+
+def _temporary(suffix: str) -> tuple[str, str]:
+    """A new empty temporary file: ``(the path to open it by, its folder)``. On Linux it is unlinked at once and
+    opened through this process's descriptor (``/proc/PID/fd/N``, which workers open too), so that nothing is left
+    whatever ends the job, SIGKILL included; elsewhere it is removed with the job, and at exit. ``remove_copy``
+    closes or removes it."""
+    import tempfile
+
+    fd, copy = tempfile.mkstemp(prefix="lossmask-input-", suffix=suffix)
+    local = f"/proc/{os.getpid()}/fd/{fd}"
+    if sys.platform.startswith("linux") and os.path.exists(local):
+        os.remove(copy)
+        _HELD[local] = fd
+        return local, os.path.dirname(copy)
+    os.close(fd)
+    _COPIES.add(copy)
+    if len(_COPIES) == 1:
+        atexit.register(_remove_copies)
+    return copy, os.path.dirname(copy)
 
 
 class LineGuard:
@@ -227,10 +245,8 @@ def decompressed_copy(path: str) -> tuple[str, Any] | None:
     ``array_items.ArrayScan`` of a JSON array, None for JSON Lines)``. The decompression stays bounded as when the
     parent reads the file: it stops at a line (or an item) longer than ``formats.MAX_LINE_BYTES``, and None is returned, as
     for a file that cannot be decompressed or a temporary folder without room: the parent then reads the file
-    itself and names the fault. On Linux the copy is unlinked at once and read through this process's descriptor
-    (``/proc/PID/fd/N``), so that nothing is left whatever ends the job, SIGKILL included; elsewhere it is removed
-    with the job, and at exit. ``remove_copy`` closes it."""
-    import tempfile
+    itself and names the fault. The copy is a ``_temporary`` file: nothing is left whatever ends the job (on Linux).
+    ``remove_copy`` closes it."""
     import zlib
 
     import pyarrow as pa
@@ -239,19 +255,9 @@ def decompressed_copy(path: str) -> tuple[str, Any] | None:
     from .formats import _open_json
 
     try:
-        fd, copy = tempfile.mkstemp(prefix="lossmask-input-", suffix=".json")
+        local, _ = _temporary(".json")
     except OSError:
         return None
-    local = copy
-    if sys.platform.startswith("linux") and os.path.exists(f"/proc/{os.getpid()}/fd/{fd}"):
-        os.remove(copy)
-        local = f"/proc/{os.getpid()}/fd/{fd}"
-        _HELD[local] = fd
-    else:
-        os.close(fd)
-        _COPIES.add(copy)
-        if len(_COPIES) == 1:
-            atexit.register(_remove_copies)
     scan = None
     try:
         source, _ = _open_json(path)
