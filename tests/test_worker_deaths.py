@@ -127,6 +127,25 @@ def test_sigkill_of_the_job_ends_its_workers_and_a_rerun_on_the_same_output_star
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "out.parquet", "small.jsonl"]
 
 
+def _one_line_after_a_worker_died(job: subprocess.Popen, workers: list[int], timeout: float) -> list[str]:
+    """The job's stderr lines once one of its ``workers`` was killed: it must end (``timeout``, a hang guard) with
+    exit 1 and one line naming the signal and the rows the worker held, its workers gone."""
+    try:
+        _, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*_children(job.pid), job.pid]:
+            os.kill(pid, signal.SIGKILL)
+        job.communicate()
+        pytest.fail("the job did not end after one of its workers was killed")
+    finally:
+        _all_gone(workers)
+    assert job.returncode == 1, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert "killed by signal 9 (SIGKILL" in lines[0] and " while it held rows " in lines[0], lines[0]
+    return lines
+
+
 def _all_gone(workers: list[int]) -> None:
     """Fail if a worker outlives its job, killing it so that the test leaves none behind either."""
     if _wait(lambda: not any(_alive(w) for w in workers), 30):
@@ -157,19 +176,7 @@ def test_sigkill_of_a_worker_ends_the_job_with_one_line_and_leaves_nothing(tmp_p
     job = _job(chats, out, "--report", str(tmp_path / "report.json"))
     workers = _started(job, tmp_path, joined=joined)
     os.kill(workers[0], signal.SIGKILL)
-    try:
-        _, err = job.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        for pid in [*_children(job.pid), job.pid]:
-            os.kill(pid, signal.SIGKILL)
-        job.communicate()
-        pytest.fail("the job did not end after one of its workers was killed")
-    finally:
-        _all_gone(workers)
-    assert job.returncode == 1, err[-2000:]
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    assert "killed by signal 9 (SIGKILL" in lines[0] and " while it held rows " in lines[0], lines[0]
+    lines = _one_line_after_a_worker_died(job, workers, 120)
     # the rows' lines once the parent has them; the file at least (a worker killed as parts are joined may hold a
     # slice whose lines the parent has not taken yet)
     assert ("chats.parquet" if parquet else "chats.jsonl") in lines[0], lines[0]
@@ -244,19 +251,7 @@ def test_sigkill_of_a_worker_while_the_job_commits_its_output_stops_it_with_one_
     os.kill(workers[0], signal.SIGKILL)
     assert _wait(lambda: _exited(workers[0]), 120)
     go.touch()
-    try:
-        _, err = job.communicate(timeout=60)  # a hang guard: the job ends at once
-    except subprocess.TimeoutExpired:
-        for pid in [*_children(job.pid), job.pid]:
-            os.kill(pid, signal.SIGKILL)
-        job.communicate()
-        pytest.fail("the job did not end after one of its workers was killed")
-    finally:
-        _all_gone(workers)
-    assert job.returncode == 1, err[-2000:]
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    assert "killed by signal 9 (SIGKILL" in lines[0] and " while it held rows " in lines[0], lines[0]
+    lines = _one_line_after_a_worker_died(job, workers, 60)  # the job ends at once
     assert "chats.jsonl, lines " in lines[0], lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "go", "ready"]
 
